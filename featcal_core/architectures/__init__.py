@@ -1,0 +1,46 @@
+"""Registry of model-family adapters. Adding a family means adding one module in this package
+that defines an `Architecture` subclass decorated with `@register`; it is imported automatically."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any
+
+from featcal_core.architectures.base import Architecture
+from featcal_core.errors import FeatCalError
+
+REGISTRY: dict[str, type[Architecture]] = {}
+
+
+def register(cls: type[Architecture]) -> type[Architecture]:
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def _import_all() -> None:
+    for info in pkgutil.iter_modules(__path__):
+        if info.name != "base":
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+def detect(
+    config: dict[str, Any], source: str = "config.json", pooling: str | None = None
+) -> Architecture:
+    """The adapter whose `matches` accepts `config`; a clear error lists the supported families."""
+    _import_all()
+    for cls in REGISTRY.values():
+        if cls.matches(config):
+            return cls(config, pooling=pooling)
+    found = config.get("architectures") or config.get("model_type")
+    raise FeatCalError(
+        f"{source}: unsupported architecture {found!r}; supported: {', '.join(sorted(REGISTRY))}"
+    )
+
+
+def supported() -> list[str]:
+    _import_all()
+    return sorted(REGISTRY)
+
+
+__all__ = ["Architecture", "REGISTRY", "detect", "register", "supported"]

@@ -1,0 +1,123 @@
+"""What FeatCal needs to know about a model family: one `Architecture` subclass per family.
+
+An adapter says how to find the tower inside a checkpoint (key prefix), how to build and run the
+stem (not calibrated) and one block, how to turn a calibration set into model inputs, and which
+token weights each module gets. Everything else (statistics, solves, streaming, I/O) is generic.
+
+Names: a *canonical* tensor name is the checkpoint key with the tower prefix removed (e.g.
+"encoder.layers.3.mlp.fc1.weight"); a block's *local* names are relative to `block_prefix(i)`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from torch import nn
+
+from featcal_core.checkpoint import Checkpoint
+from featcal_core.errors import FeatCalError
+
+#: weight of non-pooled tokens in the last block (method page, "Token weights")
+POOLED_OTHER_WEIGHT = 0.01
+
+
+class Architecture(ABC):
+    """Adapter for one model family. Subclasses register themselves with `@register`."""
+
+    #: short name used in messages and records, e.g. "hf-clip-vision"
+    name: str = ""
+    #: "image" (calibration sets need an `image` column) or "text" (a `text` column)
+    modality: str = ""
+    #: canonical name that exists in every checkpoint of the family; used to find the prefix
+    probe_key: str = ""
+    #: prefixes a checkpoint may put before canonical names (tried in order)
+    prefix_candidates: tuple[str, ...] = ("",)
+    #: canonical-name prefixes of the stem (not calibrated, but run for every model)
+    stem_roots: tuple[str, ...] = ()
+    #: position of the pooled token (CLS) in the last block; None = all tokens matter
+    pooled_position: int | None = 0
+    #: local names of Linear modules exempt from the pooled-token rule (keys and values)
+    pooled_exempt: tuple[str, ...] = ()
+    #: module types treated as norms; RMS-style norms are listed in `rms_norm_types`
+    norm_types: tuple[type[nn.Module], ...] = (nn.LayerNorm,)
+    rms_norm_types: tuple[type[nn.Module], ...] = ()
+
+    def __init__(self, config: dict[str, Any], pooling: str | None = None):
+        self.config = config
+        if pooling is not None:
+            self.set_pooling(pooling)
+
+    # ----- detection and layout -------------------------------------------------------------
+    @classmethod
+    @abstractmethod
+    def matches(cls, config: dict[str, Any]) -> bool:
+        """True when config.json describes a model of this family."""
+
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int: ...
+
+    @abstractmethod
+    def block_prefix(self, index: int) -> str:
+        """Canonical prefix of block `index`, e.g. "encoder.layers.3."."""
+
+    def resolve_prefix(self, checkpoint: Checkpoint) -> str:
+        for prefix in self.prefix_candidates:
+            if prefix + self.probe_key in checkpoint:
+                return prefix
+        raise FeatCalError(
+            f"{checkpoint.role} {checkpoint.directory} has no tensor "
+            f"{self.probe_key!r} (tried prefixes {list(self.prefix_candidates)}); it is not a "
+            f"{self.name} checkpoint"
+        )
+
+    def owns(self, canonical: str) -> bool:
+        """True for the stem's and the blocks' tensors (the ones FeatCal reads)."""
+        block_root = self.block_prefix(0).rsplit("0.", 1)[0]
+        return canonical.startswith(self.stem_roots) or canonical.startswith(block_root)
+
+    def set_pooling(self, pooling: str) -> None:
+        choices = {"cls": 0, "mean": None}
+        if pooling not in choices:
+            raise FeatCalError(f"--pooling {pooling!r} is not one of {sorted(choices)}")
+        self.pooled_position = choices[pooling]
+
+    # ----- modules ----------------------------------------------------------------------------
+    @abstractmethod
+    def build_stem(self, dtype: torch.dtype) -> nn.Module:
+        """An empty stem module whose state_dict keys are canonical names."""
+
+    @abstractmethod
+    def run_stem(self, stem: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Hidden states (B, S, d) for a batch of model inputs."""
+
+    @abstractmethod
+    def build_block(self, dtype: torch.dtype) -> nn.Module:
+        """An empty block module whose state_dict keys are local names."""
+
+    @abstractmethod
+    def run_block(self, block: nn.Module, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Block output (B, S, d) for hidden (B, S, d) and token mask (B, S) of 1/0."""
+
+    # ----- data -------------------------------------------------------------------------------
+    @abstractmethod
+    def prepare_inputs(
+        self, base_dir: str, rows: list[Any], max_length: int
+    ) -> dict[str, torch.Tensor]:
+        """Model inputs for the calibration rows (PIL images or strings), incl. "attention_mask"."""
+
+    # ----- token weights ----------------------------------------------------------------------
+    def token_weights(self, module: str, last_block: bool, mask: torch.Tensor) -> torch.Tensor:
+        """ω (B, S) for one module's input: padding 0; in the last block only the pooled token
+        keeps weight 1 and the others get 0.01, except for the exempt (key/value) modules."""
+        weights = mask.to(torch.float64)
+        if last_block and self.pooled_position is not None and self.is_pooled_module(module):
+            scale = torch.full_like(weights[0], POOLED_OTHER_WEIGHT)
+            scale[self.pooled_position] = 1.0
+            weights = weights * scale
+        return weights
+
+    def is_pooled_module(self, module: str) -> bool:
+        return not any(module == name for name in self.pooled_exempt)

@@ -1,0 +1,217 @@
+"""`calibrate`: the whole FeatCal run as one call (validate → stems → blocks → export → record)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from featcal_core.atomic import atomic_directory, check_output
+from featcal_core.block import BlockRunner, FeatCalParams
+from featcal_core.calibration_data import CalibrationSet, load_calibration_set
+from featcal_core.checkpoint import Checkpoint, sha256_file, sha256_tree
+from featcal_core.errors import FeatCalError
+from featcal_core.export import export_checkpoint
+from featcal_core.model_set import ModelSet
+from featcal_core.streams import EXPERT, STUDENT, HiddenStreams
+
+log = logging.getLogger(__name__)
+
+RECORD_NAME = "featcal.json"
+RECORD_VERSION = 1
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise FeatCalError("--device cuda: no CUDA device is available; use --device cpu or auto")
+    if device not in ("cpu", "cuda"):
+        raise FeatCalError(f"--device {device!r} is not one of cpu, cuda, auto")
+    return torch.device(device)
+
+
+def check_tasks(experts: dict[str, object], calib: dict[str, object]) -> None:
+    """Every calibration task needs an expert and every expert a calibration set."""
+    for task in calib:
+        if task not in experts:
+            raise FeatCalError(f"--calib {task}=...: task {task!r} has no --expert {task}=DIR")
+    for task in experts:
+        if task not in calib:
+            raise FeatCalError(f"--expert {task}=...: task {task!r} has no --calib {task}=DIR")
+    if not experts:
+        raise FeatCalError("no tasks: pass at least one --expert TASK=DIR and --calib TASK=DIR")
+
+
+def calibrate(
+    base: str | Path,
+    merged: str | Path,
+    experts: dict[str, str | Path],
+    calib: dict[str, str | Path],
+    out: str | Path,
+    params: FeatCalParams = FeatCalParams(),
+    *,
+    num_per_task: int = 256,
+    batch_size: int = 16,
+    seed: int = 0,
+    device: str = "cpu",
+    max_length: int = 128,
+    pooling: str | None = None,
+    spill_dir: str | Path | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Calibrate `merged` against `experts` on the calibration sets; write a save_pretrained
+    directory at `out` (plus featcal.json) and return the record. Raises FeatCalError on bad input,
+    leaving `out` as it was."""
+    started = time.perf_counter()
+    out = Path(out)
+    check_tasks(experts, calib)
+    check_output(out, overwrite)
+    if batch_size < 1:
+        raise FeatCalError(f"--batch-size must be at least 1 (got {batch_size})")
+    torch_device = resolve_device(device)
+    models = ModelSet.open(base, merged, experts, pooling)
+    arch = models.arch
+    sets = {
+        task: load_calibration_set(task, path, arch.modality, num_per_task, seed)
+        for task, path in calib.items()
+    }
+    dtype = models.compute_dtype()
+    log.info("%s, %d blocks, %d tasks, dtype %s", arch.name, arch.num_blocks, len(sets), dtype)
+
+    with atomic_directory(out, overwrite) as tmp:
+        if spill_dir is not None:
+            Path(spill_dir).mkdir(parents=True, exist_ok=True)
+            work = Path(tempfile.mkdtemp(prefix="featcal-", dir=spill_dir))
+        else:
+            work = tmp / "_work"
+            work.mkdir()
+        try:
+            streams = HiddenStreams(work / "streams" if spill_dir else None)
+            masks = _run_stems(models, sets, streams, dtype, torch_device, batch_size, max_length)
+            blocks, replaced = _run_blocks(
+                models, streams, masks, params, dtype, torch_device, batch_size, work, progress
+            )
+            export_checkpoint(models.merged, replaced, tmp, extra_sources=(models.base.directory,))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        settings = {
+            "num_per_task": num_per_task,
+            "batch_size": batch_size,
+            "seed": seed,
+            "device": str(torch_device),
+            "max_length": max_length,
+            "pooled_position": arch.pooled_position,
+        }
+        record = _record(models, sets, params, blocks, settings, started)
+        (tmp / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
+    log.info("wrote %s in %.1f s", out, record["wall_seconds"])
+    return record
+
+
+def _run_stems(models, sets, streams, dtype, device, batch_size, max_length):
+    """Fill both streams of every task from each model's own stem; returns task → token mask."""
+    arch = models.arch
+    stem_names = list(arch.build_stem(dtype).state_dict().keys())
+    stem = arch.build_stem(dtype).to(device)
+    masks: dict[str, torch.Tensor] = {}
+
+    def run(checkpoint: Checkpoint, inputs: dict[str, torch.Tensor], what: str) -> torch.Tensor:
+        state = models.read(checkpoint, stem_names)
+        stem.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=True)
+        outputs = []
+        count = inputs["attention_mask"].shape[0]
+        with torch.no_grad():
+            for start in range(0, count, batch_size):
+                batch = {k: v[start : start + batch_size].to(device) for k, v in inputs.items()}
+                hidden = arch.run_stem(stem, batch)
+                if not bool(torch.isfinite(hidden).all()):
+                    raise FeatCalError(f"NaN or Inf in the {what} stem output; check its weights")
+                outputs.append(hidden.to("cpu"))
+        return torch.cat(outputs)
+
+    for task, calibration in sets.items():
+        inputs = arch.prepare_inputs(str(models.base.directory), calibration.rows, max_length)
+        masks[task] = inputs["attention_mask"].to(torch.float32)
+        streams.put(STUDENT, task, run(models.merged, inputs, f"merged model's ({task})"))
+        streams.put(EXPERT, task, run(models.experts[task], inputs, f"expert {task!r}"))
+    return masks
+
+
+def _run_blocks(models, streams, masks, params, dtype, device, batch_size, work, progress):
+    arch = models.arch
+    runner = BlockRunner(models, dtype, device)
+    merged_prefix = models.prefix(models.merged)
+    blocks, replaced = [], {}
+    bar = tqdm(range(arch.num_blocks), desc="FeatCal blocks", unit="block", disable=not progress)
+    for index in bar:
+        result = runner.calibrate(index, streams, masks, params, batch_size)
+        keys = {merged_prefix + arch.block_prefix(index) + k: v for k, v in result.tensors.items()}
+        path = work / f"block_{index:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in keys.items()}, str(path))
+        replaced.update(dict.fromkeys(keys, path))
+        before = sum(result.drift_before.values()) / len(result.drift_before)
+        after = sum(result.drift_after.values()) / len(result.drift_after)
+        log.info(
+            "block %d/%d: mean drift %.6g -> %.6g (%.1f s)",
+            index + 1, arch.num_blocks, before, after, result.seconds,
+        )  # fmt: skip
+        blocks.append(
+            {
+                "index": index,
+                "seconds": round(result.seconds, 4),
+                "drift_before": result.drift_before,
+                "drift_after": result.drift_after,
+            }
+        )
+    return blocks, replaced
+
+
+def _describe(checkpoint: Checkpoint) -> dict:
+    return {
+        "path": str(checkpoint.directory.resolve()),
+        "sha256": {p.name: sha256_file(p) for p in checkpoint.weight_paths()},
+    }
+
+
+def _record(models: ModelSet, sets: dict[str, CalibrationSet], params, blocks, settings, started):
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_device = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    return {
+        "featcal_record_version": RECORD_VERSION,
+        "architecture": models.arch.name,
+        "hyperparameters": {
+            "alpha": params.alpha,
+            "rho": params.rho,
+            "lam": params.lam,
+            "eps": params.eps,
+            **settings,
+        },
+        "inputs": {
+            "base": _describe(models.base),
+            "merged": _describe(models.merged),
+            "experts": {task: _describe(ckpt) for task, ckpt in models.experts.items()},
+            "calibration": {
+                task: {
+                    "path": str(s.path.resolve()),
+                    "sha256": sha256_tree(s.path),
+                    "rows": s.total_rows,
+                    "indices": s.indices,
+                }
+                for task, s in sets.items()
+            },
+        },
+        "blocks": blocks,
+        "wall_seconds": round(time.perf_counter() - started, 3),
+        "peak_rss_bytes": peak_rss,
+        "peak_device_bytes": peak_device,
+    }

@@ -1,0 +1,175 @@
+"""Lazy, per-tensor access to Hugging Face `save_pretrained` directories (safetensors only).
+
+A `Checkpoint` reads only headers when opened: tensor names, shapes, dtypes and which shard holds
+each. Tensors are read on demand with `read(names)`, which opens each needed shard once, copies the
+requested tensors out and closes the shard again, so nothing stays mapped between blocks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from featcal_core.errors import FeatCalError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Header entry of one stored tensor."""
+
+    file: str  # shard file name, relative to the checkpoint directory
+    dtype: str  # safetensors dtype string, e.g. "F32", "BF16"
+    shape: tuple[int, ...]
+
+
+class Checkpoint:
+    """A `save_pretrained` directory: config.json plus one or many safetensors shards."""
+
+    def __init__(self, directory: str | Path, role: str = "model"):
+        self.directory = Path(directory)
+        self.role = role
+        if not self.directory.is_dir():
+            raise FeatCalError(
+                f"{role} directory {self.directory} does not exist; pass a save_pretrained directory"
+            )
+        config_path = self.directory / "config.json"
+        if not config_path.is_file():
+            raise FeatCalError(
+                f"{config_path} is missing; {role} must be a Hugging Face save_pretrained directory"
+            )
+        try:
+            self.config: dict = json.loads(config_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise FeatCalError(
+                f"{config_path} is not valid JSON ({exc}); re-save the {role}"
+            ) from exc
+        self.files = self._weight_files()
+        self.tensors: dict[str, TensorInfo] = {}
+        self.file_metadata: dict[str, dict[str, str]] = {}
+        for name in self.files:
+            self._read_header(name)
+
+    def _weight_files(self) -> list[str]:
+        index_path = self.directory / INDEX_NAME
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise FeatCalError(
+                    f"{index_path} is not a valid safetensors index ({exc}); re-save the {self.role}"
+                ) from exc
+            files = sorted(set(weight_map.values()))
+            for name in files:
+                if not (self.directory / name).is_file():
+                    raise FeatCalError(
+                        f"{self.directory / name} is listed in {index_path} but missing; "
+                        f"copy the missing shard or re-save the {self.role}"
+                    )
+            return files
+        if (self.directory / SINGLE_NAME).is_file():
+            return [SINGLE_NAME]
+        found = sorted(p.name for p in self.directory.glob("*.safetensors"))
+        if len(found) == 1:
+            return found
+        raise FeatCalError(
+            f"{self.directory} holds no {SINGLE_NAME} or {INDEX_NAME}; save the {self.role} with "
+            "save_pretrained(..., safe_serialization=True) (pickled .bin weights are not read)"
+        )
+
+    def _read_header(self, name: str) -> None:
+        path = self.directory / name
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                self.file_metadata[name] = handle.metadata() or {}
+                for key in handle.keys():
+                    piece = handle.get_slice(key)
+                    self.tensors[key] = TensorInfo(
+                        name, piece.get_dtype(), tuple(piece.get_shape())
+                    )
+        except FeatCalError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types for bad headers
+            raise FeatCalError(
+                f"{path} is not a readable safetensors file ({exc}); re-download or re-save it"
+            ) from exc
+        self._check_size(path)
+
+    def _check_size(self, path: Path) -> None:
+        """A truncated file can still have an intact header; compare the data length."""
+        with open(path, "rb") as handle:
+            header_len = int.from_bytes(handle.read(8), "little")
+            header = json.loads(handle.read(header_len))
+        end = max(
+            (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+        )
+        if path.stat().st_size < 8 + header_len + end:
+            raise FeatCalError(
+                f"{path} is truncated ({path.stat().st_size} bytes, header needs "
+                f"{8 + header_len + end}); re-download or re-save it"
+            )
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def read(self, names: list[str], check_finite: bool = True) -> dict[str, torch.Tensor]:
+        """Read the named tensors (each shard opened once, then closed)."""
+        by_file: dict[str, list[str]] = {}
+        for name in names:
+            if name not in self.tensors:
+                raise FeatCalError(
+                    f"tensor {name!r} is missing from {self.role} {self.directory}; the checkpoint "
+                    "is incomplete or of another architecture"
+                )
+            by_file.setdefault(self.tensors[name].file, []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for file, keys in by_file.items():
+            path = self.directory / file
+            try:
+                with safe_open(str(path), framework="pt") as handle:
+                    for key in keys:
+                        out[key] = handle.get_tensor(key)
+            except Exception as exc:
+                raise FeatCalError(f"cannot read tensors from {path} ({exc}); re-save it") from exc
+        if check_finite:
+            for key, tensor in out.items():
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise FeatCalError(
+                        f"tensor {key!r} in {self.role} {self.directory} contains NaN or Inf; "
+                        "fix or re-create that checkpoint"
+                    )
+        return out
+
+    def numel(self, name: str) -> int:
+        return math.prod(self.tensors[name].shape)
+
+    def weight_paths(self) -> list[Path]:
+        paths = [self.directory / name for name in self.files]
+        if (self.directory / INDEX_NAME).is_file():
+            paths.append(self.directory / INDEX_NAME)
+        return paths
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_tree(directory: Path) -> str:
+    """One digest over every file below `directory` (relative paths and contents, sorted)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(directory)).encode())
+        digest.update(bytes.fromhex(sha256_file(path)))
+    return digest.hexdigest()

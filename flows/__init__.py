@@ -1,0 +1,1 @@
+"""Prefect flows composing the tasks (the pipeline issue adds them)."""

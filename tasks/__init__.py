@@ -1,0 +1,1 @@
+"""Prefect tasks wrapping featcal_core (the pipeline issue adds them)."""

@@ -1,0 +1,133 @@
+"""A plain in-memory float64 FeatCal, written straight from the method page, for the tests.
+
+It holds every model whole, computes X_t explicitly, solves with torch.linalg.solve and shares no
+code with featcal_core: the library's streaming implementation must reproduce it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+D64 = torch.float64
+
+
+class Family:
+    """How the reference reaches into a full HF model (CLIPVisionModel or BertModel)."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.exempt = {"clip": ("self_attn.k_proj", "self_attn.v_proj"),
+                       "bert": ("attention.self.key", "attention.self.value")}[kind]  # fmt: skip
+
+    def layers(self, model):
+        return model.encoder.layers if self.kind == "clip" else model.encoder.layer
+
+    def stem(self, model, inputs):
+        if self.kind == "clip":
+            return model.pre_layrnorm(model.embeddings(inputs["pixel_values"].to(D64)))
+        ids = inputs["input_ids"]
+        return model.embeddings(input_ids=ids, token_type_ids=torch.zeros_like(ids))
+
+    def run(self, layer, hidden, mask):
+        if self.kind == "clip":
+            out = layer(hidden, None)
+        else:
+            add = (1.0 - mask.to(D64))[:, None, None, :] * torch.finfo(D64).min
+            out = layer(hidden, attention_mask=add)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _weights(name: str, last: bool, mask: torch.Tensor, family: Family) -> torch.Tensor:
+    w = mask.to(D64).clone()
+    if last and name not in family.exempt:
+        w[:, 1:] *= 0.01
+    return w.reshape(-1)
+
+
+def _capture(family, layer, hidden, mask):
+    seen, hooks = {}, []
+    for name, module in layer.named_modules():
+        if isinstance(module, (nn.Linear, nn.LayerNorm)):
+            hooks.append(module.register_forward_pre_hook(
+                lambda m, a, name=name: seen.__setitem__(name, a[0].detach())))  # fmt: skip
+    out = family.run(layer, hidden, mask)
+    for h in hooks:
+        h.remove()
+    return out, seen
+
+
+@torch.no_grad()
+def reference_featcal(family, base, merged, experts, inputs, alpha, rho, lam, eps=1e-8):
+    """Return the calibrated state dict (float64). experts/inputs: dicts keyed by task; inputs
+    hold model inputs plus "attention_mask" (B, S)."""
+    cal = copy.deepcopy(merged).to(D64)
+    base, experts = base.to(D64), {t: m.to(D64) for t, m in experts.items()}
+    tasks = list(experts)
+    hs = {t: family.stem(cal, inputs[t]) for t in tasks}
+    he = {t: family.stem(experts[t], inputs[t]) for t in tasks}
+    n_layers = len(family.layers(cal))
+    for index in range(n_layers):
+        last = index == n_layers - 1
+        layer = family.layers(cal)[index]
+        before = copy.deepcopy(layer)
+        base_layer = family.layers(base)[index]
+        xs, xe = {}, {}
+        for t in tasks:
+            mask = inputs[t]["attention_mask"]
+            _, xs[t] = _capture(family, before, hs[t], mask)
+            expert_layer = family.layers(experts[t])[index]
+            he[t], xe[t] = _capture(family, expert_layer, he[t], mask)
+        new = {}
+        for name, module in before.named_modules():
+            base_mod = base_layer.get_submodule(name)
+            if isinstance(module, nn.Linear):
+                d_in = module.in_features
+                lhs = (lam + eps) * torch.eye(d_in, dtype=D64)
+                rhs = lam * (rho * module.weight + (1 - rho) * base_mod.weight).T
+                s_sum, bias_terms, mus_terms = 0.0, 0.0, 0.0
+                for t in tasks:
+                    w = _weights(name, last, inputs[t]["attention_mask"], family)
+                    x_s = xs[t][name].reshape(-1, d_in)
+                    x_t = alpha * xe[t][name].reshape(-1, d_in) + (1 - alpha) * x_s
+                    total = w.sum()
+                    c = (x_s * w[:, None]).T @ x_s / total
+                    x = (x_s * w[:, None]).T @ x_t / total
+                    s = 1.0 / max(float(torch.linalg.matrix_norm(c)), eps)
+                    expert_mod = family.layers(experts[t])[index].get_submodule(name)
+                    lhs = lhs + s * c
+                    rhs = rhs + s * x @ expert_mod.weight.T
+                    mu_s = (x_s * w[:, None]).sum(0) / total
+                    mu_t = (x_t * w[:, None]).sum(0) / total
+                    s_sum += s
+                    bias_terms = bias_terms + s * (expert_mod.bias + expert_mod.weight @ mu_t)
+                    mus_terms = mus_terms + s * mu_s
+                weight = torch.linalg.solve(lhs, rhs).T
+                a_b = rho * module.bias + (1 - rho) * base_mod.bias
+                bias = (bias_terms - weight @ mus_terms + lam * a_b) / (s_sum + lam)
+                new[f"{name}.weight"], new[f"{name}.bias"] = weight, bias
+            elif isinstance(module, nn.LayerNorm):
+                d = module.normalized_shape[0]
+                a11 = torch.full((d,), lam, dtype=D64)
+                a12 = torch.zeros(d, dtype=D64)
+                r1 = lam * (rho * module.weight + (1 - rho) * base_mod.weight)
+                r2 = lam * (rho * module.bias + (1 - rho) * base_mod.bias)
+                for t in tasks:
+                    w = _weights(name, last, inputs[t]["attention_mask"], family)
+                    z = nn.functional.layer_norm(xs[t][name].reshape(-1, d), (d,), eps=module.eps)
+                    m_t = (z * w[:, None]).sum(0) / w.sum()
+                    e_t = (z * z * w[:, None]).sum(0) / w.sum()
+                    expert_mod = family.layers(experts[t])[index].get_submodule(name)
+                    a11, a12 = a11 + e_t, a12 + m_t
+                    r1 = r1 + e_t * expert_mod.weight + m_t * expert_mod.bias
+                    r2 = r2 + m_t * expert_mod.weight + expert_mod.bias
+                a22 = torch.full((d,), len(tasks) + lam, dtype=D64)
+                mats = torch.stack([torch.stack([a11, a12], -1), torch.stack([a12, a22], -1)], -2)
+                sol = torch.linalg.solve(mats, torch.stack([r1, r2], -1))
+                new[f"{name}.weight"], new[f"{name}.bias"] = sol[:, 0], sol[:, 1]
+        layer.load_state_dict(new)
+        for t in tasks:
+            hs[t] = family.run(layer, hs[t], inputs[t]["attention_mask"])
+    return cal.state_dict()

@@ -1,0 +1,182 @@
+"""Every closed form against brute-force least squares on random data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from featcal_core.solvers import anchor
+from featcal_core.statistics import LinearInputStats, NormStats
+
+D64 = torch.float64
+
+
+def _tasks(seed: int, d_in: int, d_out: int, n_tasks: int = 3, tokens: int = 40):
+    gen = torch.Generator().manual_seed(seed)
+    tasks = []
+    for t in range(n_tasks):
+        scale = 10.0**t  # very different energies: exercises the 1/‖C‖_F task scale
+        tasks.append(
+            dict(
+                x_s=scale * torch.randn(tokens, d_in, generator=gen, dtype=D64),
+                x_e=scale * torch.randn(tokens, d_in, generator=gen, dtype=D64),
+                w=torch.rand(tokens, generator=gen, dtype=D64) + 0.05,
+                W=torch.randn(d_out, d_in, generator=gen, dtype=D64),
+                b=torch.randn(d_out, generator=gen, dtype=D64),
+            )
+        )
+    merged_w = torch.randn(d_out, d_in, generator=gen, dtype=D64)
+    base_w = torch.randn(d_out, d_in, generator=gen, dtype=D64)
+    merged_b = torch.randn(d_out, generator=gen, dtype=D64)
+    base_b = torch.randn(d_out, generator=gen, dtype=D64)
+    return tasks, (merged_w, base_w, merged_b, base_b)
+
+
+def _brute_linear(tasks, alpha, lam, eps, a_w, a_b):
+    """Stack the weighted least-squares rows of Σ_t s_t E_ω‖W x_s − W_t x_t‖² + λ‖W − a‖² and the
+    bias objective (with the solved W) and hand them to lstsq."""
+    rows, targets, bias_rows, bias_targets = [], [], [], []
+    for t in tasks:
+        total = t["w"].sum()
+        c = (t["x_s"] * t["w"][:, None]).T @ t["x_s"] / total
+        s = 1.0 / max(float(torch.linalg.matrix_norm(c)), eps)
+        x_t = alpha * t["x_e"] + (1 - alpha) * t["x_s"]
+        root = torch.sqrt(s * t["w"] / total)[:, None]
+        rows.append(root * t["x_s"])
+        targets.append(root * (x_t @ t["W"].T))
+        t["_s"], t["_xt"], t["_root"] = s, x_t, root
+    d_in = tasks[0]["x_s"].shape[1]
+    rows.append(torch.sqrt(torch.tensor(lam + eps, dtype=D64)) * torch.eye(d_in, dtype=D64))
+    targets.append(lam / (lam + eps) ** 0.5 * a_w.T if lam > 0 else torch.zeros_like(a_w.T))
+    weight = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)).solution.T
+    # bias: minimise Σ_t s_t E_ω ‖W x_s + b − (W_t x_t + b_t)‖² + λ‖b − a_b‖²
+    d_out = weight.shape[0]
+    for t in tasks:
+        residual = t["_xt"] @ t["W"].T + t["b"] - t["x_s"] @ weight.T  # target for b, per token
+        for i in range(residual.shape[0]):
+            bias_rows.append(t["_root"][i] * torch.eye(d_out, dtype=D64))
+            bias_targets.append(t["_root"][i] * residual[i])
+    if lam > 0:
+        bias_rows.append(lam**0.5 * torch.eye(d_out, dtype=D64))
+        bias_targets.append(lam**0.5 * a_b)
+    bias = torch.linalg.lstsq(torch.cat(bias_rows), torch.cat(bias_targets)[:, None]).solution[:, 0]
+    return weight, bias
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.05, 3.0])
+@pytest.mark.parametrize("alpha", [0.0, 0.25, 1.0])
+def test_linear_weight_and_bias_match_brute_force(lam, alpha):
+    d_in, d_out, rho, eps = 6, 4, 2.2, 1e-8
+    tasks, (mw, bw, mb, bb) = _tasks(1, d_in, d_out)
+    a_w, a_b = anchor(mw, bw, rho), anchor(mb, bb, rho)
+    stats = LinearInputStats(d_in, {"lin": (d_out, True)}, torch.device("cpu"))
+    for t in tasks:
+        for part in range(2):  # two batches per task: accumulation across batches
+            sl = slice(part * 20, (part + 1) * 20)
+            stats.add(t["x_s"][sl], t["x_e"][sl], t["w"][sl], alpha, {"lin": (t["W"], t["b"])})
+        stats.end_task(eps)
+    weight, bias = stats.solve("lin", lam, eps, a_w, a_b)
+    ref_w, ref_b = _brute_linear(tasks, alpha, lam, eps, a_w, a_b)
+    torch.testing.assert_close(weight, ref_w, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(bias, ref_b, rtol=1e-7, atol=1e-9)
+
+
+def test_linear_shared_input_matches_separate_groups():
+    """q/k/v sharing one Gram matrix gives the same result as solving each alone."""
+    tasks, _ = _tasks(2, 5, 3)
+    together = LinearInputStats(5, {"q": (3, True), "k": (3, False)}, torch.device("cpu"))
+    alone = {n: LinearInputStats(5, {n: (3, n == "q")}, torch.device("cpu")) for n in ("q", "k")}
+    for t in tasks:
+        params = {"q": (t["W"], t["b"]), "k": (2 * t["W"], None)}
+        together.add(t["x_s"], t["x_e"], t["w"], 0.3, params)
+        for n, s in alone.items():
+            s.add(t["x_s"], t["x_e"], t["w"], 0.3, {n: params[n]})
+        together.end_task(1e-8)
+        for s in alone.values():
+            s.end_task(1e-8)
+    for n in ("q", "k"):
+        w1, b1 = together.solve(n, 0.0, 1e-8, None, None)
+        w2, b2 = alone[n].solve(n, 0.0, 1e-8, None, None)
+        torch.testing.assert_close(w1, w2)
+        assert (b1 is None) == (n == "k")
+
+
+def _layernorm_tasks(seed: int, d: int, n_tasks: int = 3, tokens: int = 30):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        dict(
+            x=3 * torch.randn(tokens, d, generator=gen, dtype=D64) + t,
+            w=torch.rand(tokens, generator=gen, dtype=D64) + 0.1,
+            g=torch.randn(d, generator=gen, dtype=D64),
+            b=torch.randn(d, generator=gen, dtype=D64),
+        )
+        for t in range(n_tasks)
+    ]
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.05, 2.0])
+def test_layernorm_matches_brute_force(lam):
+    d, eps_ln, rho = 5, 1e-5, 2.2
+    tasks = _layernorm_tasks(3, d)
+    gen = torch.Generator().manual_seed(9)
+    mg, bg, mb, bb = (torch.randn(d, generator=gen, dtype=D64) for _ in range(4))
+    a_g, a_b = anchor(mg, bg, rho), anchor(mb, bb, rho)
+    stats = NormStats(d, eps_ln, rms=False, has_bias=True, device=torch.device("cpu"))
+    for t in tasks:
+        stats.add(t["x"], t["w"])
+        stats.end_task(t["g"], t["b"])
+    gamma, beta = stats.solve(lam, 1e-8, a_g, a_b)
+    # brute force per channel: Σ_t E_ω (γ z + β − γ_t z − β_t)² + λ(γ − aγ)² + λ(β − aβ)²
+    for c in range(d):
+        rows, targets = [], []
+        for t in tasks:
+            z = torch.nn.functional.layer_norm(t["x"], (d,), eps=eps_ln)[:, c]
+            root = torch.sqrt(t["w"] / t["w"].sum())
+            rows.append(torch.stack([root * z, root], 1))
+            targets.append(root * (t["g"][c] * z + t["b"][c]))
+        if lam > 0:
+            rows.append(lam**0.5 * torch.eye(2, dtype=D64))
+            targets.append(lam**0.5 * torch.stack([a_g[c], a_b[c]]))
+        sol = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)[:, None]).solution[:, 0]
+        torch.testing.assert_close(torch.stack([gamma[c], beta[c]]), sol, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.5])
+def test_rmsnorm_matches_brute_force(lam):
+    d, eps_ln = 4, 1e-6
+    tasks = _layernorm_tasks(4, d)
+    gen = torch.Generator().manual_seed(5)
+    a_g = torch.randn(d, generator=gen, dtype=D64)
+    stats = NormStats(d, eps_ln, rms=True, has_bias=False, device=torch.device("cpu"))
+    for t in tasks:
+        stats.add(t["x"], t["w"])
+        stats.end_task(t["g"], None)
+    gamma, beta = stats.solve(lam, 1e-8, a_g, None)
+    assert beta is None
+    for c in range(d):
+        rows, targets = [], []
+        for t in tasks:
+            z = t["x"] * torch.rsqrt(t["x"].pow(2).mean(-1, keepdim=True) + eps_ln)
+            root = torch.sqrt(t["w"] / t["w"].sum())
+            rows.append((root * z[:, c])[:, None])
+            targets.append(root * t["g"][c] * z[:, c])
+        if lam > 0:
+            rows.append(torch.tensor([[lam**0.5]], dtype=D64))
+            targets.append(lam**0.5 * a_g[c : c + 1])
+        sol = torch.linalg.lstsq(torch.cat(rows), torch.cat(targets)[:, None]).solution[0, 0]
+        torch.testing.assert_close(gamma[c], sol, rtol=1e-8, atol=1e-10)
+
+
+def test_large_lambda_tends_to_anchor():
+    tasks, (mw, bw, mb, bb) = _tasks(6, 4, 3)
+    a_w, a_b = anchor(mw, bw, 2.0), anchor(mb, bb, 2.0)
+    stats = LinearInputStats(4, {"lin": (3, True)}, torch.device("cpu"))
+    for t in tasks:
+        stats.add(t["x_s"], t["x_e"], t["w"], 0.25, {"lin": (t["W"], t["b"])})
+        stats.end_task(1e-8)
+    errors = []
+    for lam in (1e0, 1e3, 1e6):
+        weight, bias = stats.solve("lin", lam, 1e-8, a_w, a_b)
+        errors.append(float((weight - a_w).abs().max() + (bias - a_b).abs().max()))
+    assert errors[0] > errors[1] > errors[2]
+    assert errors[2] < 1e-4

@@ -6,7 +6,7 @@ models). A plain library: no Prefect, MLflow or DVC imports.
 """
 
 from featcal_core.block import FeatCalParams
-from featcal_core.calibrate import calibrate
+from featcal_core.calibration import calibrate
 from featcal_core.errors import FeatCalError
 
 __all__ = ["FeatCalError", "FeatCalParams", "calibrate"]

@@ -62,7 +62,7 @@ class _Capture:
         return hook
 
     def run(self, block: nn.Module, hidden: torch.Tensor, mask: torch.Tensor):
-        """(block output, {module name: its input}) for one batch."""
+        """(block output, {module name: its input}) for one batch; the caller owns the dict."""
         self.inputs = {}
         self._active = True
         try:
@@ -70,7 +70,8 @@ class _Capture:
                 out = self.arch.run_block(block, hidden, mask)
         finally:
             self._active = False
-        return out, self.inputs
+        inputs, self.inputs = self.inputs, {}
+        return out, inputs
 
 
 class BlockRunner:
@@ -81,8 +82,8 @@ class BlockRunner:
         self.arch = models.arch
         self.dtype = dtype
         self.device = device
-        self.merged_block = self.arch.build_block(dtype).to(device)
-        self.expert_block = self.arch.build_block(dtype).to(device)
+        self.merged_block = self.arch.build_block(dtype).to(device).requires_grad_(False)
+        self.expert_block = self.arch.build_block(dtype).to(device).requires_grad_(False)
         norm_types = self.arch.norm_types + self.arch.rms_norm_types
         self.linears = [n for n, m in self.merged_block.named_modules() if isinstance(m, nn.Linear)]
         self.norms = [n for n, m in self.merged_block.named_modules() if isinstance(m, norm_types)]
@@ -103,6 +104,7 @@ class BlockRunner:
         with torch.no_grad():
             return self.arch.run_block(module, hidden, mask)
 
+    @torch.no_grad()
     def calibrate(
         self,
         index: int,
@@ -147,16 +149,19 @@ class BlockRunner:
                 _check_finite(out_e, f"expert {task!r} output of block {index}")
                 _check_finite(out_m, f"merged output of block {index} on task {task!r}")
                 if linear_stats is None:
-                    linear_stats, groups = self._linear_groups(x_s, last)
+                    tokens = min(int(m.sum()) for m in masks.values())
+                    linear_stats, groups = self._linear_groups(x_s, last, tokens)
                     norm_stats = self._norm_stats()
                 self._accumulate(x_s, x_e, mask, last, params.alpha, groups, linear_stats,
                                  norm_stats, expert_params)  # fmt: skip
+                del x_s, x_e
                 sq, tok = _drift_sums(out_m, out_e, self._drift_mask(mask, last))
                 sq_sum, tok_sum = sq_sum + sq, tok_sum + tok
                 new_expert.append(out_e.to("cpu"))
             result.drift_before[task] = sq_sum / max(tok_sum, 1.0)
             for stats in linear_stats.values():
-                stats.end_task(params.eps)
+                members = {name: expert_params[name] for name in stats.targets}
+                stats.end_task(params.eps, params.alpha, members)
             for name, stats in norm_stats.items():
                 module = self.expert_block.get_submodule(name)
                 stats.end_task(module.weight, getattr(module, "bias", None))
@@ -164,7 +169,8 @@ class BlockRunner:
             del new_expert
 
         base_sd = self.read_block(self.models.base, index)
-        solved = self._solve(linear_stats, groups, norm_stats, merged_sd, base_sd, params)
+        solved = self._solve(linear_stats, norm_stats, merged_sd, base_sd, params)
+        del linear_stats, norm_stats
         del base_sd
         result.tensors = {name: solved[name].to(merged_sd[name].dtype) for name in solved}
         merged_sd.update(result.tensors)
@@ -203,7 +209,7 @@ class BlockRunner:
     def _pooled(self, name: str, last: bool) -> bool:
         return last and self.arch.pooled_position is not None and self.arch.is_pooled_module(name)
 
-    def _linear_groups(self, captured: dict[str, torch.Tensor], last: bool):
+    def _linear_groups(self, captured: dict[str, torch.Tensor], last: bool, tokens: int):
         """Group Linear modules that read the same tensor with the same token weights."""
         groups: dict[str, tuple[int, bool]] = {}
         members: dict[tuple[int, bool], dict[str, tuple[int, bool]]] = {}
@@ -215,7 +221,7 @@ class BlockRunner:
         stats = {}
         for key, modules in members.items():
             d_in = self.merged_block.get_submodule(next(iter(modules))).in_features
-            stats[key] = LinearInputStats(d_in, modules, self.device)
+            stats[key] = LinearInputStats(d_in, modules, self.device, tokens_hint=tokens)
         return stats, groups
 
     def _norm_stats(self) -> dict[str, NormStats]:
@@ -250,7 +256,7 @@ class BlockRunner:
             keep = weights > 0
             stats.add(x_s[name].reshape(-1, stats.d)[keep], weights[keep])
 
-    def _solve(self, linear_stats, groups, norm_stats, merged_sd, base_sd, params):
+    def _solve(self, linear_stats, norm_stats, merged_sd, base_sd, params):
         lam, rho, eps = params.lam, params.rho, params.eps
         solved: dict[str, torch.Tensor] = {}
 
@@ -259,13 +265,15 @@ class BlockRunner:
                 return None
             return anchor(merged_sd[name].to(self.device), base_sd[name].to(self.device), rho)
 
-        for name in self.linears:
-            weight, bias = linear_stats[groups[name]].solve(
-                name, lam, eps, anchored(f"{name}.weight"), anchored(f"{name}.bias")
-            )
-            solved[f"{name}.weight"] = weight.to("cpu")
-            if bias is not None:
-                solved[f"{name}.bias"] = bias.to("cpu")
+        for stats in linear_stats.values():
+            anchors = {
+                name: (anchored(f"{name}.weight"), anchored(f"{name}.bias"))
+                for name in stats.targets
+            }
+            for name, (weight, bias) in stats.solve(lam, eps, anchors).items():
+                solved[f"{name}.weight"] = weight.to("cpu")
+                if bias is not None:
+                    solved[f"{name}.bias"] = bias.to("cpu")
         for name, stats in norm_stats.items():
             gamma, beta = stats.solve(
                 lam, eps, anchored(f"{name}.weight"), anchored(f"{name}.bias")

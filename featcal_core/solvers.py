@@ -16,20 +16,35 @@ def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor
     return rho * merged.to(DTYPE) + (1.0 - rho) * base.to(DTYPE)
 
 
-def solve_spd(lhs: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """Solve lhs · X = rhs for a symmetric positive (semi)definite lhs (d × d), rhs (d × k).
+class SPDSystem:
+    """A factored symmetric positive (semi)definite matrix A (d × d), to solve A·X = B repeatedly.
 
-    Cholesky first; if the factorisation fails (singular lhs, e.g. λ = 0 with too few tokens) fall
-    back to a least-squares solve, which returns the minimum-norm solution.
+    Cholesky first; if it fails (singular A, e.g. λ = 0 with too few tokens) solves fall back to
+    least squares, which returns the minimum-norm solution. With `in_place`, A's storage is reused.
     """
-    factor, info = torch.linalg.cholesky_ex(lhs)
-    if int(info) == 0:
-        return torch.cholesky_solve(rhs, factor)
-    return torch.linalg.lstsq(lhs, rhs, driver="gelsd").solution
+
+    def __init__(self, lhs: torch.Tensor):
+        factor, info = torch.linalg.cholesky_ex(lhs)
+        if int(info) == 0:
+            self.factor, self.matrix = factor, None
+        else:
+            self.factor, self.matrix = None, lhs
+
+    def solve(self, rhs: torch.Tensor) -> torch.Tensor:
+        if self.factor is not None:
+            return torch.cholesky_solve(rhs, self.factor)
+        return torch.linalg.lstsq(self.matrix, rhs, driver="gelsd").solution
+
+
+def ridge_system(gram: torch.Tensor, lam: float, eps: float, in_place: bool = False) -> SPDSystem:
+    """The factored left-hand side Σ s_t C_t + (λ + ε) I of the Linear weight equation."""
+    lhs = gram if in_place else gram.clone()
+    lhs.diagonal().add_(lam + eps)
+    return SPDSystem(lhs)
 
 
 def solve_linear_weight(
-    gram: torch.Tensor,
+    system: SPDSystem | torch.Tensor,
     cross: torch.Tensor,
     lam: float,
     eps: float,
@@ -37,17 +52,17 @@ def solve_linear_weight(
 ) -> torch.Tensor:
     """New Linear weight W (d_out × d_in) from (Σ s_t C_t + (λ+ε) I) Wᵀ = Σ s_t X_t W_tᵀ + λ a(W)ᵀ.
 
-    gram: Σ s_t C_t (d_in × d_in); cross: Σ s_t X_t W_tᵀ (d_in × d_out); anchor_weight: a(W)
-    (d_out × d_in), ignored when λ = 0.
+    system: `ridge_system(Σ s_t C_t, λ, ε)` or the Gram matrix Σ s_t C_t itself (d_in × d_in);
+    cross: Σ s_t X_t W_tᵀ (d_in × d_out); anchor_weight: a(W) (d_out × d_in), unused when λ = 0.
     """
-    d_in = gram.shape[0]
-    lhs = gram + (lam + eps) * torch.eye(d_in, dtype=DTYPE, device=gram.device)
+    if isinstance(system, torch.Tensor):
+        system = ridge_system(system, lam, eps)
     rhs = cross.clone()
     if lam > 0:
         if anchor_weight is None:
             raise ValueError("λ > 0 needs an anchor weight")
         rhs += lam * anchor_weight.to(DTYPE).T
-    return solve_spd(lhs, rhs).T.contiguous()
+    return system.solve(rhs).T.contiguous()
 
 
 def solve_linear_bias(

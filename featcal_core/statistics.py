@@ -16,29 +16,79 @@ import torch
 
 from featcal_core.solvers import (
     DTYPE,
+    ridge_system,
     solve_layernorm,
     solve_linear_bias,
     solve_linear_weight,
     solve_rmsnorm,
 )
 
+#: Gram matrices at least this wide are accumulated by block rows, upper triangle only
+SYMMETRIC_BLOCK = 768
+
+
+def add_gram(acc: torch.Tensor, xw: torch.Tensor, x: torch.Tensor) -> None:
+    """acc += xwᵀ x for xw = diag(ω) x, in place. Wide matrices: only the upper triangle by block
+    rows (the rest follows by symmetry: see `gram_norm` and `symmetrize_`)."""
+    d = x.shape[1]
+    if d < 2 * SYMMETRIC_BLOCK:
+        acc.addmm_(xw.T, x)
+        return
+    for i in range(0, d, SYMMETRIC_BLOCK):
+        acc[i : i + SYMMETRIC_BLOCK, i:].addmm_(xw[:, i : i + SYMMETRIC_BLOCK].T, x[:, i:])
+
+
+def _blocks(d: int) -> list[tuple[int, int]]:
+    return [(i, min(i + SYMMETRIC_BLOCK, d)) for i in range(0, d, SYMMETRIC_BLOCK)]
+
+
+def gram_norm(acc: torch.Tensor) -> float:
+    """Frobenius norm of the symmetric matrix that `add_gram` holds in `acc` (upper block rows)."""
+    d = acc.shape[0]
+    if d < 2 * SYMMETRIC_BLOCK:
+        return float(torch.linalg.matrix_norm(acc))
+    total = 0.0
+    for i, j in _blocks(d):
+        total += float(acc[i:j, i:j].pow(2).sum()) + 2.0 * float(acc[i:j, j:].pow(2).sum())
+    return total**0.5
+
+
+def symmetrize_(acc: torch.Tensor) -> torch.Tensor:
+    """Fill, in place, the lower block triangle that `add_gram` left out; returns `acc`."""
+    d = acc.shape[0]
+    if d >= 2 * SYMMETRIC_BLOCK:
+        for i, j in _blocks(d):
+            acc[j:, i:j] = acc[i:j, j:].T
+    return acc
+
 
 @dataclass
 class LinearTarget:
-    """One Linear module fed by a `LinearInputStats`: its expert weight for the current task."""
+    """Running sums of one Linear module fed by a `LinearInputStats`."""
 
     d_out: int
     has_bias: bool
     cross: torch.Tensor = field(init=False)  # Σ_t s_t X_t W_tᵀ, (d_in × d_out)
     target_sum: torch.Tensor = field(init=False)  # Σ_t s_t (b_t + W_t μt_t), (d_out)
-    _task_cross: torch.Tensor | None = None
-    _task_target: torch.Tensor | None = None
+    task_cross: torch.Tensor | None = None  # direct mode: Σ ω x_s (W_t x_t)ᵀ of the current task
 
 
 class LinearInputStats:
-    """Running sums for the Linear modules sharing one input (width d_in)."""
+    """Running sums for the Linear modules sharing one input (width d_in).
 
-    def __init__(self, d_in: int, modules: dict[str, tuple[int, bool]], device: torch.device):
+    Two exact ways to get Σ ω x_s x_tᵀ W_tᵀ, chosen by cost (N tokens per task, D = Σ d_out):
+    - *direct*: per batch, y = x_t W_tᵀ and Σ ω x_s yᵀ (≈ 4·N·d_in·D flops);
+    - *via X_t*: accumulate Σ ω x_s x_eᵀ (d_in × d_in) and multiply by W_tᵀ once per task
+      (≈ 2·N·d_in² + 2·d_in²·D flops); cheaper for q/k/v, out and fc1-like modules.
+    """
+
+    def __init__(
+        self,
+        d_in: int,
+        modules: dict[str, tuple[int, bool]],
+        device: torch.device,
+        tokens_hint: int | None = None,
+    ):
         self.d_in = d_in
         self.device = device
         self.gram = torch.zeros(d_in, d_in, dtype=DTYPE, device=device)  # Σ s_t C_t
@@ -51,15 +101,17 @@ class LinearInputStats:
             target.cross = torch.zeros(d_in, d_out, dtype=DTYPE, device=device)
             target.target_sum = torch.zeros(d_out, dtype=DTYPE, device=device)
             self.targets[name] = target
-        self._reset_task()
-
-    def _reset_task(self) -> None:
+        total_out = sum(d_out for d_out, _ in modules.values())
+        tokens = tokens_hint or 0
+        self.via_x = tokens > 0 and d_in * (tokens + total_out) < 2 * tokens * total_out
         self._task_weight = 0.0
-        self._task_gram = None
-        self._task_student = None
-        for target in self.targets.values():
-            target._task_cross = None
-            target._task_target = None
+        self._task_gram: torch.Tensor | None = None  # Σ ω x_s x_sᵀ
+        self._task_mixed: torch.Tensor | None = None  # via X_t: Σ ω x_s x_eᵀ
+        self._task_student: torch.Tensor | None = None  # Σ ω x_s
+        self._task_expert: torch.Tensor | None = None  # Σ ω x_e
+
+    def _zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=DTYPE, device=self.device)
 
     def add(
         self,
@@ -70,59 +122,94 @@ class LinearInputStats:
         expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
     ) -> None:
         """Add one batch of task t's tokens. expert_params: name → (W_t (d_out × d_in), b_t or None)."""
+        if self._task_gram is None:
+            self._task_gram = self._zeros(self.d_in, self.d_in)
+            self._task_student = self._zeros(self.d_in)
+            self._task_expert = self._zeros(self.d_in)
+            if self.via_x:
+                self._task_mixed = self._zeros(self.d_in, self.d_in)
         x_s = x_s.to(DTYPE)
+        x_e = x_e.to(DTYPE)
         w = w.to(DTYPE)
-        x_t = alpha * x_e.to(DTYPE) + (1.0 - alpha) * x_s
         xw = x_s * w[:, None]
-        gram = xw.T @ x_s
-        student = xw.sum(0)
-        self._task_gram = gram if self._task_gram is None else self._task_gram + gram
-        self._task_student = student if self._task_student is None else self._task_student + student
+        add_gram(self._task_gram, xw, x_s)
+        self._task_student += xw.sum(0)
+        self._task_expert += (x_e * w[:, None]).sum(0)
         self._task_weight += float(w.sum())
+        if self.via_x:
+            self._task_mixed.addmm_(xw.T, x_e)
+            return
+        x_t = alpha * x_e + (1.0 - alpha) * x_s
         for name, target in self.targets.items():
-            weight_t, bias_t = expert_params[name]
-            y = x_t @ weight_t.to(DTYPE).T  # W_t x_t, (N × d_out)
-            cross = xw.T @ y
-            tgt = (y * w[:, None]).sum(0)
-            if bias_t is not None:
-                tgt = tgt + float(w.sum()) * bias_t.to(DTYPE)
-            target._task_cross = cross if target._task_cross is None else target._task_cross + cross
-            target._task_target = tgt if target._task_target is None else target._task_target + tgt
+            y = x_t @ expert_params[name][0].to(DTYPE).T  # W_t x_t, (N × d_out)
+            if target.task_cross is None:
+                target.task_cross = self._zeros(self.d_in, target.d_out)
+            target.task_cross.addmm_(xw.T, y)
 
-    def end_task(self, eps: float) -> float:
+    def end_task(
+        self,
+        eps: float,
+        alpha: float,
+        expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+    ) -> float:
         """Fold the current task into the running sums; returns its scale s_t."""
         total = self._task_weight
         if total <= 0 or self._task_gram is None:
             raise ValueError("a task contributed no weighted tokens to a Linear input")
-        c_t = self._task_gram / total
-        s_t = 1.0 / max(float(torch.linalg.matrix_norm(c_t)), eps)
-        self.gram += s_t * c_t
+        gram = self._task_gram  # upper block rows only when wide: linear in the sums below
+        s_t = 1.0 / max(gram_norm(gram) / total, eps)
+        self.gram.add_(gram, alpha=s_t / total)
         self.student_mean_sum += (s_t / total) * self._task_student
         self.scale_sum += s_t
         self.num_tasks += 1
-        for target in self.targets.values():
-            target.cross += (s_t / total) * target._task_cross
-            target.target_sum += (s_t / total) * target._task_target
-        self._reset_task()
+        teacher_mean = (alpha * self._task_expert + (1.0 - alpha) * self._task_student) / total
+        if self.via_x:
+            mixed = alpha * self._task_mixed + (1.0 - alpha) * symmetrize_(gram)  # Σ ω x_s x_tᵀ
+        for name, target in self.targets.items():
+            weight_t, bias_t = expert_params[name]
+            weight_t = weight_t.to(DTYPE)
+            if self.via_x:
+                target.cross.addmm_(mixed, weight_t.T, alpha=s_t / total)
+            else:
+                target.cross.add_(target.task_cross, alpha=s_t / total)
+                target.task_cross = None
+            mean_out = weight_t @ teacher_mean
+            if bias_t is not None:
+                mean_out = mean_out + bias_t.to(DTYPE)
+            target.target_sum += s_t * mean_out
+        self._task_weight = 0.0
+        self._task_gram = self._task_mixed = self._task_student = self._task_expert = None
         return s_t
 
     def solve(
         self,
-        name: str,
         lam: float,
         eps: float,
-        anchor_weight: torch.Tensor | None,
-        anchor_bias: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Closed-form (W, b) for module `name`, float64; b is None for a bias-free Linear."""
-        target = self.targets[name]
-        weight = solve_linear_weight(self.gram, target.cross, lam, eps, anchor_weight)
-        bias = None
-        if target.has_bias:
-            bias = solve_linear_bias(
-                weight, self.scale_sum, target.target_sum, self.student_mean_sum, lam, anchor_bias
-            )
-        return weight, bias
+        anchors: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]],
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """Closed-form (W, b) in float64 for every module (b None for a bias-free Linear).
+
+        anchors: name → (a(W), a(b)), unused when λ = 0. The shared left-hand side is factored
+        once, in place: the running sums are consumed.
+        """
+        system = ridge_system(symmetrize_(self.gram), lam, eps, in_place=True)
+        self.gram = None
+        out = {}
+        for name, target in self.targets.items():
+            anchor_weight, anchor_bias = anchors.get(name, (None, None))
+            weight = solve_linear_weight(system, target.cross, lam, eps, anchor_weight)
+            bias = None
+            if target.has_bias:
+                bias = solve_linear_bias(
+                    weight,
+                    self.scale_sum,
+                    target.target_sum,
+                    self.student_mean_sum,
+                    lam,
+                    anchor_bias,
+                )
+            out[name] = (weight, bias)
+        return out
 
 
 class NormStats:

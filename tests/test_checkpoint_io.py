@@ -44,7 +44,7 @@ def test_streaming_writer_round_trips_every_dtype(tmp_path):
 
 def test_featcal_core_imports_no_orchestration():
     code = (
-        "import sys, featcal_core, featcal_core.calibrate, featcal_core.architectures as a; "
+        "import sys, featcal_core, featcal_core.calibration, featcal_core.architectures as a; "
         "a.supported(); "
         "bad = [m for m in ('prefect', 'mlflow', 'dvc') if m in sys.modules]; "
         "assert not bad, bad"

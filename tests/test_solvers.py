@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from featcal_core import statistics
 from featcal_core.solvers import anchor
 from featcal_core.statistics import LinearInputStats, NormStats
 
@@ -63,19 +64,24 @@ def _brute_linear(tasks, alpha, lam, eps, a_w, a_b):
     return weight, bias
 
 
+@pytest.mark.parametrize("via_x", [False, True])
 @pytest.mark.parametrize("lam", [0.0, 0.05, 3.0])
 @pytest.mark.parametrize("alpha", [0.0, 0.25, 1.0])
-def test_linear_weight_and_bias_match_brute_force(lam, alpha):
+def test_linear_weight_and_bias_match_brute_force(lam, alpha, via_x):
     d_in, d_out, rho, eps = 6, 4, 2.2, 1e-8
     tasks, (mw, bw, mb, bb) = _tasks(1, d_in, d_out)
     a_w, a_b = anchor(mw, bw, rho), anchor(mb, bb, rho)
-    stats = LinearInputStats(d_in, {"lin": (d_out, True)}, torch.device("cpu"))
+    stats = LinearInputStats(
+        d_in, {"lin": (d_out, True)}, torch.device("cpu"), tokens_hint=40 if via_x else None
+    )
+    assert stats.via_x == via_x
     for t in tasks:
+        params = {"lin": (t["W"], t["b"])}
         for part in range(2):  # two batches per task: accumulation across batches
             sl = slice(part * 20, (part + 1) * 20)
-            stats.add(t["x_s"][sl], t["x_e"][sl], t["w"][sl], alpha, {"lin": (t["W"], t["b"])})
-        stats.end_task(eps)
-    weight, bias = stats.solve("lin", lam, eps, a_w, a_b)
+            stats.add(t["x_s"][sl], t["x_e"][sl], t["w"][sl], alpha, params)
+        stats.end_task(eps, alpha, params)
+    weight, bias = stats.solve(lam, eps, {"lin": (a_w, a_b)})["lin"]
     ref_w, ref_b = _brute_linear(tasks, alpha, lam, eps, a_w, a_b)
     torch.testing.assert_close(weight, ref_w, rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(bias, ref_b, rtol=1e-7, atol=1e-9)
@@ -91,12 +97,13 @@ def test_linear_shared_input_matches_separate_groups():
         together.add(t["x_s"], t["x_e"], t["w"], 0.3, params)
         for n, s in alone.items():
             s.add(t["x_s"], t["x_e"], t["w"], 0.3, {n: params[n]})
-        together.end_task(1e-8)
-        for s in alone.values():
-            s.end_task(1e-8)
+        together.end_task(1e-8, 0.3, params)
+        for n, s in alone.items():
+            s.end_task(1e-8, 0.3, {n: params[n]})
+    solved = together.solve(0.0, 1e-8, {})
     for n in ("q", "k"):
-        w1, b1 = together.solve(n, 0.0, 1e-8, None, None)
-        w2, b2 = alone[n].solve(n, 0.0, 1e-8, None, None)
+        w1, b1 = solved[n]
+        w2, b2 = alone[n].solve(0.0, 1e-8, {})[n]
         torch.testing.assert_close(w1, w2)
         assert (b1 is None) == (n == "k")
 
@@ -170,13 +177,27 @@ def test_rmsnorm_matches_brute_force(lam):
 def test_large_lambda_tends_to_anchor():
     tasks, (mw, bw, mb, bb) = _tasks(6, 4, 3)
     a_w, a_b = anchor(mw, bw, 2.0), anchor(mb, bb, 2.0)
-    stats = LinearInputStats(4, {"lin": (3, True)}, torch.device("cpu"))
-    for t in tasks:
-        stats.add(t["x_s"], t["x_e"], t["w"], 0.25, {"lin": (t["W"], t["b"])})
-        stats.end_task(1e-8)
     errors = []
     for lam in (1e0, 1e3, 1e6):
-        weight, bias = stats.solve("lin", lam, 1e-8, a_w, a_b)
+        stats = LinearInputStats(4, {"lin": (3, True)}, torch.device("cpu"))
+        for t in tasks:
+            params = {"lin": (t["W"], t["b"])}
+            stats.add(t["x_s"], t["x_e"], t["w"], 0.25, params)
+            stats.end_task(1e-8, 0.25, params)
+        weight, bias = stats.solve(lam, 1e-8, {"lin": (a_w, a_b)})["lin"]
         errors.append(float((weight - a_w).abs().max() + (bias - a_b).abs().max()))
     assert errors[0] > errors[1] > errors[2]
     assert errors[2] < 1e-4
+
+
+def test_blocked_symmetric_gram_equals_full(monkeypatch):
+    monkeypatch.setattr(statistics, "SYMMETRIC_BLOCK", 3)
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(20, 10, generator=gen, dtype=D64)
+    w = torch.rand(20, generator=gen, dtype=D64)
+    acc = torch.zeros(10, 10, dtype=D64)
+    for part in (slice(0, 7), slice(7, 20)):
+        statistics.add_gram(acc, x[part] * w[part, None], x[part])
+    full = (x * w[:, None]).T @ x
+    assert statistics.gram_norm(acc) == pytest.approx(float(torch.linalg.matrix_norm(full)))
+    torch.testing.assert_close(statistics.symmetrize_(acc), full)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import resource
 import shutil
 import tempfile
 import time
@@ -20,6 +19,7 @@ from featcal_core.calibration_data import CalibrationSet, load_calibration_set
 from featcal_core.checkpoint import Checkpoint, sha256_file, sha256_tree
 from featcal_core.errors import FeatCalError
 from featcal_core.export import export_checkpoint
+from featcal_core.memory import peak_rss_bytes
 from featcal_core.model_set import ModelSet
 from featcal_core.streams import EXPERT, STUDENT, HiddenStreams
 
@@ -122,7 +122,7 @@ def _run_stems(models, sets, streams, dtype, device, batch_size, max_length):
     """Fill both streams of every task from each model's own stem; returns task → token mask."""
     arch = models.arch
     stem_names = list(arch.build_stem(dtype).state_dict().keys())
-    stem = arch.build_stem(dtype).to(device)
+    stem = arch.build_stem(dtype).to(device).requires_grad_(False)
     masks: dict[str, torch.Tensor] = {}
 
     def run(checkpoint: Checkpoint, inputs: dict[str, torch.Tensor], what: str) -> torch.Tensor:
@@ -184,7 +184,7 @@ def _describe(checkpoint: Checkpoint) -> dict:
 
 
 def _record(models: ModelSet, sets: dict[str, CalibrationSet], params, blocks, settings, started):
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak_rss = peak_rss_bytes()
     peak_device = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
     return {
         "featcal_record_version": RECORD_VERSION,

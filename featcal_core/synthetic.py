@@ -1,0 +1,162 @@
+"""Synthetic model pools for demos, benchmarks and tests (random weights; no hub access).
+
+A pool is a base model (seeded random init), T experts = base + seeded Gaussian deltas, a Task
+Arithmetic merge `base + s · Σ_t (expert_t − base)`, all written as `save_pretrained` directories,
+and one `save_to_disk` calibration set per task (random images or random word sequences). It
+exercises the whole calibration path at any geometry (ViT-B/32 included); it says nothing about
+accuracy. Peak memory while building: about three copies of one model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+WORDS = "the a movie film good bad great awful plot actor scene story fun dull long short".split()
+
+
+@dataclass
+class Pool:
+    base: Path
+    merged: Path
+    experts: dict[str, Path]
+    calib: dict[str, Path]
+
+    def cli_args(self, out: Path) -> list[str]:
+        """`featcal calibrate` arguments for this pool."""
+        args = ["calibrate", "--base", str(self.base), "--merged", str(self.merged)]
+        for task, path in self.experts.items():
+            args += ["--expert", f"{task}={path}"]
+        for task, path in self.calib.items():
+            args += ["--calib", f"{task}={path}"]
+        return args + ["--out", str(out), "--no-progress"]
+
+
+def _save_state(state: dict[str, torch.Tensor], config_dir: Path, out: Path, dtype) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    if out != config_dir:
+        shutil.copy2(config_dir / "config.json", out / "config.json")
+    tensors = {k: v.to(dtype).contiguous() for k, v in state.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def image_set(path: Path, count: int, seed: int, size: int = 40) -> Path:
+    """`count` random RGB images (size × size) in an `image` column."""
+    import datasets
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    images = [
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)) for _ in range(count)
+    ]
+    data = datasets.Dataset.from_dict({"image": images}).cast_column("image", datasets.Image())
+    data.save_to_disk(str(path))
+    return path
+
+
+def text_set(path: Path, count: int, seed: int) -> Path:
+    """`count` random word sequences (2–11 words) in a `text` column."""
+    import datasets
+
+    rng = np.random.default_rng(seed)
+    texts = [" ".join(rng.choice(WORDS, size=int(rng.integers(2, 12)))) for _ in range(count)]
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(path))
+    return path
+
+
+def _clip(config: dict, base_dir: Path):
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    model = CLIPVisionModel(CLIPVisionConfig(**config)).eval()
+    side = model.config.image_size
+    processor = CLIPImageProcessor(
+        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+    )
+    model.config.save_pretrained(base_dir)
+    processor.save_pretrained(base_dir)
+    return model
+
+
+def _bert(config: dict, base_dir: Path):
+    from transformers import BertConfig, BertModel, BertTokenizer
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    model = BertModel(BertConfig(vocab_size=len(vocab), **config)).eval()
+    model.config.save_pretrained(base_dir)
+    vocab_file = base_dir / "vocab.txt"
+    vocab_file.write_text("\n".join(vocab) + "\n")
+    BertTokenizer(vocab_file=str(vocab_file)).save_pretrained(base_dir)
+    return model
+
+
+FAMILIES = {"clip": (_clip, image_set), "bert": (_bert, text_set)}
+
+
+def build_pool(
+    root: str | Path,
+    family: str,
+    config: dict,
+    tasks: tuple[str, ...] = ("alpha", "beta"),
+    *,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    delta: float = 0.05,
+    merge_scale: float = 0.3,
+    blocks_only: bool = False,
+    rows: int = 12,
+) -> Pool:
+    """Write a synthetic pool under `root` (base/, merged/, expert_<task>/, calib_<task>/).
+
+    delta: standard deviation of each expert's Gaussian weight delta; blocks_only: perturb only
+    the transformer blocks (stems and heads stay the base's).
+    """
+    root = Path(root)
+    make_model, make_set = FAMILIES[family]
+    base_dir = root / "base"
+    base_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    base_state = {
+        k: v.detach().clone() for k, v in make_model(config, base_dir).state_dict().items()
+    }
+    delta_sum = {k: torch.zeros_like(v) for k, v in base_state.items()}
+    experts = {}
+    for i, task in enumerate(tasks):
+        gen = torch.Generator().manual_seed(seed + 100 + i)
+        state = {}
+        for key, value in base_state.items():
+            noise = delta * torch.randn(value.shape, generator=gen, dtype=value.dtype)
+            if blocks_only and ".layer" not in key:
+                noise.zero_()
+            state[key] = value + noise
+            delta_sum[key] += noise
+        experts[task] = _save_state(state, base_dir, root / f"expert_{task}", dtype)
+        del state
+    merged = {k: base_state[k] + merge_scale * delta_sum[k] for k in base_state}
+    del delta_sum
+    merged_dir = _save_state(merged, base_dir, root / "merged", dtype)
+    _save_state(base_state, base_dir, base_dir, dtype)
+    calib = {t: make_set(root / f"calib_{t}", rows, seed + i) for i, t in enumerate(tasks)}
+    (root / "pool.json").write_text(
+        json.dumps(
+            {
+                "family": family,
+                "config": config,
+                "tasks": list(tasks),
+                "seed": seed,
+                "delta": delta,
+                "merge_scale": merge_scale,
+                "blocks_only": blocks_only,
+                "rows": rows,
+                "dtype": str(dtype),
+            },
+            indent=2,
+        )  # fmt: skip
+    )
+    return Pool(base_dir, merged_dir, experts, calib)

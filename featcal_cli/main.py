@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
 
 from featcal_core.errors import FeatCalError
-from featcal_core.memory import tune_allocator
 
 EXIT_BAD_INPUT = 2
 
@@ -56,7 +56,46 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--spill-dir", default=None, help="keep hidden-state streams on disk here")
     cal.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     cal.add_argument("--no-progress", action="store_true", help="no progress bar")
+    demo = sub.add_parser(
+        "demo", help="calibrate a small synthetic pool and print the per-block drift (offline)"
+    )
+    demo.add_argument("--work", default="runs/demo", help="where the pool and the output go")
+    demo.add_argument("--tasks", type=int, default=4, help="number of synthetic experts")
+    demo.add_argument("--rebuild", action="store_true", help="rebuild the synthetic pool")
     return parser
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from featcal_core import calibrate
+    from featcal_core.synthetic import build_pool, load_pool
+
+    work = Path(args.work)
+    pool_dir = work / "pool"
+    pool = None if args.rebuild else load_pool(pool_dir)
+    if pool is None:
+        logging.getLogger("featcal").info("building a synthetic pool in %s", pool_dir)
+        shutil.rmtree(pool_dir, ignore_errors=True)
+        config = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=4, image_size=64, patch_size=16)  # fmt: skip
+        tasks = tuple(f"task{i}" for i in range(args.tasks))
+        pool = build_pool(pool_dir, "clip", config, tasks, delta=0.01, rows=32, blocks_only=True)
+    out = work / "calibrated"
+    record = calibrate(pool.base, pool.merged, pool.experts, pool.calib, out, overwrite=True)
+    print(f"\nFeatCal on a synthetic pool ({len(pool.experts)} experts, random weights and images)")
+    print("feature drift per block, summed over tasks (last block: CLS token):\n")
+    print("| block | drift before | drift after | change |")
+    print("|---|---|---|---|")
+    for block in record["blocks"]:
+        before = sum(block["drift_before"].values())
+        after = sum(block["drift_after"].values())
+        print(
+            f"| {block['index']} | {before:.5f} | {after:.5f} | {100 * (after / before - 1):+.1f} % |"
+        )
+    print(f"\ncalibrated model: {out}  (record: {out / 'featcal.json'})")
+    print("accuracy needs real experts and data: see the README")
+    return 0
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -86,7 +125,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"calibrate": _calibrate}
+COMMANDS = {"calibrate": _calibrate, "demo": _demo}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("httpx", "urllib3", "datasets", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    tune_allocator()
     try:
         return COMMANDS[args.command](args)
     except FeatCalError as exc:

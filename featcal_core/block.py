@@ -244,17 +244,14 @@ class BlockRunner:
                 continue
             done.add(key)
             stats = linear_stats[key]
-            weights = self.arch.token_weights(name, last, mask).reshape(-1)
-            keep = weights > 0
-            d_in = stats.d_in
-            xs = x_s[name].reshape(-1, d_in)[keep]
-            xe = x_e[name].reshape(-1, d_in)[keep]
+            (xs, xe), w = _weighted_tokens(
+                self.arch.token_weights(name, last, mask), x_s[name], x_e[name]
+            )
             params = {member: expert_params[member] for member in stats.targets}
-            stats.add(xs, xe, weights[keep], alpha, params)
+            stats.add(xs, xe, w, alpha, params)
         for name, stats in norm_stats.items():
-            weights = self.arch.token_weights(name, last, mask).reshape(-1)
-            keep = weights > 0
-            stats.add(x_s[name].reshape(-1, stats.d)[keep], weights[keep])
+            (xs,), w = _weighted_tokens(self.arch.token_weights(name, last, mask), x_s[name])
+            stats.add(xs, w)
 
     def _solve(self, linear_stats, norm_stats, merged_sd, base_sd, params):
         lam, rho, eps = params.lam, params.rho, params.eps
@@ -284,6 +281,19 @@ class BlockRunner:
         for name, tensor in solved.items():
             _check_finite(tensor, f"solved parameter {name}")
         return solved
+
+
+def _weighted_tokens(weights: torch.Tensor, *hidden: torch.Tensor):
+    """Flatten (B, S, d) inputs to their tokens of non-zero weight: ([tokens (N, d), ...], w (N))
+    with w None when every kept weight is 1."""
+    weights = weights.reshape(-1)
+    keep = weights > 0
+    flat = [h.reshape(-1, h.shape[-1]) for h in hidden]
+    if not bool(keep.all()):
+        weights = weights[keep]
+        flat = [h[keep] for h in flat]
+    w = None if bool((weights == 1).all()) else weights
+    return flat, w
 
 
 def _drift_sums(

@@ -1,8 +1,8 @@
 """Lazy, per-tensor access to Hugging Face `save_pretrained` directories (safetensors only).
 
 A `Checkpoint` reads only headers when opened: tensor names, shapes, dtypes and which shard holds
-each. Tensors are read on demand with `read(names)`, which opens each needed shard once, copies the
-requested tensors out and closes the shard again, so nothing stays mapped between blocks.
+each (a truncated or malformed shard is reported then). Tensors are read on demand with
+`read(names)`, which copies exactly the requested tensors' bytes with plain file reads.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from featcal_core.errors import FeatCalError
+from featcal_core.safetensors_io import Entry, Reader, SafetensorsFormatError, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -54,6 +54,7 @@ class Checkpoint:
             ) from exc
         self.files = self._weight_files()
         self.tensors: dict[str, TensorInfo] = {}
+        self.entries: dict[str, dict[str, Entry]] = {}  # shard → its header entries
         self.file_metadata: dict[str, dict[str, str]] = {}
         for name in self.files:
             self._read_header(name)
@@ -88,34 +89,19 @@ class Checkpoint:
     def _read_header(self, name: str) -> None:
         path = self.directory / name
         try:
-            with safe_open(str(path), framework="pt") as handle:
-                self.file_metadata[name] = handle.metadata() or {}
-                for key in handle.keys():
-                    piece = handle.get_slice(key)
-                    self.tensors[key] = TensorInfo(
-                        name, piece.get_dtype(), tuple(piece.get_shape())
-                    )
-        except FeatCalError:
-            raise
-        except Exception as exc:  # safetensors raises its own error types for bad headers
+            entries, metadata = read_header(path)
+        except (OSError, SafetensorsFormatError) as exc:
             raise FeatCalError(
                 f"{path} is not a readable safetensors file ({exc}); re-download or re-save it"
             ) from exc
-        self._check_size(path)
+        self.entries[name] = entries
+        self.file_metadata[name] = metadata
+        for key, entry in entries.items():
+            self.tensors[key] = TensorInfo(name, entry.dtype, entry.shape)
 
-    def _check_size(self, path: Path) -> None:
-        """A truncated file can still have an intact header; compare the data length."""
-        with open(path, "rb") as handle:
-            header_len = int.from_bytes(handle.read(8), "little")
-            header = json.loads(handle.read(header_len))
-        end = max(
-            (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
-        )
-        if path.stat().st_size < 8 + header_len + end:
-            raise FeatCalError(
-                f"{path} is truncated ({path.stat().st_size} bytes, header needs "
-                f"{8 + header_len + end}); re-download or re-save it"
-            )
+    def reader(self, file: str) -> Reader:
+        """A `Reader` over one shard (use as a context manager)."""
+        return Reader(self.directory / file, self.entries[file])
 
     def __contains__(self, name: str) -> bool:
         return name in self.tensors
@@ -132,13 +118,14 @@ class Checkpoint:
             by_file.setdefault(self.tensors[name].file, []).append(name)
         out: dict[str, torch.Tensor] = {}
         for file, keys in by_file.items():
-            path = self.directory / file
             try:
-                with safe_open(str(path), framework="pt") as handle:
+                with self.reader(file) as shard:
                     for key in keys:
-                        out[key] = handle.get_tensor(key)
-            except Exception as exc:
-                raise FeatCalError(f"cannot read tensors from {path} ({exc}); re-save it") from exc
+                        out[key] = shard[key]
+            except (OSError, SafetensorsFormatError) as exc:
+                raise FeatCalError(
+                    f"cannot read tensors from {self.directory / file} ({exc}); re-save it"
+                ) from exc
         if check_finite:
             for key, tensor in out.items():
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):

@@ -11,11 +11,10 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from featcal_core.checkpoint import INDEX_NAME, Checkpoint
 from featcal_core.errors import FeatCalError
-from featcal_core.safetensors_writer import write_streaming
+from featcal_core.safetensors_io import Reader, write_streaming
 
 #: files a model directory needs to turn raw inputs into model inputs
 PREPROCESSOR_FILES = (
@@ -35,20 +34,21 @@ def export_checkpoint(
     Non-weight files (config.json, processor and tokenizer files) are copied from the merged
     directory, then from `extra_sources` (e.g. the base) where the merged one lacks them.
     """
+    readers: dict[Path, Reader] = {}
     for shard in merged.files:
         keys = [k for k, info in merged.tensors.items() if info.file == shard]
         entries = [(k, merged.tensors[k].dtype, merged.tensors[k].shape) for k in keys]
         with ExitStack() as stack:
-            source = stack.enter_context(safe_open(str(merged.directory / shard), framework="pt"))
-            handles: dict[Path, object] = {}
+            source = stack.enter_context(merged.reader(shard))
 
-            def fetch(key: str, source=source, handles=handles, stack=stack) -> torch.Tensor:
+            def fetch(key: str, source=source) -> torch.Tensor:
                 if key in replaced:
                     path = replaced[key]
-                    if path not in handles:
-                        handles[path] = stack.enter_context(safe_open(str(path), framework="pt"))
-                    return handles[path].get_tensor(key)
-                tensor = source.get_tensor(key)
+                    if path not in readers:
+                        readers[path] = Reader(path)  # parses the header once
+                    with readers[path] as block:
+                        return block[key]
+                tensor = source[key]
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                     raise FeatCalError(
                         f"tensor {key!r} in merged model {merged.directory} contains NaN or Inf; "

@@ -14,7 +14,7 @@ import torch
 from featcal_core.architectures import Architecture, detect
 from featcal_core.checkpoint import Checkpoint
 from featcal_core.errors import FeatCalError
-from featcal_core.safetensors_writer import torch_dtype
+from featcal_core.safetensors_io import DTYPES
 
 
 @dataclass
@@ -102,4 +102,4 @@ class ModelSet:
     def compute_dtype(self) -> torch.dtype:
         """The merged model's dtype (of its tower's probe tensor)."""
         info = self.merged.tensors[self.key(self.merged, self.arch.probe_key)]
-        return torch_dtype(info.dtype)
+        return DTYPES[info.dtype]

@@ -105,45 +105,60 @@ class LinearInputStats:
         tokens = tokens_hint or 0
         self.via_x = tokens > 0 and d_in * (tokens + total_out) < 2 * tokens * total_out
         self._task_weight = 0.0
-        self._task_gram: torch.Tensor | None = None  # Σ ω x_s x_sᵀ
-        self._task_mixed: torch.Tensor | None = None  # via X_t: Σ ω x_s x_eᵀ
-        self._task_student: torch.Tensor | None = None  # Σ ω x_s
-        self._task_expert: torch.Tensor | None = None  # Σ ω x_e
+        self._task_open = False
+        # per-task sums, allocated once and zeroed for each task
+        self._task_gram = self._zeros(d_in, d_in)  # Σ ω x_s x_sᵀ
+        self._task_mixed = self._zeros(d_in, d_in) if self.via_x else None  # Σ ω x_s x_eᵀ
+        self._task_student = self._zeros(d_in)  # Σ ω x_s
+        self._task_expert = self._zeros(d_in)  # Σ ω x_e
+        for target in self.targets.values():
+            if not self.via_x:
+                target.task_cross = self._zeros(d_in, target.d_out)
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=DTYPE, device=self.device)
+
+    def _task_buffers(self) -> list[torch.Tensor]:
+        buffers = [self._task_gram, self._task_mixed, self._task_student, self._task_expert]
+        buffers += [t.task_cross for t in self.targets.values()]
+        return [b for b in buffers if b is not None]
 
     def add(
         self,
         x_s: torch.Tensor,
         x_e: torch.Tensor,
-        w: torch.Tensor,
+        w: torch.Tensor | None,
         alpha: float,
         expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
     ) -> None:
-        """Add one batch of task t's tokens. expert_params: name → (W_t (d_out × d_in), b_t or None)."""
-        if self._task_gram is None:
-            self._task_gram = self._zeros(self.d_in, self.d_in)
-            self._task_student = self._zeros(self.d_in)
-            self._task_expert = self._zeros(self.d_in)
-            if self.via_x:
-                self._task_mixed = self._zeros(self.d_in, self.d_in)
+        """Add one batch of task t's tokens (w None: all weights 1).
+
+        expert_params: name → (W_t (d_out × d_in), b_t or None).
+        """
+        if not self._task_open:
+            for buffer in self._task_buffers():
+                buffer.zero_()
+            self._task_open = True
         x_s = x_s.to(DTYPE)
         x_e = x_e.to(DTYPE)
-        w = w.to(DTYPE)
-        xw = x_s * w[:, None]
+        if w is None:  # all token weights 1: skip the weighting
+            xw = x_s
+            self._task_student += x_s.sum(0)
+            self._task_expert += x_e.sum(0)
+            self._task_weight += float(x_s.shape[0])
+        else:
+            w = w.to(DTYPE)
+            xw = x_s * w[:, None]
+            self._task_student += w @ x_s
+            self._task_expert += w @ x_e
+            self._task_weight += float(w.sum())
         add_gram(self._task_gram, xw, x_s)
-        self._task_student += xw.sum(0)
-        self._task_expert += (x_e * w[:, None]).sum(0)
-        self._task_weight += float(w.sum())
         if self.via_x:
             self._task_mixed.addmm_(xw.T, x_e)
             return
-        x_t = alpha * x_e + (1.0 - alpha) * x_s
+        x_t = torch.lerp(x_s, x_e, alpha)  # α x_e + (1 − α) x_s
         for name, target in self.targets.items():
             y = x_t @ expert_params[name][0].to(DTYPE).T  # W_t x_t, (N × d_out)
-            if target.task_cross is None:
-                target.task_cross = self._zeros(self.d_in, target.d_out)
             target.task_cross.addmm_(xw.T, y)
 
     def end_task(
@@ -154,7 +169,7 @@ class LinearInputStats:
     ) -> float:
         """Fold the current task into the running sums; returns its scale s_t."""
         total = self._task_weight
-        if total <= 0 or self._task_gram is None:
+        if total <= 0 or not self._task_open:
             raise ValueError("a task contributed no weighted tokens to a Linear input")
         gram = self._task_gram  # upper block rows only when wide: linear in the sums below
         s_t = 1.0 / max(gram_norm(gram) / total, eps)
@@ -172,13 +187,12 @@ class LinearInputStats:
                 target.cross.addmm_(mixed, weight_t.T, alpha=s_t / total)
             else:
                 target.cross.add_(target.task_cross, alpha=s_t / total)
-                target.task_cross = None
             mean_out = weight_t @ teacher_mean
             if bias_t is not None:
                 mean_out = mean_out + bias_t.to(DTYPE)
             target.target_sum += s_t * mean_out
         self._task_weight = 0.0
-        self._task_gram = self._task_mixed = self._task_student = self._task_expert = None
+        self._task_open = False
         return s_t
 
     def solve(
@@ -192,6 +206,9 @@ class LinearInputStats:
         anchors: name → (a(W), a(b)), unused when λ = 0. The shared left-hand side is factored
         once, in place: the running sums are consumed.
         """
+        for target in self.targets.values():
+            target.task_cross = None
+        self._task_gram = self._task_mixed = None
         system = ridge_system(symmetrize_(self.gram), lam, eps, in_place=True)
         self.gram = None
         out = {}
@@ -239,11 +256,14 @@ class NormStats:
         var = (x - mean).pow(2).mean(-1, keepdim=True)
         return (x - mean) * torch.rsqrt(var + self.norm_eps)
 
-    def add(self, x_s: torch.Tensor, w: torch.Tensor) -> None:
+    def add(self, x_s: torch.Tensor, w: torch.Tensor | None) -> None:
+        """Add one batch (N, d) of task t's student inputs (w None: all weights 1)."""
         z = self.normalize(x_s)
-        w = w.to(DTYPE)[:, None]
-        z_sum = (w * z).sum(0)
-        z2_sum = (w * z * z).sum(0)
+        if w is None:
+            w = torch.ones(z.shape[0], dtype=DTYPE, device=z.device)
+        w = w.to(DTYPE)
+        z_sum = w @ z
+        z2_sum = w @ (z * z)
         self._task_z = z_sum if self._task_z is None else self._task_z + z_sum
         self._task_z2 = z2_sum if self._task_z2 is None else self._task_z2 + z2_sum
         self._task_weight += float(w.sum())

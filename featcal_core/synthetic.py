@@ -160,3 +160,20 @@ def build_pool(
         )  # fmt: skip
     )
     return Pool(base_dir, merged_dir, experts, calib)
+
+
+def load_pool(root: str | Path) -> Pool | None:
+    """The pool `build_pool` wrote under `root`, or None when there is none (or it is incomplete)."""
+    root = Path(root)
+    try:
+        tasks = json.loads((root / "pool.json").read_text())["tasks"]
+    except (OSError, ValueError, KeyError):
+        return None
+    pool = Pool(
+        root / "base",
+        root / "merged",
+        {t: root / f"expert_{t}" for t in tasks},
+        {t: root / f"calib_{t}" for t in tasks},
+    )
+    paths = [pool.base, pool.merged, *pool.experts.values(), *pool.calib.values()]
+    return pool if all(p.exists() for p in paths) else None

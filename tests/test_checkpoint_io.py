@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from featcal_core.checkpoint import Checkpoint
-from featcal_core.safetensors_writer import write_streaming
+from featcal_core.safetensors_io import write_streaming
 
 
 def test_streaming_writer_round_trips_every_dtype(tmp_path):

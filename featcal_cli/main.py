@@ -8,6 +8,7 @@ import shutil
 import sys
 
 from featcal_core.errors import FeatCalError
+from featcal_core.memory import tune_allocator
 
 EXIT_BAD_INPUT = 2
 
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("httpx", "urllib3", "datasets", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    tune_allocator()
     try:
         return COMMANDS[args.command](args)
     except FeatCalError as exc:

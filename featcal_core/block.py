@@ -18,7 +18,7 @@ from torch import nn
 from featcal_core.errors import FeatCalError
 from featcal_core.model_set import ModelSet
 from featcal_core.solvers import anchor
-from featcal_core.statistics import LinearInputStats, NormStats
+from featcal_core.statistics import LinearInputStats, NormStats, Scratch
 from featcal_core.streams import EXPERT, STUDENT, HiddenStreams
 
 log = logging.getLogger(__name__)
@@ -219,9 +219,10 @@ class BlockRunner:
             module = self.merged_block.get_submodule(name)
             members.setdefault(key, {})[name] = (module.out_features, module.bias is not None)
         stats = {}
+        scratch = Scratch(self.device)
         for key, modules in members.items():
             d_in = self.merged_block.get_submodule(next(iter(modules))).in_features
-            stats[key] = LinearInputStats(d_in, modules, self.device, tokens_hint=tokens)
+            stats[key] = LinearInputStats(d_in, modules, self.device, tokens, scratch)
         return stats, groups
 
     def _norm_stats(self) -> dict[str, NormStats]:

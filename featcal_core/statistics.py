@@ -62,6 +62,22 @@ def symmetrize_(acc: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+class Scratch:
+    """Reusable float64 work buffers, so batches do not allocate tens of MB each (shared by the
+    accumulators of one block: they run one after another)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, key: str, rows: int, cols: int) -> torch.Tensor:
+        """An uninitialised (rows × cols) float64 view of buffer `key`, grown when needed."""
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < rows * cols:
+            buffer = self._buffers[key] = torch.empty(rows * cols, dtype=DTYPE, device=self.device)
+        return buffer[: rows * cols].view(rows, cols)
+
+
 @dataclass
 class LinearTarget:
     """Running sums of one Linear module fed by a `LinearInputStats`."""
@@ -88,9 +104,12 @@ class LinearInputStats:
         modules: dict[str, tuple[int, bool]],
         device: torch.device,
         tokens_hint: int | None = None,
+        scratch: Scratch | None = None,
     ):
         self.d_in = d_in
         self.device = device
+        self.scratch = scratch or Scratch(device)
+        self._expert_weights: dict[str, torch.Tensor] = {}
         self.gram = torch.zeros(d_in, d_in, dtype=DTYPE, device=device)  # Σ s_t C_t
         self.student_mean_sum = torch.zeros(d_in, dtype=DTYPE, device=device)  # Σ s_t μs_t
         self.scale_sum = 0.0  # Σ s_t
@@ -118,6 +137,13 @@ class LinearInputStats:
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=DTYPE, device=self.device)
 
+    def _expert_weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """W_t in float64, converted once per task."""
+        cached = self._expert_weights.get(name)
+        if cached is None:
+            cached = self._expert_weights[name] = weight.to(DTYPE)
+        return cached
+
     def _task_buffers(self) -> list[torch.Tensor]:
         buffers = [self._task_gram, self._task_mixed, self._task_student, self._task_expert]
         buffers += [t.task_cross for t in self.targets.values()]
@@ -139,16 +165,17 @@ class LinearInputStats:
             for buffer in self._task_buffers():
                 buffer.zero_()
             self._task_open = True
-        x_s = x_s.to(DTYPE)
-        x_e = x_e.to(DTYPE)
+        tokens = x_s.shape[0]
+        x_s = self.scratch.take("x_s", tokens, self.d_in).copy_(x_s)
+        x_e = self.scratch.take("x_e", tokens, self.d_in).copy_(x_e)
         if w is None:  # all token weights 1: skip the weighting
             xw = x_s
             self._task_student += x_s.sum(0)
             self._task_expert += x_e.sum(0)
-            self._task_weight += float(x_s.shape[0])
+            self._task_weight += float(tokens)
         else:
             w = w.to(DTYPE)
-            xw = x_s * w[:, None]
+            xw = torch.mul(x_s, w[:, None], out=self.scratch.take("xw", tokens, self.d_in))
             self._task_student += w @ x_s
             self._task_expert += w @ x_e
             self._task_weight += float(w.sum())
@@ -156,9 +183,11 @@ class LinearInputStats:
         if self.via_x:
             self._task_mixed.addmm_(xw.T, x_e)
             return
-        x_t = torch.lerp(x_s, x_e, alpha)  # α x_e + (1 − α) x_s
+        # α x_e + (1 − α) x_s, written over x_e's scratch (x_e is not needed any more)
+        x_t = torch.lerp(x_s, x_e, alpha, out=x_e)
         for name, target in self.targets.items():
-            y = x_t @ expert_params[name][0].to(DTYPE).T  # W_t x_t, (N × d_out)
+            weight_t = self._expert_weight(name, expert_params[name][0])
+            y = torch.matmul(x_t, weight_t.T, out=self.scratch.take("y", tokens, target.d_out))
             target.task_cross.addmm_(xw.T, y)
 
     def end_task(
@@ -193,6 +222,7 @@ class LinearInputStats:
             target.target_sum += s_t * mean_out
         self._task_weight = 0.0
         self._task_open = False
+        self._expert_weights = {}
         return s_t
 
     def solve(

@@ -56,7 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
                      help="pooling of the model's output (default: the architecture's)")  # fmt: skip
     cal.add_argument("--spill-dir", default=None, help="keep hidden-state streams on disk here")
     cal.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    cal.add_argument(
+        "--results-dir",
+        default=None,
+        help="run as the resumable Prefect flow, persisting each block's result here",
+    )
     cal.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from featcal_cli import merge_command
+
+    merge_command.add_parser(sub)
+
     demo = sub.add_parser(
         "demo", help="calibrate a small synthetic pool and print the per-block drift (offline)"
     )
@@ -102,6 +111,8 @@ def _demo(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from featcal_core import FeatCalParams, calibrate
 
+    if args.results_dir is not None:
+        return _calibrate_flow(args)
     record = calibrate(
         base=args.base,
         merged=args.merged,
@@ -126,7 +137,40 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"calibrate": _calibrate, "demo": _demo}
+def _calibrate_flow(args: argparse.Namespace) -> int:
+    from flows.environment import configure
+
+    configure()
+    from featcal_core import FeatCalParams
+    from featcal_core.calibration import Settings
+    from flows.calibration import calibration_flow, make_spec
+
+    spec = make_spec(
+        args.base,
+        args.merged,
+        _pairs("--expert", args.expert),
+        _pairs("--calib", args.calib),
+        args.results_dir,
+        FeatCalParams(alpha=args.alpha, rho=args.rho, lam=args.lam, eps=args.eps),
+        Settings(args.num_per_task, args.batch_size, args.seed, args.device, args.max_length,
+                 args.pooling),
+    )  # fmt: skip
+    record = calibration_flow(spec, args.out, args.overwrite)
+    computed = sum(not block["restored"] for block in record["blocks"])
+    logging.getLogger("featcal").info(
+        "%d blocks computed, %d restored -> %s",
+        computed, len(record["blocks"]) - computed, args.out,
+    )  # fmt: skip
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from featcal_cli import merge_command
+
+    return merge_command.run(args)
+
+
+COMMANDS = {"calibrate": _calibrate, "demo": _demo, "merge": _merge}
 
 
 def main(argv: list[str] | None = None) -> int:

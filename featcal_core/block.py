@@ -108,12 +108,14 @@ class BlockRunner:
     def calibrate(
         self,
         index: int,
-        streams: HiddenStreams,
+        source: HiddenStreams,
+        target: HiddenStreams,
         masks: dict[str, torch.Tensor],
         params: FeatCalParams,
         batch_size: int,
     ) -> BlockResult:
-        """Calibrate block `index`; updates both streams of every task in place."""
+        """Calibrate block `index`: reads both streams of every task from `source` (block inputs)
+        and writes the block outputs to `target` (may be the same object)."""
         start = time.perf_counter()
         arch = self.arch
         last = index == arch.num_blocks - 1
@@ -135,8 +137,8 @@ class BlockRunner:
             }
             new_expert, sq_sum, tok_sum = [], 0.0, 0.0
             batches = zip(
-                streams.batches(STUDENT, task, batch_size),
-                streams.batches(EXPERT, task, batch_size),
+                source.batches(STUDENT, task, batch_size),
+                source.batches(EXPERT, task, batch_size),
                 masks[task].split(batch_size),
                 strict=True,
             )
@@ -165,7 +167,7 @@ class BlockRunner:
             for name, stats in norm_stats.items():
                 module = self.expert_block.get_submodule(name)
                 stats.end_task(module.weight, getattr(module, "bias", None))
-            streams.put(EXPERT, task, torch.cat(new_expert))
+            target.put(EXPERT, task, torch.cat(new_expert))
             del new_expert
 
         base_sd = self.read_block(self.models.base, index)
@@ -179,8 +181,8 @@ class BlockRunner:
         for task in self.models.experts:
             outputs, sq_sum, tok_sum = [], 0.0, 0.0
             batches = zip(
-                streams.batches(STUDENT, task, batch_size),
-                streams.batches(EXPERT, task, batch_size),
+                source.batches(STUDENT, task, batch_size),
+                target.batches(EXPERT, task, batch_size),
                 masks[task].split(batch_size),
                 strict=True,
             )
@@ -192,7 +194,7 @@ class BlockRunner:
                 sq_sum, tok_sum = sq_sum + sq, tok_sum + tok
                 outputs.append(out.to("cpu"))
             result.drift_after[task] = sq_sum / max(tok_sum, 1.0)
-            streams.put(STUDENT, task, torch.cat(outputs))
+            target.put(STUDENT, task, torch.cat(outputs))
         result.seconds = time.perf_counter() - start
         return result
 

@@ -7,20 +7,21 @@ import logging
 import shutil
 import tempfile
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from featcal_core.atomic import atomic_directory, check_output
-from featcal_core.block import BlockRunner, FeatCalParams
+from featcal_core.block import BlockResult, BlockRunner, FeatCalParams
 from featcal_core.calibration_data import CalibrationSet, load_calibration_set
 from featcal_core.checkpoint import Checkpoint, sha256_file, sha256_tree
 from featcal_core.errors import FeatCalError
 from featcal_core.export import export_checkpoint
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.model_set import ModelSet
+from featcal_core.safetensors_io import save_tensors
 from featcal_core.streams import EXPERT, STUDENT, HiddenStreams
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,121 @@ def check_tasks(experts: dict[str, object], calib: dict[str, object]) -> None:
         raise FeatCalError("no tasks: pass at least one --expert TASK=DIR and --calib TASK=DIR")
 
 
+@dataclass(frozen=True)
+class Settings:
+    """How calibration inputs are drawn and run (not FeatCal's hyperparameters)."""
+
+    num_per_task: int = 256  # calibration inputs per task (seeded sample when a set is larger)
+    batch_size: int = 16
+    seed: int = 0
+    device: str = "cpu"  # cpu | cuda | auto
+    max_length: int = 128  # token limit for text models
+    pooling: str | None = None  # cls | mean | None (the architecture's default)
+
+
+class Calibration:
+    """A validated FeatCal calibration, run in stages.
+
+    `stems` fills the block-0 inputs of every task, `block(i)` calibrates block i (forward order)
+    reading the block's input streams and writing its output streams, `export` writes the
+    calibrated checkpoint. Validation (files, architectures, shapes, tasks, calibration sets) all
+    happens in the constructor, before any heavy work.
+    """
+
+    def __init__(
+        self,
+        base: str | Path,
+        merged: str | Path,
+        experts: dict[str, str | Path],
+        calib: dict[str, str | Path],
+        params: FeatCalParams = FeatCalParams(),
+        settings: Settings = Settings(),
+    ):
+        check_tasks(experts, calib)
+        if settings.batch_size < 1:
+            raise FeatCalError(f"--batch-size must be at least 1 (got {settings.batch_size})")
+        self.params = params
+        self.settings = settings
+        self.device = resolve_device(settings.device)
+        self.models = ModelSet.open(base, merged, experts, settings.pooling)
+        self.arch = self.models.arch
+        self.sets = {
+            task: load_calibration_set(
+                task, path, self.arch.modality, settings.num_per_task, settings.seed
+            )
+            for task, path in calib.items()
+        }
+        self.dtype = self.models.compute_dtype()
+        self._runner: BlockRunner | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return self.arch.num_blocks
+
+    def stems(self, target: HiddenStreams) -> dict[str, torch.Tensor]:
+        """Write both streams of every task (each model's own stem); returns task → mask (n, S)."""
+        return _run_stems(
+            self.models, self.sets, target, self.dtype, self.device,
+            self.settings.batch_size, self.settings.max_length,
+        )  # fmt: skip
+
+    def block(
+        self,
+        index: int,
+        source: HiddenStreams,
+        target: HiddenStreams,
+        masks: dict[str, torch.Tensor],
+    ) -> BlockResult:
+        """Calibrate block `index` (see BlockRunner.calibrate)."""
+        if self._runner is None:
+            self._runner = BlockRunner(self.models, self.dtype, self.device)
+        return self._runner.calibrate(
+            index, source, target, masks, self.params, self.settings.batch_size
+        )
+
+    def checkpoint_keys(self, result: BlockResult) -> dict[str, torch.Tensor]:
+        """The block's calibrated tensors under the merged checkpoint's own key names."""
+        prefix = self.models.prefix(self.models.merged) + self.arch.block_prefix(result.index)
+        return {prefix + name: tensor.contiguous() for name, tensor in result.tensors.items()}
+
+    def export(self, replaced: dict[str, Path], out_dir: Path) -> None:
+        """Write the calibrated checkpoint: merged layout, `replaced` keys read from their files."""
+        export_checkpoint(
+            self.models.merged, replaced, out_dir, extra_sources=(self.models.base.directory,)
+        )
+
+    def record(self, blocks: list[dict], started: float) -> dict:
+        settings = asdict(self.settings)
+        settings["device"] = str(self.device)
+        settings["pooled_position"] = self.arch.pooled_position
+        return _record(self.models, self.sets, self.params, blocks, settings, started)
+
+
+def block_summary(result: BlockResult, restored: bool = False) -> dict:
+    """The per-block entry of the record."""
+    return {
+        "index": result.index,
+        "seconds": round(result.seconds, 4),
+        "restored": restored,
+        "drift_before": result.drift_before,
+        "drift_after": result.drift_after,
+    }
+
+
+def log_block(result: BlockResult, num_blocks: int, restored: bool = False) -> None:
+    before = sum(result.drift_before.values()) / len(result.drift_before)
+    after = sum(result.drift_after.values()) / len(result.drift_after)
+    how = "restored" if restored else f"{result.seconds:.1f} s"
+    log.info(
+        "block %d/%d: mean drift %.6g -> %.6g (%s)",
+        result.index + 1,
+        num_blocks,
+        before,
+        after,
+        how,
+    )
+
+
 def calibrate(
     base: str | Path,
     merged: str | Path,
@@ -74,20 +190,12 @@ def calibrate(
     leaving `out` as it was."""
     started = time.perf_counter()
     out = Path(out)
-    check_tasks(experts, calib)
     check_output(out, overwrite)
-    if batch_size < 1:
-        raise FeatCalError(f"--batch-size must be at least 1 (got {batch_size})")
-    torch_device = resolve_device(device)
-    models = ModelSet.open(base, merged, experts, pooling)
-    arch = models.arch
-    sets = {
-        task: load_calibration_set(task, path, arch.modality, num_per_task, seed)
-        for task, path in calib.items()
-    }
-    dtype = models.compute_dtype()
-    log.info("%s, %d blocks, %d tasks, dtype %s", arch.name, arch.num_blocks, len(sets), dtype)
-
+    settings = Settings(num_per_task, batch_size, seed, device, max_length, pooling)
+    run = Calibration(base, merged, experts, calib, params, settings)
+    log.info(
+        "%s, %d blocks, %d tasks, dtype %s", run.arch.name, run.num_blocks, len(run.sets), run.dtype
+    )
     with atomic_directory(out, overwrite) as tmp:
         if spill_dir is not None:
             Path(spill_dir).mkdir(parents=True, exist_ok=True)
@@ -97,22 +205,22 @@ def calibrate(
             work.mkdir()
         try:
             streams = HiddenStreams(work / "streams" if spill_dir else None)
-            masks = _run_stems(models, sets, streams, dtype, torch_device, batch_size, max_length)
-            blocks, replaced = _run_blocks(
-                models, streams, masks, params, dtype, torch_device, batch_size, work, progress
-            )
-            export_checkpoint(models.merged, replaced, tmp, extra_sources=(models.base.directory,))
+            masks = run.stems(streams)
+            blocks, replaced = [], {}
+            bar = tqdm(range(run.num_blocks), desc="FeatCal blocks", unit="block",
+                       disable=not progress)  # fmt: skip
+            for index in bar:
+                result = run.block(index, streams, streams, masks)
+                path = work / f"block_{index:05d}.safetensors"
+                tensors = run.checkpoint_keys(result)
+                save_tensors(path, tensors)
+                replaced.update(dict.fromkeys(tensors, path))
+                log_block(result, run.num_blocks)
+                blocks.append(block_summary(result))
+            run.export(replaced, tmp)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        settings = {
-            "num_per_task": num_per_task,
-            "batch_size": batch_size,
-            "seed": seed,
-            "device": str(torch_device),
-            "max_length": max_length,
-            "pooled_position": arch.pooled_position,
-        }
-        record = _record(models, sets, params, blocks, settings, started)
+        record = run.record(blocks, started)
         (tmp / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
     log.info("wrote %s in %.1f s", out, record["wall_seconds"])
     return record
@@ -145,35 +253,6 @@ def _run_stems(models, sets, streams, dtype, device, batch_size, max_length):
         streams.put(STUDENT, task, run(models.merged, inputs, f"merged model's ({task})"))
         streams.put(EXPERT, task, run(models.experts[task], inputs, f"expert {task!r}"))
     return masks
-
-
-def _run_blocks(models, streams, masks, params, dtype, device, batch_size, work, progress):
-    arch = models.arch
-    runner = BlockRunner(models, dtype, device)
-    merged_prefix = models.prefix(models.merged)
-    blocks, replaced = [], {}
-    bar = tqdm(range(arch.num_blocks), desc="FeatCal blocks", unit="block", disable=not progress)
-    for index in bar:
-        result = runner.calibrate(index, streams, masks, params, batch_size)
-        keys = {merged_prefix + arch.block_prefix(index) + k: v for k, v in result.tensors.items()}
-        path = work / f"block_{index:05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in keys.items()}, str(path))
-        replaced.update(dict.fromkeys(keys, path))
-        before = sum(result.drift_before.values()) / len(result.drift_before)
-        after = sum(result.drift_after.values()) / len(result.drift_after)
-        log.info(
-            "block %d/%d: mean drift %.6g -> %.6g (%.1f s)",
-            index + 1, arch.num_blocks, before, after, result.seconds,
-        )  # fmt: skip
-        blocks.append(
-            {
-                "index": index,
-                "seconds": round(result.seconds, 4),
-                "drift_before": result.drift_before,
-                "drift_after": result.drift_after,
-            }
-        )
-    return blocks, replaced
 
 
 def _describe(checkpoint: Checkpoint) -> dict:

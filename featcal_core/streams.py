@@ -1,60 +1,85 @@
-"""The two hidden-state streams per task (student and expert), in memory or spilled to disk.
+"""The two hidden-state streams per task (student and expert), in memory or on disk.
 
-Each stream of task t is one tensor (n_t, S_t, d) in the model dtype. With a spill directory each
-stream lives in its own safetensors file and batches are read as slices, so only one task's new
-stream is held in memory while it is being produced.
+Each stream of task t is one tensor (n_t, S_t, d) in the model dtype. On disk each stream is one
+safetensors file (`<kind>-<task>.safetensors`) and batches are read as row ranges, so only the
+stream being produced is held in memory. A directory of streams is also the persisted state
+between two blocks (see featcal_core.calibration).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+
+from featcal_core.safetensors_io import Entry, read_header, read_tensor, save_tensors
 
 STUDENT = "student"
 EXPERT = "expert"
+_KEY = "h"
+
+
+def stream_file_name(kind: str, task: str) -> str:
+    """File name of a stream: readable task name plus a short digest (distinct for any names)."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in task)[:60]
+    digest = hashlib.sha1(task.encode()).hexdigest()[:8]
+    return f"{kind}-{safe}-{digest}.safetensors"
 
 
 class HiddenStreams:
-    def __init__(self, spill_dir: Path | None = None):
-        self.spill_dir = spill_dir
-        self._memory: dict[tuple[str, str], torch.Tensor] = {}
-        self._lengths: dict[tuple[str, str], int] = {}
-        if spill_dir is not None:
-            spill_dir.mkdir(parents=True, exist_ok=True)
+    """Streams keyed by (kind, task): in memory (directory None) or one file each in `directory`."""
 
-    def _path(self, kind: str, task: str) -> Path:
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in task)
-        return self.spill_dir / f"{kind}-{safe}.safetensors"
+    def __init__(self, directory: Path | None = None):
+        self.directory = directory
+        self._memory: dict[tuple[str, str], torch.Tensor] = {}
+        self._headers: dict[tuple[str, str], Entry] = {}
+        if directory is not None:
+            directory.mkdir(parents=True, exist_ok=True)
+
+    def path(self, kind: str, task: str) -> Path:
+        return self.directory / stream_file_name(kind, task)
 
     def put(self, kind: str, task: str, tensor: torch.Tensor) -> None:
-        """Replace stream (kind, task) with `tensor` (n, S, d)."""
+        """Replace stream (kind, task) with `tensor` (n, S, d); on disk via a temporary file."""
         tensor = tensor.detach().to("cpu").contiguous()
-        self._lengths[(kind, task)] = tensor.shape[0]
-        if self.spill_dir is None:
+        if self.directory is None:
             self._memory[(kind, task)] = tensor
             return
-        path = self._path(kind, task)
-        tmp = path.with_suffix(".tmp")
-        save_file({"h": tensor}, str(tmp))
+        path = self.path(kind, task)
+        tmp = path.with_name(path.name + ".tmp")
+        save_tensors(tmp, {_KEY: tensor})
         os.replace(tmp, path)
+        self._headers.pop((kind, task), None)
+
+    def _entry(self, kind: str, task: str) -> Entry:
+        entry = self._headers.get((kind, task))
+        if entry is None:
+            entry = self._headers[(kind, task)] = read_header(self.path(kind, task))[0][_KEY]
+        return entry
 
     def batches(self, kind: str, task: str, batch_size: int) -> Iterator[torch.Tensor]:
         """Consecutive batches (≤ batch_size, S, d) of stream (kind, task)."""
-        length = self._lengths[(kind, task)]
-        if self.spill_dir is None:
+        if self.directory is None:
             stream = self._memory[(kind, task)]
-            for start in range(0, length, batch_size):
+            for start in range(0, stream.shape[0], batch_size):
                 yield stream[start : start + batch_size]
             return
-        with safe_open(str(self._path(kind, task)), framework="pt") as handle:
-            piece = handle.get_slice("h")
-            for start in range(0, length, batch_size):
-                yield piece[start : start + batch_size]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._memory.values())
+        entry = self._entry(kind, task)
+        rows = entry.shape[0]
+        row_bytes = (entry.end - entry.start) // max(rows, 1)
+        fd = os.open(self.path(kind, task), os.O_RDONLY)
+        try:
+            for start in range(0, rows, batch_size):
+                stop = min(start + batch_size, rows)
+                part = Entry(
+                    entry.dtype,
+                    (stop - start, *entry.shape[1:]),
+                    entry.start + start * row_bytes,
+                    entry.start + stop * row_bytes,
+                )
+                yield read_tensor(fd, part)
+        finally:
+            os.close(fd)

@@ -1,0 +1,61 @@
+"""Registry of merge methods. Adding a method means adding one module in this package that
+defines a `MergeMethod` subclass decorated with `@register`; it is imported automatically.
+
+    from featcal_core.merging import available, get
+    from featcal_core.merging.run import merge_checkpoints
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+from featcal_core.errors import FeatCalError
+from featcal_core.merging.base import MergeMethod
+
+REGISTRY: dict[str, type[MergeMethod]] = {}
+
+#: modules of this package that define no method
+_NOT_METHODS = {"base", "run"}
+
+
+def register(cls: type[MergeMethod]) -> type[MergeMethod]:
+    """Class decorator: make `cls` available under `cls.name`."""
+    if not cls.name:
+        raise ValueError(f"{cls.__qualname__} has no `name`; set one before registering it")
+    known = REGISTRY.get(cls.name)
+    if known is not None and (known.__module__, known.__qualname__) != (
+        cls.__module__,
+        cls.__qualname__,
+    ):
+        raise ValueError(
+            f"merge method name {cls.name!r} is taken by {known.__module__}.{known.__qualname__}"
+        )
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def _import_all() -> None:
+    for info in pkgutil.iter_modules(__path__):
+        if info.name not in _NOT_METHODS:
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+def available() -> list[str]:
+    """Names of all registered merge methods, sorted."""
+    _import_all()
+    return sorted(REGISTRY)
+
+
+def get(name: str) -> MergeMethod:
+    """A new instance of the method registered as `name`; FeatCalError lists the known names."""
+    _import_all()
+    cls = REGISTRY.get(name)
+    if cls is None:
+        raise FeatCalError(
+            f"unknown merge method {name!r} (--method); available: {', '.join(available())}"
+        )
+    return cls()
+
+
+__all__ = ["REGISTRY", "MergeMethod", "available", "get", "register"]

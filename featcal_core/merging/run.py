@@ -1,0 +1,233 @@
+"""`merge_checkpoints`: merge expert checkpoints into one, streaming tensor by tensor.
+
+The output has the base's layout: the same shard files holding the same tensor names with the same
+dtypes (and the base's index file, when it has one), plus the base's other files (config.json,
+processor and tokenizer files) and a `merge.json` record. For each tensor name the base's tensor
+and then each expert's tensor are read, merged and written before the next name is read, so peak
+memory is about the largest tensor times (number of experts + 1) in its stored dtype plus a few
+float64 working copies of it; no model is ever loaded whole.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from featcal_core.atomic import atomic_directory, check_output
+from featcal_core.checkpoint import INDEX_NAME, Checkpoint, sha256_file
+from featcal_core.errors import FeatCalError
+from featcal_core.memory import peak_rss_bytes
+from featcal_core.merging import get
+from featcal_core.merging.base import MergeMethod
+from featcal_core.safetensors_io import DTYPES, Reader, SafetensorsFormatError, write_streaming
+
+log = logging.getLogger(__name__)
+
+RECORD_NAME = "merge.json"
+RECORD_VERSION = 1
+#: provenance records of earlier runs: never copied from the base into a new output
+_RECORDS = (RECORD_NAME, "featcal.json")
+#: weight files of other formats: never copied from the base (a loader might pick them up and
+#: silently load the base's weights instead of the merged ones)
+_OTHER_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
+
+
+def merge_checkpoints(
+    base: str | Path,
+    experts: dict[str, str | Path],
+    out: str | Path,
+    method: str,
+    hyperparameters: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Merge `experts` (task → save_pretrained dir) of `base` with `method`; write `out`.
+
+    Every expert must hold exactly the base's tensor names with the same shapes. Floating-point
+    tensors are merged (computed in float64, stored in the base tensor's dtype); other tensors are
+    copied from the base. Returns the record also written to `out`/merge.json. Raises
+    FeatCalError on bad input, leaving no partial output and an existing `out` as it was.
+    """
+    started = time.perf_counter()
+    out = Path(out)
+    merger = get(method)
+    hp = merger.check(hyperparameters)
+    if not experts:
+        raise FeatCalError("no experts to merge: pass at least one --expert TASK=DIR")
+    check_output(out, overwrite)
+    base_ckpt = Checkpoint(base, "base model")
+    expert_ckpts = {task: Checkpoint(path, f"expert {task!r}") for task, path in experts.items()}
+    for checkpoint in (base_ckpt, *expert_ckpts.values()):
+        if out.resolve() == checkpoint.directory.resolve():
+            raise FeatCalError(
+                f"--out {out} is the {checkpoint.role} directory; write the merge elsewhere"
+            )
+    for checkpoint in expert_ckpts.values():
+        _check_same_layout(base_ckpt, checkpoint)
+    log.info(
+        "merging %d experts into %s with %s %s (%d tensors)",
+        len(expert_ckpts), out, merger.name, hp, len(base_ckpt.tensors),
+    )  # fmt: skip
+
+    with atomic_directory(out, overwrite) as tmp:
+        counts = _write_weights(merger, hp, base_ckpt, expert_ckpts, tmp, progress)
+        _copy_other_files(base_ckpt, tmp)
+        record = {
+            "merge_record_version": RECORD_VERSION,
+            "method": merger.name,
+            "hyperparameters": hp,
+            "inputs": {
+                "base": _describe(base_ckpt),
+                "experts": {task: _describe(c) for task, c in expert_ckpts.items()},
+            },
+            "tensors": counts,
+            "wall_seconds": round(time.perf_counter() - started, 3),
+            "peak_rss_bytes": peak_rss_bytes(),
+        }
+        (tmp / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
+    log.info("wrote %s in %.1f s", out, record["wall_seconds"])
+    return record
+
+
+def _is_float(dtype: str) -> bool:
+    return DTYPES[dtype].is_floating_point
+
+
+def _check_same_layout(base: Checkpoint, expert: Checkpoint) -> None:
+    """`expert` has exactly the base's tensor names, shapes and (float or not) dtype kinds."""
+    missing = [name for name in base.tensors if name not in expert.tensors]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise FeatCalError(
+            f"tensor {missing[0]!r}{more} of the base model {base.directory} is missing from "
+            f"{expert.role} {expert.directory}; an expert must be a fine-tune of the base with "
+            "the same architecture"
+        )
+    extra = [name for name in expert.tensors if name not in base.tensors]
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise FeatCalError(
+            f"{expert.role} {expert.directory} has tensor {extra[0]!r}{more} that the base model "
+            f"{base.directory} lacks; an expert must be a fine-tune of the base with the same "
+            "architecture"
+        )
+    for name, info in base.tensors.items():
+        other = expert.tensors[name]
+        if other.shape != info.shape:
+            raise FeatCalError(
+                f"tensor {name!r} has shape {list(other.shape)} in {expert.role} "
+                f"{expert.directory} but {list(info.shape)} in the base model {base.directory}; "
+                "merge only fine-tunes of the same base"
+            )
+        if _is_float(other.dtype) != _is_float(info.dtype):
+            raise FeatCalError(
+                f"tensor {name!r} has dtype {other.dtype} in {expert.role} {expert.directory} "
+                f"but {info.dtype} in the base model {base.directory}; re-save the expert"
+            )
+
+
+def _check_finite(tensor: torch.Tensor, name: str, where: str) -> None:
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise FeatCalError(f"tensor {name!r} {where} contains NaN or Inf; {_fix(where)}")
+
+
+def _fix(where: str) -> str:
+    if where.startswith("in the merge"):
+        return "lower --scale or check the inputs"
+    return "fix or re-create that checkpoint"
+
+
+class _Readers:
+    """Open shard readers of several checkpoints, opened on first use and closed together."""
+
+    def __init__(self, stack: ExitStack):
+        self._stack = stack
+        self._open: dict[tuple[int, str], Reader] = {}
+
+    def read(self, checkpoint: Checkpoint, name: str) -> torch.Tensor:
+        file = checkpoint.tensors[name].file
+        key = (id(checkpoint), file)
+        try:
+            if key not in self._open:
+                self._open[key] = self._stack.enter_context(checkpoint.reader(file))
+            tensor = self._open[key][name]
+        except (OSError, SafetensorsFormatError) as exc:
+            raise FeatCalError(
+                f"cannot read tensor {name!r} from {checkpoint.directory / file} ({exc}); "
+                f"re-save the {checkpoint.role}"
+            ) from exc
+        _check_finite(tensor, name, f"in {checkpoint.role} {checkpoint.directory}")
+        return tensor
+
+
+def _write_weights(
+    merger: MergeMethod,
+    hp: dict[str, Any],
+    base: Checkpoint,
+    experts: dict[str, Checkpoint],
+    out_dir: Path,
+    progress: bool,
+) -> dict[str, int]:
+    """Write every shard of the base's layout into `out_dir`; returns merged/copied counts."""
+    counts = {"merged": 0, "copied": 0}
+    bar = tqdm(total=len(base.tensors), desc="merge", unit="tensor", disable=not progress)
+    with ExitStack() as stack:
+        stack.callback(bar.close)
+        readers = _Readers(stack)
+
+        def fetch(name: str) -> torch.Tensor:
+            info = base.tensors[name]
+            theta0 = readers.read(base, name)
+            if not _is_float(info.dtype):
+                counts["copied"] += 1
+                bar.update(1)
+                return theta0
+            thetas = [readers.read(expert, name) for expert in experts.values()]
+            merged = merger.merge_tensor(theta0, thetas, hp)
+            del thetas
+            if tuple(merged.shape) != info.shape:
+                raise FeatCalError(
+                    f"merge method {merger.name!r} returned shape {list(merged.shape)} for tensor "
+                    f"{name!r} of shape {list(info.shape)}; this is a bug in the method"
+                )
+            _check_finite(merged, name, f"in the merge ({merger.name}, {hp})")
+            result = merged.to(DTYPES[info.dtype])
+            del merged
+            _check_finite(result, name, f"in the merge ({merger.name}, {hp}) cast to {info.dtype}")
+            counts["merged"] += 1
+            bar.update(1)
+            return result
+
+        for shard in base.files:
+            entries = [(name, e.dtype, e.shape) for name, e in base.entries[shard].items()]
+            write_streaming(out_dir / shard, entries, fetch, base.file_metadata.get(shard))
+    return counts
+
+
+def _copy_other_files(base: Checkpoint, out_dir: Path) -> None:
+    """Copy the base's index and every other plain file but weights and old run records."""
+    weight_names = set(base.files) | {INDEX_NAME}
+    if (base.directory / INDEX_NAME).is_file():
+        shutil.copy2(base.directory / INDEX_NAME, out_dir / INDEX_NAME)
+    for path in sorted(base.directory.iterdir()):
+        if not path.is_file() or path.name in weight_names:
+            continue
+        if path.name in _RECORDS or path.suffix in _OTHER_WEIGHT_SUFFIXES:
+            log.warning("not copying %s from the base model into the merged model", path)
+            continue
+        shutil.copy2(path, out_dir / path.name)
+
+
+def _describe(checkpoint: Checkpoint) -> dict[str, Any]:
+    return {
+        "path": str(checkpoint.directory.resolve()),
+        "sha256": {p.name: sha256_file(p) for p in checkpoint.weight_paths()},
+    }

@@ -1,0 +1,87 @@
+"""Persisted calibration states, so a long calibration can resume where it stopped.
+
+A state directory holds what block i+1 needs and what block i produced:
+
+    streams/<kind>-<task>-<digest>.safetensors   both hidden-state streams of every task
+    masks.safetensors                           token masks, one tensor per task
+    block.safetensors                           block i's calibrated tensors (merged key names)
+    manifest.json                               {"index", "summary", "files": {path: sha256}}
+
+The stem state (index -1) has no block file. `verify` re-hashes every file: a state whose files no
+longer match the manifest is never used. The digest of its files' hashes identifies the state's content
+and feeds the next block's cache key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from featcal_core.checkpoint import sha256_file
+from featcal_core.safetensors_io import Reader, save_tensors
+from featcal_core.streams import HiddenStreams
+
+MANIFEST = "manifest.json"
+MASKS = "masks.safetensors"
+BLOCK = "block.safetensors"
+STREAMS = "streams"
+
+
+def new_state_dir(parent: Path, name: str) -> Path:
+    """A fresh temporary directory beside the final `parent/name` (renamed by `commit_state`)."""
+    parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent))
+
+
+def streams_of(directory: Path) -> HiddenStreams:
+    return HiddenStreams(directory / STREAMS)
+
+
+def save_masks(directory: Path, masks: dict[str, torch.Tensor]) -> None:
+    save_tensors(directory / MASKS, {task: mask.contiguous() for task, mask in masks.items()})
+
+
+def load_masks(directory: Path) -> dict[str, torch.Tensor]:
+    with Reader(directory / MASKS) as reader:
+        return {task: reader[task] for task in reader.entries}
+
+
+def commit_state(tmp: Path, final: Path, index: int, summary: dict) -> str:
+    """Write the manifest of `tmp`, rename it to `final` (replacing a stale one); returns the
+    state's digest."""
+    files = {
+        str(p.relative_to(tmp)): sha256_file(p)
+        for p in sorted(tmp.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+    manifest = {"index": index, "summary": summary, "files": files}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return digest_of(final)
+
+
+def digest_of(directory: Path) -> str:
+    """Content digest of a committed state: its index and its files' sha256 (not the timings)."""
+    manifest = json.loads((directory / MANIFEST).read_text())
+    content = {"index": manifest["index"], "files": manifest["files"]}
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
+def verify(directory: Path) -> dict | None:
+    """The manifest when every listed file exists with its recorded sha256, else None."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        for name, digest in manifest["files"].items():
+            if sha256_file(directory / name) != digest:
+                return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return manifest

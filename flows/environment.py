@@ -1,0 +1,27 @@
+"""Offline, quiet, project-local defaults for Prefect; call before importing prefect.
+
+Without PREFECT_API_URL each process starts Prefect's temporary local server backed by SQLite in
+PREFECT_HOME (here: `.prefect/` in the project, git-ignored). Values already set are kept.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "PREFECT_LOGGING_LEVEL": "WARNING",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    "DO_NOT_TRACK": "1",
+}
+
+
+def configure(prefect_home: str | Path | None = None) -> None:
+    """Set Prefect's environment defaults (not overriding what the user set)."""
+    home = prefect_home or PROJECT_ROOT / ".prefect"
+    os.environ.setdefault("PREFECT_HOME", str(home))
+    for key, value in DEFAULTS.items():
+        os.environ.setdefault(key, value)

@@ -1,0 +1,688 @@
+"""The run configuration (`params.yaml`): schema, loading, validation and command-line overrides.
+
+    params = load_params("params.yaml", ["featcal.alpha=0.3", "tasks.mnist.calibration.split=train"])
+    mlflow.log_params(flatten(params))
+    key_material = params.calibration_settings()
+
+Every bad input ends in one `FeatCalError` whose single line names the file, the dotted key path and
+the fix. Loading is import-light: pydantic and PyYAML only, no torch (the `FeatCalError` import is
+deferred to the error path, because importing `featcal_core` imports torch).
+
+Unknown keys are errors at every level (`extra="forbid"`). Relative paths (local models, local data,
+`run.results_dir`) are relative to the working directory the pipeline runs in (the project root),
+not to the params file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "DataSource",
+    "EvaluationSettings",
+    "FeatCalSettings",
+    "MERGE_METHODS",
+    "MergeSettings",
+    "ModelRef",
+    "ModelsSpec",
+    "Params",
+    "RunSettings",
+    "TaskSpec",
+    "TrackingSettings",
+    "dump",
+    "flatten",
+    "load_params",
+]
+
+MERGE_METHODS = ("task_arithmetic", "ties", "average")
+
+# Hub ids: letters, digits, "-", "_", "."; starting with a letter or digit; at most 96 characters.
+_HUB_PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
+_HUB_MODEL_RE = re.compile(rf"^(?P<repo>{_HUB_PART}/{_HUB_PART})(?:@(?P<rev>[A-Za-z0-9._/-]+))?$")
+_HUB_DATASET_RE = re.compile(rf"^(?:{_HUB_PART}/)?{_HUB_PART}$")
+_TASK_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_LOCAL_PREFIXES = ("/", "./", "../", "~")
+_MAX_FLAT_LIST_CHARS = 500  # longer lists are logged as a count and a digest (MLflow value limits)
+_AT = "featcal_key_suffix"  # context key of our own errors: the key below the error's location
+
+
+def _fail(message: str) -> typing.NoReturn:
+    # Deferred: importing featcal_core runs its __init__, which imports torch.
+    from featcal_core.errors import FeatCalError
+
+    raise FeatCalError(" ".join(message.split("\n")))
+
+
+def _error(message: str, at: str = "") -> PydanticCustomError:
+    """A validation error; `at` is a dotted key below the validated object (e.g. 'dask_address')."""
+    return PydanticCustomError("featcal", message, {_AT: at})
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_default=True)
+
+
+# --------------------------------------------------------------------------------------- models
+
+
+class ModelRef(_Section):
+    """A model: a Hugging Face Hub id `owner/name[@revision]` or a local `save_pretrained` directory.
+
+    Written either as a plain string or as a mapping `{ref: ..., trust_remote_code: true}`.
+    The string is local when it starts with "/", "./", "../" or "~", or when it names an existing
+    directory (relative to the working directory); otherwise it must be a Hub id. Prefix a local
+    path with "./" to make it local even before it exists (e.g. before `dvc pull`).
+    """
+
+    ref: str = Field(description="Hub id `owner/name[@revision]` or a local directory")
+    trust_remote_code: bool = Field(
+        False,
+        description="allow the model's own code from the Hub (transformers trust_remote_code)",
+    )
+    _kind: Literal["hub", "local"] = PrivateAttr("hub")
+    _repo_id: str | None = PrivateAttr(None)
+    _revision: str | None = PrivateAttr(None)
+    _path: Path | None = PrivateAttr(None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return {"ref": value}
+        return value
+
+    @model_validator(mode="after")
+    def _parse(self) -> ModelRef:
+        ref = self.ref.strip()
+        if not ref:
+            raise _error("empty model reference; give a Hub id owner/name[@revision] or ./a/dir")
+        if ref.startswith(_LOCAL_PREFIXES) or Path(ref).expanduser().is_dir():
+            self._kind, self._path = "local", Path(ref).expanduser()
+            return self
+        match = _HUB_MODEL_RE.match(ref)
+        if not match or "--" in match["repo"] or ".." in match["repo"]:
+            raise _error(
+                f"{ref!r} is neither a local directory nor a Hub id owner/name[@revision]; "
+                "start local paths with ./ or / (they need not exist yet)"
+            )
+        self._kind, self._repo_id, self._revision = "hub", match["repo"], match["rev"]
+        return self
+
+    @property
+    def kind(self) -> Literal["hub", "local"]:
+        """ "hub" or "local"."""
+        return self._kind
+
+    @property
+    def repo_id(self) -> str | None:
+        """`owner/name` for a Hub model, else None."""
+        return self._repo_id
+
+    @property
+    def revision(self) -> str | None:
+        """The `@revision` of a Hub model (branch, tag or commit), None for the default branch."""
+        return self._revision
+
+    @property
+    def path(self) -> Path | None:
+        """The directory of a local model ("~" expanded, relative paths kept relative), else None."""
+        return self._path
+
+    def to_yaml(self) -> str | dict[str, Any]:
+        """The plain string unless trust_remote_code is set."""
+        if self.trust_remote_code:
+            return {"ref": self.ref, "trust_remote_code": True}
+        return self.ref
+
+
+class ModelsSpec(_Section):
+    """The base model and one fine-tuned expert per task."""
+
+    base: ModelRef = Field(description="the pre-trained model the experts were fine-tuned from")
+    experts: dict[str, ModelRef] = Field(
+        min_length=1, description="task name -> fine-tuned expert (at least one)"
+    )
+
+    @field_validator("experts")
+    @classmethod
+    def _task_names(cls, experts: dict[str, ModelRef]) -> dict[str, ModelRef]:
+        _check_task_names(experts)
+        return experts
+
+
+# ---------------------------------------------------------------------------------------- tasks
+
+
+class DataSource(_Section):
+    """A dataset split: a Hub dataset (`hub:` + `split:`) or a local `save_to_disk` directory (`path:`)."""
+
+    hub: str | None = Field(None, description="Hub dataset id, e.g. tanganke/mnist")
+    config: str | None = Field(None, description="Hub dataset configuration name (hub only)")
+    path: str | None = Field(None, description="local datasets save_to_disk directory")
+    split: str | None = Field(
+        None, description="split to use; required for hub, optional for a local DatasetDict"
+    )
+    image_column: str | None = Field(None, description="column with the images (default: image)")
+    text_column: str | None = Field(None, description="column with the texts (default: text)")
+    label_column: str | None = Field(None, description="column with the labels (default: label)")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> DataSource:
+        if (self.hub is None) == (self.path is None):
+            raise _error(
+                "give exactly one of hub: (a Hub dataset id) or path: (a save_to_disk directory)"
+            )
+        if self.hub is not None:
+            if not _HUB_DATASET_RE.match(self.hub) or ".." in self.hub or "--" in self.hub:
+                raise _error(f"{self.hub!r} is not a Hub dataset id (owner/name)", "hub")
+            if self.split is None:
+                raise _error("a Hub dataset needs a split: (e.g. split: train)", "split")
+        elif self.config is not None:
+            raise _error("config: is only for Hub datasets; remove it", "config")
+        if self.path is not None and not self.path.strip():
+            raise _error("empty path; give a save_to_disk directory", "path")
+        return self
+
+    @property
+    def kind(self) -> Literal["hub", "local"]:
+        return "hub" if self.hub is not None else "local"
+
+    def identity(self) -> tuple[Any, ...]:
+        """What identifies the rows: (hub, config, split) or (normalised path, split)."""
+        if self.hub is not None:
+            return ("hub", self.hub, self.config, self.split)
+        return ("local", os.path.normpath(os.path.expanduser(self.path)), self.split)
+
+    def describe(self) -> str:
+        if self.hub is not None:
+            config = f", config {self.config}" if self.config else ""
+            return f"hub {self.hub}{config}, split {self.split}"
+        split = f", split {self.split}" if self.split else ""
+        return f"path {self.path}{split}"
+
+
+def _check_template(template: str) -> str:
+    if "{}" not in template:
+        raise _error(f"template {template!r} has no {{}} where the class name goes")
+    try:
+        template.format("x")
+    except (IndexError, KeyError, ValueError) as exc:
+        raise _error(
+            f"template {template!r} must format with one class name (one {{}}; "
+            f"double other braces): {exc}"
+        ) from None
+    return template
+
+
+Template = Annotated[str, AfterValidator(_check_template)]
+
+
+class TaskSpec(_Section):
+    """One task: where its calibration and evaluation data come from, and its zero-shot head."""
+
+    calibration: DataSource = Field(description="unlabeled inputs for FeatCal (from train data)")
+    evaluation: DataSource = Field(description="held-out labelled data for evaluation")
+    class_names: list[str] | None = Field(
+        None, min_length=1, description="CLIP zero-shot class names (default: the label feature's)"
+    )
+    templates: list[Template] | None = Field(
+        None, min_length=1, description='CLIP zero-shot prompts, each with "{}" for the class name'
+    )
+
+    @model_validator(mode="after")
+    def _held_out(self) -> TaskSpec:
+        if self.calibration.identity() == self.evaluation.identity():
+            raise _error(
+                f"calibration and evaluation use the same data ({self.calibration.describe()}); "
+                "calibration must come from train data (e.g. split: train) so evaluation stays held out",
+                "calibration",
+            )
+        return self
+
+
+# ------------------------------------------------------------------------------------- sections
+
+
+class RunSettings(_Section):
+    """Run identity and outputs."""
+
+    name: str = Field("featcal", min_length=1, description="run name (MLflow run, results folder)")
+    results_dir: str = Field("data/results", min_length=1, description="where results are written")
+    seed: int = Field(0, ge=0, description="seed of the calibration sample and other randomness")
+
+
+class MergeSettings(_Section):
+    """How the experts are merged before calibration (methods: featcal_core.merging)."""
+
+    method: Literal["task_arithmetic", "ties", "average"] = Field(
+        "task_arithmetic", description="merging method"
+    )
+    hyperparameters: dict[str, float] = Field(
+        default_factory=dict,
+        description="method hyperparameters, e.g. scale (task_arithmetic, ties), top_k (ties); "
+        "when omitted: {scale: 0.3} for task_arithmetic, else {} (the method's own defaults)",
+    )
+
+    @model_validator(mode="after")
+    def _default_hyperparameters(self) -> MergeSettings:
+        # {scale: 0.3} suits task arithmetic only: average takes no hyperparameters, and TIES has
+        # its own default scale, so other methods start from featcal_core.merging's defaults.
+        if "hyperparameters" not in self.model_fields_set and self.method == "task_arithmetic":
+            self.hyperparameters = {"scale": 0.3}
+        return self
+
+
+class FeatCalSettings(_Section):
+    """FeatCal hyperparameters and how the calibration runs (see featcal_core.block.FeatCalParams)."""
+
+    enabled: bool = Field(
+        True, description="calibrate the merged model (false: evaluate merge only)"
+    )
+    alpha: float = Field(0.25, ge=0.0, le=1.0, description="teacher interpolation α in [0, 1]")
+    rho: float = Field(2.2, description="anchor blend ρ")
+    lam: float = Field(0.05, ge=0.0, description="ridge weight λ (≥ 0)")
+    eps: float = Field(1e-8, gt=0.0, description="jitter ε (> 0)")
+    num_per_task: int = Field(256, ge=1, description="calibration inputs per task (seeded sample)")
+    batch_size: int = Field(16, ge=1, description="calibration batch size")
+    device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="where calibration runs")
+    max_length: int = Field(128, ge=1, description="token limit for text models")
+    pooling: Literal["cls", "mean"] | None = Field(
+        None, description="output pooling; null: the architecture's default"
+    )
+    runner: Literal["local", "dask"] = Field("local", description="Prefect task runner")
+    dask_address: str | None = Field(
+        None, description="scheduler address for runner dask; null: a local Dask cluster"
+    )
+
+    @model_validator(mode="after")
+    def _dask_only(self) -> FeatCalSettings:
+        if self.dask_address is not None and self.runner != "dask":
+            raise _error(
+                f"dask_address is only used with runner: dask (runner is {self.runner!r}); "
+                "set runner: dask or remove dask_address",
+                "dask_address",
+            )
+        return self
+
+    def core_params(self):
+        """The hyperparameters as `featcal_core.FeatCalParams` (imports torch)."""
+        from featcal_core.block import FeatCalParams
+
+        return FeatCalParams(alpha=self.alpha, rho=self.rho, lam=self.lam, eps=self.eps)
+
+
+class EvaluationSettings(_Section):
+    """Evaluation of the base, experts, merged and calibrated models."""
+
+    enabled: bool = Field(True, description="evaluate the models")
+    batch_size: int = Field(64, ge=1, description="evaluation batch size")
+    max_examples_per_task: int | None = Field(
+        None, ge=1, description="evaluate on the first N examples per task; null: all"
+    )
+
+
+class TrackingSettings(_Section):
+    """MLflow tracking."""
+
+    enabled: bool = Field(True, description="log params, metrics and artifacts to MLflow")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI; null: the local sqlite store inside the project"
+    )
+    experiment: str = Field("featcal", min_length=1, description="MLflow experiment name")
+
+
+class Params(_Section):
+    """The whole run configuration (`params.yaml`)."""
+
+    run: RunSettings = Field(default_factory=RunSettings, description="run identity and outputs")
+    models: ModelsSpec = Field(description="base model and task experts")
+    tasks: dict[str, TaskSpec] = Field(description="task name -> data sources (one per expert)")
+    merge: MergeSettings = Field(default_factory=MergeSettings, description="merging")
+    featcal: FeatCalSettings = Field(default_factory=FeatCalSettings, description="calibration")
+    evaluation: EvaluationSettings = Field(
+        default_factory=EvaluationSettings, description="evaluation"
+    )
+    tracking: TrackingSettings = Field(default_factory=TrackingSettings, description="MLflow")
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_names(cls, tasks: dict[str, TaskSpec]) -> dict[str, TaskSpec]:
+        _check_task_names(tasks)
+        return tasks
+
+    @model_validator(mode="after")
+    def _experts_match_tasks(self) -> Params:
+        for task in self.models.experts:
+            if task not in self.tasks:
+                raise _error(
+                    f"expert task {task!r} (models.experts.{task}) has no entry here; "
+                    f"add tasks.{task} with calibration: and evaluation: sources",
+                    "tasks",
+                )
+        for task in self.tasks:
+            if task not in self.models.experts:
+                raise _error(
+                    f"task {task!r} has no expert; add models.experts.{task} or remove tasks.{task}",
+                    f"tasks.{task}",
+                )
+        return self
+
+    def calibration_settings(self) -> dict[str, Any]:
+        """Everything that determines the calibrated model, as plain JSON data (for cache keys).
+
+        Included: `seed` (the calibration sample), the model references (with revisions), the
+        merge method and hyperparameters, each task's calibration source with its input columns,
+        and FeatCal's alpha, rho, lam, eps, num_per_task, max_length and pooling.
+        Left out, since they change only speed or where things run: featcal.device, batch_size,
+        runner, dask_address, enabled and trust_remote_code; also all of run (except seed),
+        evaluation, tracking, the evaluation sources, class names, templates and label columns.
+        Local model or data directories enter by path only: their contents are not hashed here.
+        """
+        featcal = self.featcal.model_dump(
+            include={"alpha", "rho", "lam", "eps", "num_per_task", "max_length", "pooling"}
+        )
+        return {
+            "seed": self.run.seed,
+            "models": {
+                "base": self.models.base.ref,
+                "experts": {task: ref.ref for task, ref in sorted(self.models.experts.items())},
+            },
+            "merge": self.merge.model_dump(mode="json"),
+            "calibration_data": {
+                task: spec.calibration.model_dump(
+                    mode="json",
+                    include={"hub", "config", "path", "split", "image_column", "text_column"},
+                )
+                for task, spec in sorted(self.tasks.items())
+            },
+            "featcal": dict(sorted(featcal.items())),
+        }
+
+
+def _check_task_names(mapping: Mapping[str, Any]) -> None:
+    for task in mapping:
+        if not _TASK_RE.match(task):
+            raise _error(
+                f"task name {task!r} may hold only letters, digits, '_', '-' and '.' "
+                "(it names folders and MLflow keys)",
+                task,
+            )
+
+
+# ------------------------------------------------------------------------------- loading, errors
+
+
+def load_params(path: str | Path, overrides: Iterable[str] = ()) -> Params:
+    """Read, override and validate a params file; any problem is one FeatCalError line."""
+    path = Path(path)
+    name = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        _fail(f"{name}: file not found; create it (see flows/params_example.yaml) or pass its path")
+    except IsADirectoryError:
+        _fail(f"{name}: is a directory, not a params file; pass the YAML file")
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(f"{name}: cannot be read ({exc})")
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        _fail(f"{name}: not valid YAML ({_yaml_problem(exc)}); fix the syntax")
+    if data is None:
+        _fail(f"{name}: is empty; expected a mapping with models:, tasks: and other sections")
+    if not isinstance(data, dict):
+        _fail(
+            f"{name}: expected a mapping of sections (models:, tasks:, ...) at the top level, "
+            f"got a {type(data).__name__}"
+        )
+    overrides = [overrides] if isinstance(overrides, str) else list(overrides)
+    for override in overrides:
+        _apply_override(data, override, name)
+    try:
+        return Params.model_validate(data)
+    except ValidationError as exc:
+        _fail(_format_validation_error(exc, name, overrides))
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    if mark is not None:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    return problem
+
+
+def _format_validation_error(exc: ValidationError, name: str, overrides: list[str]) -> str:
+    errors = exc.errors(include_url=False)
+    first = errors[0]
+    loc = tuple(first["loc"])
+    ctx = first.get("ctx") or {}
+    kind = first["type"]
+    if kind == "featcal":
+        at = ctx.get(_AT) or ""
+        loc = loc + tuple(at.split(".")) if at else loc
+        message = first["msg"]
+    elif kind == "extra_forbidden":
+        allowed = _known_keys(loc[:-1])
+        message = "unknown key" + (f"; known keys: {', '.join(allowed)}" if allowed else "")
+    elif kind == "missing":
+        message = "missing; this key is required"
+    else:
+        message = f"{first['msg']} (got {_short(first.get('input'))})"
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    where = _key_path(loc)
+    for override in reversed(overrides):  # the last override of a key wins, so name that one
+        key = override.partition("=")[0].strip()
+        if where and (_under(where, key) or _under(key, where)):
+            more += f" (set by override {override!r})"
+            break
+    return f"{name}: {where or '(top level)'}: {message}{more}"
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + ".") or path.startswith(prefix + "[")
+
+
+def _key_path(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part == "[key]":
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# ---------------------------------------------------------------------------- schema navigation
+
+
+def _candidates(annotation: Any) -> list[Any]:
+    """The non-None alternatives of an annotation (unwrapping Annotated, Optional and unions)."""
+    origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        return _candidates(typing.get_args(annotation)[0])
+    if origin is Union or origin is types.UnionType:
+        return [c for arg in typing.get_args(annotation) for c in _candidates(arg)]
+    if annotation is type(None):
+        return []
+    return [annotation]
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _child(annotation: Any, key: str) -> list[Any]:
+    """The annotations found under `key` of a value of type `annotation` (empty: no such key)."""
+    found = []
+    for candidate in _candidates(annotation):
+        if _is_model(candidate) and key in candidate.model_fields:
+            found.append(candidate.model_fields[key].annotation)
+        elif typing.get_origin(candidate) is dict:
+            found.append(typing.get_args(candidate)[1])
+    return found
+
+
+def _known_keys(loc: tuple[Any, ...]) -> list[str]:
+    annotations: list[Any] = [Params]
+    for part in loc:
+        if isinstance(part, int):
+            annotations = [
+                a for ann in annotations for c in _candidates(ann) for a in typing.get_args(c)[:1]
+            ]
+        else:
+            annotations = [a for ann in annotations for a in _child(ann, part)]
+    keys = [
+        key
+        for ann in annotations
+        for c in _candidates(ann)
+        if _is_model(c)
+        for key in c.model_fields
+    ]
+    return sorted(set(keys))
+
+
+# ------------------------------------------------------------------------------------ overrides
+
+
+def _apply_override(data: dict[str, Any], override: str, name: str) -> None:
+    """Set `key.path=value` in the raw mapping; the value is parsed as YAML."""
+    key, sep, text = override.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not sep or not key or any(not part for part in parts):
+        _fail(f"override {override!r}: expected KEY.PATH=VALUE, e.g. featcal.alpha=0.3")
+    try:
+        value = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as exc:
+        _fail(f"override {override!r}: value is not valid YAML ({_yaml_problem(exc)})")
+
+    annotations: list[Any] = [Params]
+    node: dict[str, Any] = data
+    for depth, part in enumerate(parts):
+        here = ".".join(parts[:depth]) or "the top level"
+        children = [a for ann in annotations for a in _child(ann, part)]
+        if not children and depth and not _known_keys(tuple(parts[:depth])):
+            _fail(f"override {override!r}: {here} takes a value, not keys; set {here}=VALUE")
+        if not children:
+            known = _known_keys(tuple(parts[:depth]))
+            hint = f"; known keys of {here}: {', '.join(known)}" if known else ""
+            _fail(f"override {override!r}: {key} is not a key of the params schema{hint}")
+        if depth == len(parts) - 1:
+            node[part] = _leaf_value(children, value, text.strip())
+            return
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif isinstance(child, str) and any(
+            c is ModelRef for ann in children for c in _candidates(ann)
+        ):
+            child = node[part] = {"ref": child}  # a model written as a string gains a key
+        elif not isinstance(child, dict):
+            _fail(
+                f"override {override!r}: {'.'.join(parts[: depth + 1])} in {name} is "
+                f"{_short(child)}, not a mapping; set it whole instead"
+            )
+        node, annotations = child, children
+
+
+def _leaf_value(annotations: list[Any], value: Any, text: str) -> Any:
+    """Keep the raw text where the key takes strings only and YAML read something else (`1`, `yes`)."""
+    if value is None or isinstance(value, str):
+        return value
+    leaves = [c for ann in annotations for c in _candidates(ann)]
+    if leaves and all(c is str for c in leaves):
+        return text
+    return value
+
+
+# ------------------------------------------------------------------------------- flatten, dump
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-like tree of the params, models written as in YAML."""
+    if isinstance(value, ModelRef):
+        return value.to_yaml()
+    if isinstance(value, DataSource):  # only the keys that are set: hub/config or path
+        return {
+            key: item for key, item in value.model_dump(mode="json").items() if item is not None
+        }
+    if isinstance(value, BaseModel):
+        return {field: _plain(getattr(value, field)) for field in type(value).model_fields}
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def dump(params: Params) -> str:
+    """The full configuration (defaults filled in) as YAML; `load_params` reads it back unchanged."""
+    return yaml.safe_dump(_plain(params), sort_keys=False, allow_unicode=True, width=100)
+
+
+def flatten(params: Params) -> dict[str, str | int | float | bool]:
+    """Dotted keys and scalar values for MLflow params, e.g. {"featcal.alpha": 0.25}.
+
+    Models give `<key>` (the reference) and `<key>.trust_remote_code`; None is "null"; lists are
+    JSON text (long ones: a count and a sha256 prefix); an empty mapping is "{}".
+    """
+    out: dict[str, str | int | float | bool] = {}
+
+    def visit(prefix: str, value: Any) -> None:
+        if isinstance(value, ModelRef):
+            out[prefix] = value.ref
+            out[f"{prefix}.trust_remote_code"] = value.trust_remote_code
+        elif isinstance(value, BaseModel):
+            for field in type(value).model_fields:
+                visit(f"{prefix}.{field}" if prefix else field, getattr(value, field))
+        elif isinstance(value, dict):
+            if not value:
+                out[prefix] = "{}"
+            for key, item in value.items():
+                visit(f"{prefix}.{key}", item)
+        elif isinstance(value, (list, tuple)):
+            text = json.dumps(_plain(value), ensure_ascii=False)
+            if len(text) > _MAX_FLAT_LIST_CHARS:
+                digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+                text = f"<{len(value)} items, sha256 {digest}>"
+            out[prefix] = text
+        elif value is None:
+            out[prefix] = "null"
+        elif isinstance(value, (str, int, float, bool)):
+            out[prefix] = value
+        else:
+            out[prefix] = str(value)
+
+    visit("", params)
+    return out

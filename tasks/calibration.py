@@ -1,0 +1,139 @@
+"""Prefect tasks for a resumable calibration: stems, one task per block, export.
+
+Each stage persists a state directory (featcal_core.state) under `<results_dir>/states/<key>`,
+where the key is built from content, never from paths: the digest of all inputs (weight files,
+calibration sets, FeatCal hyperparameters and settings, code version) and, for block i, the digest
+of block i-1's persisted state. A task whose key has a valid state is restored, not recomputed;
+a state whose files no longer match its manifest is recomputed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import CachePolicy
+
+import featcal_core
+from featcal_core.block import FeatCalParams
+from featcal_core.calibration import Calibration, Settings, block_summary, log_block
+from featcal_core.checkpoint import sha256_file, sha256_tree
+from featcal_core.safetensors_io import save_tensors
+from featcal_core.state import (
+    BLOCK,
+    commit_state,
+    load_masks,
+    new_state_dir,
+    save_masks,
+    streams_of,
+    verify,
+)
+
+log = logging.getLogger(__name__)
+
+
+def spec_calibration(spec: dict) -> Calibration:
+    """The Calibration a spec describes (validated; cached per process)."""
+    return _calibration(json.dumps(spec, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=2)
+def _calibration(spec_json: str) -> Calibration:
+    spec = json.loads(spec_json)
+    return Calibration(
+        spec["base"],
+        spec["merged"],
+        spec["experts"],
+        spec["calib"],
+        FeatCalParams(**spec["params"]),
+        Settings(**spec["settings"]),
+    )
+
+
+def code_version() -> str:
+    """Digest of the calibration code (featcal_core sources): a change invalidates every block."""
+    digest = hashlib.sha256()
+    root = Path(featcal_core.__file__).parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def inputs_digest(spec: dict) -> str:
+    """Digest of everything a calibration's result depends on except the blocks' own chain."""
+    cal = spec_calibration(spec)
+    models = cal.models
+    parts = {
+        "weights": {
+            role: {p.name: sha256_file(p) for p in ckpt.weight_paths()}
+            for role, ckpt in [("base", models.base), ("merged", models.merged)]
+            + [(f"expert:{t}", c) for t, c in models.experts.items()]
+        },
+        "calibration": {t: sha256_tree(Path(s.path)) for t, s in cal.sets.items()},
+        "params": spec["params"],
+        "settings": spec["settings"],
+        "code": code_version(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def state_key(stage: str, index: int, digest: str, previous_digest: str = "") -> str:
+    text = f"{stage}|{index}|{digest}|{previous_digest}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class StateCachePolicy(CachePolicy):
+    """Prefect cache key = the state key (content only; no run id, no paths)."""
+
+    def compute_key(self, task_ctx, inputs, flow_parameters, **kwargs) -> str:
+        return state_key(
+            inputs["stage"], inputs["index"], inputs["digest"], inputs.get("previous_digest", "")
+        )
+
+
+def state_dir(results_dir: str | Path, key: str) -> Path:
+    return Path(results_dir) / "states" / key
+
+
+@task(name="calibration-stems", cache_policy=StateCachePolicy(), persist_result=True)
+def stems_task(spec: dict, stage: str, index: int, digest: str) -> dict:
+    """Block-0 inputs of every task (each model's own stem) → state directory."""
+    final = state_dir(spec["results_dir"], state_key(stage, index, digest))
+    if verify(final) is not None:
+        return {"path": str(final), "reused": True}
+    cal = spec_calibration(spec)
+    tmp = new_state_dir(final.parent, final.name)
+    masks = cal.stems(streams_of(tmp))
+    save_masks(tmp, masks)
+    commit_state(tmp, final, -1, {})
+    return {"path": str(final), "reused": False}
+
+
+@task(
+    name="calibrate-block",
+    cache_policy=StateCachePolicy(),
+    persist_result=True,
+    task_run_name="block-{index}",
+)
+def block_task(
+    spec: dict, stage: str, index: int, digest: str, previous: str, previous_digest: str
+) -> dict:
+    """Calibrate block `index` from the state `previous` → its own state directory."""
+    final = state_dir(spec["results_dir"], state_key(stage, index, digest, previous_digest))
+    if verify(final) is not None:
+        return {"path": str(final), "reused": True}
+    cal = spec_calibration(spec)
+    source = Path(previous)
+    masks = load_masks(source)
+    tmp = new_state_dir(final.parent, final.name)
+    result = cal.block(index, streams_of(source), streams_of(tmp), masks)
+    save_tensors(tmp / BLOCK, cal.checkpoint_keys(result))
+    save_masks(tmp, masks)
+    commit_state(tmp, final, index, block_summary(result))
+    log_block(result, cal.num_blocks)
+    return {"path": str(final), "reused": False}

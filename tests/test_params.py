@@ -1,0 +1,328 @@
+"""params.yaml: schema, loading, overrides, one-line errors naming the key (flows/params.py)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from featcal_core.block import FeatCalParams
+from featcal_core.errors import FeatCalError
+from flows.params import ModelRef, Params, dump, flatten, load_params
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "flows" / "params_example.yaml"
+
+MINIMAL = {
+    "models": {"base": "openai/clip-vit-base-patch32", "experts": {"mnist": "./zoo/mnist"}},
+    "tasks": {
+        "mnist": {
+            "calibration": {"hub": "tanganke/mnist", "split": "train"},
+            "evaluation": {"hub": "tanganke/mnist", "split": "test"},
+        }
+    },
+}
+
+
+def write(tmp_path: Path, data, name: str = "params.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data), encoding="utf-8")
+    return path
+
+
+def minimal(**sections):
+    data = yaml.safe_load(yaml.safe_dump(MINIMAL))  # deep copy
+    data.update(sections)
+    return data
+
+
+def error_of(path: Path, overrides=()) -> str:
+    with pytest.raises(FeatCalError) as info:
+        load_params(path, overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+# ------------------------------------------------------------------------------------ loading
+
+
+def test_example_loads():
+    params = load_params(EXAMPLE)
+    assert set(params.models.experts) == set(params.tasks) == {"mnist", "svhn"}
+    assert params.models.base.kind == "local"
+    assert params.tasks["mnist"].calibration.split == "train"
+    assert params.tasks["mnist"].evaluation.split == "test"
+
+
+def test_defaults_filled(tmp_path):
+    params = load_params(write(tmp_path, MINIMAL))
+    assert params.run.name == "featcal"
+    assert params.run.results_dir == "data/results"
+    assert params.run.seed == 0
+    assert params.merge.method == "task_arithmetic"
+    assert params.merge.hyperparameters == {"scale": 0.3}
+    core = FeatCalParams()
+    f = params.featcal
+    assert (f.alpha, f.rho, f.lam, f.eps) == (core.alpha, core.rho, core.lam, core.eps)
+    assert (f.num_per_task, f.batch_size, f.device, f.max_length) == (256, 16, "cpu", 128)
+    assert (f.pooling, f.runner, f.dask_address, f.enabled) == (None, "local", None, True)
+    assert params.featcal.core_params() == core
+    assert params.evaluation.batch_size == 64
+    assert params.evaluation.max_examples_per_task is None
+    assert params.evaluation.enabled is True
+    assert params.tracking.mlflow_tracking_uri is None
+    assert params.tracking.experiment == "featcal"
+    assert params.tracking.enabled is True
+    assert params.tasks["mnist"].templates is None
+
+
+def test_merge_hyperparameters_default_per_method(tmp_path):
+    path = write(tmp_path, MINIMAL)
+    assert load_params(path).merge.hyperparameters == {"scale": 0.3}
+    assert load_params(path, ["merge.method=average"]).merge.hyperparameters == {}
+    assert load_params(path, ["merge.method=ties"]).merge.hyperparameters == {}
+    ties = load_params(path, ["merge.method=ties", "merge.hyperparameters.top_k=10"])
+    assert ties.merge.hyperparameters == {"top_k": 10.0}
+
+
+def test_overrides(tmp_path):
+    params = load_params(
+        EXAMPLE,
+        [
+            "featcal.alpha=0.3",
+            "tasks.mnist.evaluation.split=validation",
+            "tracking.enabled=false",
+            "featcal.eps=1e-6",
+            "run.name=2024",
+            "merge.hyperparameters.scale=0.5",
+            "models.experts.svhn.trust_remote_code=true",
+            "evaluation.max_examples_per_task=null",
+        ],
+    )
+    assert params.featcal.alpha == 0.3 and isinstance(params.featcal.alpha, float)
+    assert params.tasks["mnist"].evaluation.split == "validation"
+    assert params.tracking.enabled is False
+    assert params.featcal.eps == 1e-6
+    assert params.run.name == "2024"
+    assert params.merge.hyperparameters == {"scale": 0.5}
+    svhn = params.models.experts["svhn"]
+    assert svhn.trust_remote_code and svhn.ref == "./data/zoo/clip-vit-base-patch32_svhn"
+    assert params.evaluation.max_examples_per_task is None
+
+
+def test_override_adds_a_task(tmp_path):
+    params = load_params(
+        write(tmp_path, MINIMAL),
+        [
+            "models.experts.svhn=tanganke/clip-vit-base-patch32_svhn@v1",
+            "tasks.svhn={calibration: {path: ./d/svhn, split: train}, evaluation: {path: ./d/svhn, split: test}}",
+        ],
+    )
+    assert params.models.experts["svhn"].revision == "v1"
+    assert params.tasks["svhn"].calibration.kind == "local"
+
+
+def test_dump_round_trips(tmp_path):
+    params = load_params(EXAMPLE, ["models.base.trust_remote_code=true", "featcal.alpha=0.5"])
+    assert load_params(write(tmp_path, dump(params))) == params
+
+
+def test_flatten():
+    flat = flatten(load_params(EXAMPLE))
+    assert flat["featcal.alpha"] == 0.25
+    assert flat["featcal.enabled"] is True
+    assert flat["featcal.pooling"] == "null"
+    assert flat["run.seed"] == 0
+    assert flat["merge.hyperparameters.scale"] == 0.3
+    assert flat["models.base"] == "./data/zoo/clip-vit-base-patch32"
+    assert flat["models.experts.mnist.trust_remote_code"] is False
+    assert flat["tasks.mnist.calibration.split"] == "train"
+    assert flat["tasks.mnist.templates"] == '["a photo of the number: \\"{}\\"."]'
+    assert all(isinstance(v, (str, int, float, bool)) for v in flat.values())
+
+
+def test_flatten_summarises_long_lists(tmp_path):
+    data = minimal()
+    data["tasks"]["mnist"]["class_names"] = [f"a rather long class name {i}" for i in range(200)]
+    value = flatten(load_params(write(tmp_path, data)))["tasks.mnist.class_names"]
+    assert value.startswith("<200 items, sha256 ")
+
+
+def test_calibration_settings(tmp_path):
+    base = load_params(EXAMPLE).calibration_settings()
+    assert base["featcal"]["alpha"] == 0.25 and base["seed"] == 0
+    assert base["calibration_data"]["mnist"]["split"] == "train"
+    assert base["models"]["experts"]["svhn"] == "./data/zoo/clip-vit-base-patch32_svhn"
+    same = [
+        "featcal.device=cuda",
+        "featcal.batch_size=3",
+        "evaluation.batch_size=1",
+        "tracking.experiment=other",
+        "tasks.mnist.evaluation.split=validation",
+        "tasks.mnist.templates=['{}']",
+        "run.name=x",
+    ]
+    assert load_params(EXAMPLE, same).calibration_settings() == base
+    for override in ["featcal.alpha=0.5", "run.seed=1", "merge.hyperparameters.scale=0.4",
+                     "tasks.svhn.calibration.path=./other", "featcal.num_per_task=8"]:  # fmt: skip
+        assert load_params(EXAMPLE, [override]).calibration_settings() != base, override
+
+
+def test_import_light():
+    code = "import sys, flows.params; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# ----------------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "words"),
+    [
+        (lambda d: d.update(colour="red"), "colour", "unknown key; known keys: evaluation, featcal"),
+        (lambda d: d.update(featcal={"alhpa": 0.3}), "featcal.alhpa", "known keys: alpha"),
+        (lambda d: d["tasks"]["mnist"]["calibration"].update(colum="x"), "tasks.mnist.calibration.colum", "unknown key"),
+        (lambda d: d.update(featcal={"alpha": "abc"}), "featcal.alpha", "Input should be a valid number, unable to parse string as a number (got 'abc')"),
+        (lambda d: d.update(featcal={"num_per_task": 0}), "featcal.num_per_task", "greater than or equal to 1"),
+        (lambda d: d.update(featcal={"alpha": 1.5}), "featcal.alpha", "less than or equal to 1"),
+        (lambda d: d.update(featcal={"device": "tpu"}), "featcal.device", "'cpu', 'cuda' or 'auto'"),
+        (lambda d: d.update(merge={"method": "magic"}), "merge.method", "'task_arithmetic', 'ties' or 'average'"),
+        (lambda d: d["models"].pop("base"), "models.base", "required"),
+        (lambda d: d.pop("tasks"), "tasks", "required"),
+        (lambda d: d["models"].update(experts={}), "models.experts", "at least 1 item"),
+        (lambda d: d["models"]["experts"].update(svhn="./zoo/svhn"), "tasks", "add tasks.svhn"),
+        (lambda d: d["tasks"].update(svhn=d["tasks"]["mnist"]), "tasks.svhn", "add models.experts.svhn"),
+        (lambda d: d["tasks"]["mnist"]["calibration"].update(split="test"), "tasks.mnist.calibration", "calibration must come from train data"),
+        (lambda d: d["models"].update(base="not a hub id"), "models.base", "neither a local directory nor a Hub id"),
+        (lambda d: d["models"]["experts"].update(mnist="a/b/c@main"), "models.experts.mnist", "Hub id"),
+        (lambda d: d["models"].update(base={"ref": "o/n", "trust": True}), "models.base.trust", "unknown key"),
+        (lambda d: d["tasks"]["mnist"]["calibration"].update(hub="bad id!"), "tasks.mnist.calibration.hub", "not a Hub dataset id"),
+        (lambda d: d["tasks"]["mnist"]["calibration"].update(path="./x"), "tasks.mnist.calibration", "exactly one of hub"),
+        (lambda d: d["tasks"]["mnist"]["evaluation"].pop("split"), "tasks.mnist.evaluation.split", "needs a split"),
+        (lambda d: d["tasks"]["mnist"].update(templates=["a photo of {}", "no slot"]), "tasks.mnist.templates[1]", "has no {}"),
+        (lambda d: d.update(featcal={"dask_address": "tcp://h:8786"}), "featcal.dask_address", "runner: dask"),
+    ],
+)  # fmt: skip
+def test_invalid(tmp_path, change, key, words):
+    data = minimal()
+    change(data)
+    message = error_of(write(tmp_path, data))
+    assert message.startswith(f"{tmp_path / 'params.yaml'}: {key}: "), message
+    assert words in message, message
+
+
+def test_dask_address_with_dask_runner_is_fine(tmp_path):
+    data = minimal(featcal={"runner": "dask", "dask_address": "tcp://h:8786"})
+    assert load_params(write(tmp_path, data)).featcal.dask_address == "tcp://h:8786"
+
+
+def test_bad_override_value_names_the_override(tmp_path):
+    message = error_of(write(tmp_path, MINIMAL), ["featcal.alpha=abc"])
+    assert "featcal.alpha: Input should be a valid number" in message
+    assert "(set by override 'featcal.alpha=abc')" in message
+
+
+@pytest.mark.parametrize(
+    ("override", "words"),
+    [
+        ("featcal.alhpa=0.3", "featcal.alhpa is not a key"),
+        ("nope=1", "nope is not a key"),
+        ("tasks.mnist.calibration.colour=red", "tasks.mnist.calibration.colour is not a key"),
+        ("featcal.runner.x=1", "featcal.runner takes a value, not keys"),
+        ("tasks.mnist.templates.x=1", "tasks.mnist.templates takes a value, not keys"),
+        ("featcal.alpha", "expected KEY.PATH=VALUE"),
+        ("featcal..alpha=1", "expected KEY.PATH=VALUE"),
+    ],
+)
+def test_bad_override_key(tmp_path, override, words):
+    message = error_of(write(tmp_path, MINIMAL), [override])
+    assert message.startswith(f"override {override!r}: "), message
+    assert words in message, message
+
+
+def test_override_below_a_scalar_in_the_file(tmp_path):
+    path = write(tmp_path, minimal(featcal=3))
+    message = error_of(path, ["featcal.alpha=0.3"])
+    assert f"featcal in {path} is 3, not a mapping" in message
+
+
+def test_missing_file(tmp_path):
+    message = error_of(tmp_path / "nope.yaml")
+    assert message.startswith(f"{tmp_path / 'nope.yaml'}: file not found")
+
+
+@pytest.mark.parametrize(
+    ("text", "words"),
+    [
+        ("- a\n- b\n", "expected a mapping"),
+        ("just a string\n", "expected a mapping"),
+        ("", "is empty"),
+        ("models: [unclosed\n", "not valid YAML (line"),
+    ],
+)
+def test_not_a_mapping(tmp_path, text, words):
+    message = error_of(write(tmp_path, text))
+    assert message.startswith(f"{tmp_path / 'params.yaml'}: "), message
+    assert words in message, message
+
+
+# ------------------------------------------------------------------------------------ ModelRef
+
+
+def test_model_ref_hub_with_revision():
+    ref = ModelRef.model_validate("openai/clip-vit-base-patch32@main")
+    assert (ref.kind, ref.repo_id, ref.revision, ref.path) == (
+        "hub",
+        "openai/clip-vit-base-patch32",
+        "main",
+        None,
+    )
+    assert ref.trust_remote_code is False
+
+
+def test_model_ref_hub():
+    ref = ModelRef.model_validate("owner/name")
+    assert (ref.kind, ref.repo_id, ref.revision, ref.path) == ("hub", "owner/name", None, None)
+
+
+def test_model_ref_local():
+    ref = ModelRef.model_validate("./local/dir")
+    assert (ref.kind, ref.repo_id, ref.revision, ref.path) == (
+        "local",
+        None,
+        None,
+        Path("local/dir"),
+    )
+    ref = ModelRef.model_validate("/abs/dir")
+    assert (ref.kind, ref.path) == ("local", Path("/abs/dir"))
+    assert ModelRef.model_validate("~/models/x").path == Path.home() / "models" / "x"
+
+
+def test_model_ref_existing_directory_is_local(tmp_path, monkeypatch):
+    (tmp_path / "zoo" / "base").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    assert ModelRef.model_validate("zoo/base").kind == "local"
+    assert ModelRef.model_validate("zoo/other").kind == "hub"
+
+
+def test_model_ref_mapping_form():
+    ref = ModelRef.model_validate({"ref": "owner/name@v2", "trust_remote_code": True})
+    assert (ref.kind, ref.repo_id, ref.revision, ref.trust_remote_code) == (
+        "hub",
+        "owner/name",
+        "v2",
+        True,
+    )
+    assert ref.to_yaml() == {"ref": "owner/name@v2", "trust_remote_code": True}
+    assert ModelRef.model_validate("owner/name").to_yaml() == "owner/name"
+
+
+def test_model_ref_mapping_form_in_params(tmp_path):
+    data = minimal()
+    data["models"]["base"] = {"ref": "owner/name", "trust_remote_code": True}
+    params = load_params(write(tmp_path, data))
+    assert isinstance(params, Params)
+    assert params.models.base.trust_remote_code is True
+    assert params.models.experts["mnist"].trust_remote_code is False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import shutil
 import sys
@@ -65,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     from featcal_cli import merge_command
 
     merge_command.add_parser(sub)
+
+    run = sub.add_parser("run", help="run the whole pipeline (Prefect flow) from params.yaml")
+    run.add_argument("--params", default="params.yaml", help="the run configuration")
+    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a value of the params file, e.g. featcal.alpha=0.3")  # fmt: skip
 
     demo = sub.add_parser(
         "demo", help="calibrate a small synthetic pool and print the per-block drift (offline)"
@@ -170,7 +176,18 @@ def _merge(args: argparse.Namespace) -> int:
     return merge_command.run(args)
 
 
-COMMANDS = {"calibrate": _calibrate, "demo": _demo, "merge": _merge}
+def _run(args: argparse.Namespace) -> int:
+    from flows.params import load_params
+
+    params = load_params(args.params, args.set)  # validated before any heavy work
+    from flows.pipeline import run_pipeline
+
+    summary = run_pipeline(params)
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+COMMANDS = {"calibrate": _calibrate, "demo": _demo, "merge": _merge, "run": _run}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,8 +5,7 @@
     key_material = params.calibration_settings()
 
 Every bad input ends in one `FeatCalError` whose single line names the file, the dotted key path and
-the fix. Loading is import-light: pydantic and PyYAML only, no torch (the `FeatCalError` import is
-deferred to the error path, because importing `featcal_core` imports torch).
+the fix. Loading is import-light: pydantic and PyYAML only, no torch.
 
 Unknown keys are errors at every level (`extra="forbid"`). Relative paths (local models, local data,
 `run.results_dir`) are relative to the working directory the pipeline runs in (the project root),
@@ -38,6 +37,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from featcal_core.errors import FeatCalError
+
 __all__ = [
     "DataSource",
     "EvaluationSettings",
@@ -68,9 +69,6 @@ _AT = "featcal_key_suffix"  # context key of our own errors: the key below the e
 
 
 def _fail(message: str) -> typing.NoReturn:
-    # Deferred: importing featcal_core runs its __init__, which imports torch.
-    from featcal_core.errors import FeatCalError
-
     raise FeatCalError(" ".join(message.split("\n")))
 
 

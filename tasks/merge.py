@@ -1,0 +1,58 @@
+"""Prefect task for the merge step: a thin wrapper over featcal_core.merging.run.
+
+The merged checkpoint is reused when its `merge.json` names the same method, hyperparameters and
+input weight files (by sha256) as this run would: the key is content, not paths.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from prefect import task
+
+from featcal_core.checkpoint import Checkpoint, sha256_file
+from featcal_core.merging import get
+from featcal_core.merging.run import RECORD_NAME, merge_checkpoints
+
+log = logging.getLogger(__name__)
+
+
+def _fingerprint(base: Path, experts: dict[str, Path], method: str, hp: dict) -> dict:
+    def files(directory: Path, role: str) -> dict[str, str]:
+        return {p.name: sha256_file(p) for p in Checkpoint(directory, role).weight_paths()}
+
+    return {
+        "method": method,
+        "hyperparameters": get(method).check(hp),
+        "base": files(base, "base model"),
+        "experts": {t: files(p, f"expert {t!r}") for t, p in experts.items()},
+    }
+
+
+def _recorded(out: Path) -> dict | None:
+    try:
+        record = json.loads((out / RECORD_NAME).read_text())
+        return {
+            "method": record["method"],
+            "hyperparameters": record["hyperparameters"],
+            "base": record["inputs"]["base"]["sha256"],
+            "experts": {t: e["sha256"] for t, e in record["inputs"]["experts"].items()},
+        }
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+@task(name="merge")
+def merge_task(
+    base: str, experts: dict[str, str], out: str, method: str, hyperparameters: dict
+) -> dict:
+    """Merge (or reuse an identical earlier merge at `out`); returns the merge record."""
+    out_path = Path(out)
+    expert_paths = {t: Path(p) for t, p in experts.items()}
+    wanted = _fingerprint(Path(base), expert_paths, method, hyperparameters)
+    if _recorded(out_path) == wanted:
+        log.info("merge: %s already holds this merge; reused", out_path)
+        return json.loads((out_path / RECORD_NAME).read_text())
+    return merge_checkpoints(base, experts, out, method, hyperparameters, overwrite=True)

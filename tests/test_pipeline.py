@@ -1,0 +1,97 @@
+"""`featcal run` end to end on tiny local checkpoints: real Prefect flow (embedded server), real
+MLflow SQLite store; download (local references) → calibration sets → merge → calibrate."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import datasets
+import numpy as np
+import yaml
+from PIL import Image
+
+import factories
+
+
+def _labelled_images(path, seed, rows=(20, 10)):
+    rng = np.random.default_rng(seed)
+    splits = {}
+    for split, count in zip(("train", "test"), rows, strict=True):
+        images = [Image.fromarray(rng.integers(0, 256, (36, 36, 3), dtype=np.uint8))
+                  for _ in range(count)]  # fmt: skip
+        labels = [int(x) for x in rng.integers(0, 3, size=count)]
+        data = datasets.Dataset.from_dict({"image": images, "label": labels})
+        splits[split] = data.cast_column("image", datasets.Image())
+    datasets.DatasetDict(splits).save_to_disk(str(path))
+    return path
+
+
+def test_featcal_run_end_to_end(tmp_path):
+    zoo = factories.clip_zoo(tmp_path / "zoo", tasks=("alpha", "beta"))
+    params = {
+        "run": {"name": "e2e", "results_dir": str(tmp_path / "results"), "seed": 1},
+        "models": {"base": str(zoo.base), "experts": {t: str(p) for t, p in zoo.experts.items()}},
+        "tasks": {
+            task: {
+                "calibration": {"path": str(data), "split": "train"},
+                "evaluation": {"path": str(data), "split": "test"},
+            }
+            for i, task in enumerate(zoo.experts)
+            for data in [_labelled_images(tmp_path / f"data_{task}", seed=i)]
+        },
+        "merge": {"method": "task_arithmetic", "hyperparameters": {"scale": 0.3}},
+        "featcal": {"num_per_task": 8, "batch_size": 4},
+    }
+    params_path = tmp_path / "params.yaml"
+    params_path.write_text(yaml.safe_dump(params))
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": uri}
+    cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path),
+           "--set", "featcal.alpha=0.3"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout[proc.stdout.index("{") :])
+    results = tmp_path / "results"
+
+    lock = json.loads((results / "models.lock.json").read_text())
+    assert set(lock["experts"]) == {"alpha", "beta"} and lock["architecture"] == "hf-clip-vision"
+    calib = json.loads(
+        (results / "calibration_sets" / "alpha" / "calibration_set.json").read_text()
+    )
+    assert calib["n_rows"] == 8 and len(calib["row_ids"]) == 8
+    merge = json.loads((results / "merged" / "merge.json").read_text())
+    assert merge["method"] == "task_arithmetic" and merge["hyperparameters"] == {"scale": 0.3}
+    record = json.loads((results / "calibrated" / "featcal.json").read_text())
+    assert record["hyperparameters"]["alpha"] == 0.3
+    assert [b["index"] for b in record["blocks"]] == [0, 1]
+    assert summary["calibration"]["blocks"] == 2
+
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.data.params["featcal.alpha"] == "0.3"
+    assert run.data.tags["prefect_flow_run_id"]
+    history = client.get_metric_history(run.info.run_id, "drift_after/alpha")
+    assert [m.step for m in history] == [0, 1]
+    assert abs(history[-1].value - record["blocks"][-1]["drift_after"]["alpha"]) < 1e-9
+    children = client.search_runs(
+        [run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'"
+    )
+    assert {c.data.tags["mlflow.runName"] for c in children} >= {
+        "download-experts", "calibration-sets", "merge", "calibrate",
+    }  # fmt: skip
+
+
+def test_invalid_params_fail_before_any_work(tmp_path):
+    params_path = tmp_path / "params.yaml"
+    params_path.write_text("run: {name: x}\nmodels: {base: ./nowhere}\nbogus: 1\n")
+    cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("featcal: error: ") and "params.yaml" in last

@@ -1,0 +1,323 @@
+"""MLflow tracking helpers (tasks/tracking.py) against a local SQLite store in tmp_path."""
+
+import json
+import re
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from flows.params import Params, TrackingSettings, flatten, load_params
+from tasks import tracking
+from tasks.tracking import (
+    artifact_root,
+    ensure_experiment,
+    git_commit,
+    log_artifacts,
+    log_calibration_record,
+    parent_run,
+    step_run,
+    tracking_uri,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS = ("mnist", "svhn")
+
+
+@pytest.fixture(autouse=True)
+def _no_tracking_env(monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+
+def make_params(tmp_path: Path, **sections) -> Params:
+    data = {
+        "run": {"name": "demo"},
+        "models": {
+            "base": "openai/clip-vit-base-patch32",
+            "experts": {task: f"./zoo/{task}" for task in TASKS},
+        },
+        "tasks": {
+            task: {
+                "calibration": {"hub": f"tanganke/{task}", "split": "train"},
+                "evaluation": {"hub": f"tanganke/{task}", "split": "test"},
+            }
+            for task in TASKS
+        },
+        "tracking": {"experiment": "featcal-test"},
+    }
+    data.update(sections)
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return load_params(path)
+
+
+def fake_record(num_blocks: int = 3) -> dict:
+    """A calibration record shaped like featcal_core.calibration's featcal.json."""
+    digest = "0" * 64
+    return {
+        "featcal_record_version": 1,
+        "architecture": "clip-vit",
+        "hyperparameters": {
+            "alpha": 0.25,
+            "rho": 2.2,
+            "lam": 0.05,
+            "eps": 1e-8,
+            "num_per_task": 4,
+            "batch_size": 2,
+            "seed": 0,
+            "device": "cpu",
+            "max_length": 128,
+            "pooling": None,
+            "pooled_position": 0,
+        },
+        "inputs": {
+            "base": {"path": "/m/base", "sha256": {"model.safetensors": digest}},
+            "merged": {"path": "/m/merged", "sha256": {"model.safetensors": digest}},
+            "experts": {
+                t: {"path": f"/m/{t}", "sha256": {"model.safetensors": digest}} for t in TASKS
+            },
+            "calibration": {
+                t: {"path": f"/d/{t}", "sha256": digest, "rows": 10, "indices": [0, 3, 5, 7]}
+                for t in TASKS
+            },
+        },
+        "blocks": [
+            {
+                "index": i,
+                "seconds": 0.5 + i,
+                "restored": i == 0,
+                "drift_before": {"mnist": 1.0 + i, "svhn": 3.0 + i},
+                "drift_after": {"mnist": 0.1 * (i + 1), "svhn": 0.3 * (i + 1)},
+            }
+            for i in range(num_blocks)
+        ],
+        "wall_seconds": 12.5,
+        "peak_rss_bytes": 300 * 1024 * 1024,
+        "peak_device_bytes": 0,
+    }
+
+
+def history(client, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+# ------------------------------------------------------------------------------------ locations
+
+
+def test_tracking_uri_default_and_settings(tmp_path):
+    default = tracking_uri(TrackingSettings(), tmp_path)
+    assert default == f"sqlite:///{tmp_path.resolve()}/mlruns/mlflow.db"
+    assert default.startswith("sqlite:////")
+    assert artifact_root(default, tmp_path) == (tmp_path.resolve() / "mlruns/artifacts").as_uri()
+
+    given = TrackingSettings(mlflow_tracking_uri="http://tracking.example:5000")
+    assert tracking_uri(given, tmp_path) == "http://tracking.example:5000"
+    assert artifact_root("http://tracking.example:5000", tmp_path) is None
+
+    relative = TrackingSettings(mlflow_tracking_uri="sqlite:///store/runs.db")
+    uri = tracking_uri(relative, tmp_path)
+    assert uri == f"sqlite:///{tmp_path.resolve()}/store/runs.db"
+    assert artifact_root(uri, tmp_path) == (tmp_path.resolve() / "store/artifacts").as_uri()
+
+
+def test_env_var_wins(tmp_path, monkeypatch):
+    from mlflow import MlflowClient
+
+    env_uri = f"sqlite:///{tmp_path.resolve()}/env/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", env_uri)
+    settings_uri = f"sqlite:///{tmp_path.resolve()}/settings/mlflow.db"
+    params = make_params(
+        tmp_path, tracking={"experiment": "e", "mlflow_tracking_uri": settings_uri}
+    )
+    assert tracking_uri(params.tracking, tmp_path) == env_uri
+
+    with parent_run(params, run_name="env", project_root=tmp_path) as run:
+        run_id = run.info.run_id
+    client = MlflowClient(env_uri)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    experiment = client.get_experiment_by_name("e")
+    assert experiment.artifact_location == (tmp_path.resolve() / "env/artifacts").as_uri()
+    assert not (tmp_path / "settings").exists()
+    assert not (tmp_path / "mlruns").exists()
+
+
+def test_ensure_experiment_idempotent_and_restores(tmp_path):
+    from mlflow import MlflowClient
+
+    uri = tracking_uri(TrackingSettings(), tmp_path)
+    location = tmp_path / "mlruns" / "artifacts"
+    first = ensure_experiment("x", uri, location)
+    assert ensure_experiment("x", uri, location) == first
+    client = MlflowClient(uri)
+    assert client.get_experiment(first).artifact_location == location.resolve().as_uri()
+    client.delete_experiment(first)
+    assert ensure_experiment("x", uri, location) == first
+    assert client.get_experiment(first).lifecycle_stage == "active"
+
+
+def test_git_commit():
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    commit, dirty = git_commit(ROOT)
+    if done.returncode == 0:
+        assert commit == done.stdout.strip()
+        assert dirty in (True, False)
+    else:
+        assert (commit, dirty) == ("unknown", None)
+
+
+# ----------------------------------------------------------------------------------------- runs
+
+
+def test_parent_steps_and_record(tmp_path):
+    from mlflow import MlflowClient
+
+    long_name = "n" * 7000
+    params = make_params(tmp_path, run={"name": long_name})
+    record = fake_record()
+    report = tmp_path / "report.md"
+    report.write_text("# report\n")
+    plots = tmp_path / "plots"
+    plots.mkdir()
+    (plots / "drift.txt").write_text("plot\n")
+    tags = {
+        "dvc.lock_sha256": "ab" * 32,
+        "prefect.flow_run_id": "flow-run-1",
+        "models.base.revision": "main",
+        "long": "t" * 9000,
+        "skipped": None,
+    }
+
+    with parent_run(params, run_name="pipeline", tags=tags, project_root=tmp_path) as run:
+        parent_id = run.info.run_id
+        with step_run("merge") as merge:
+            merge_id = merge.info.run_id
+        with step_run("calibrate") as calibrate:
+            calibrate_id = calibrate.info.run_id
+            log_calibration_record(record)
+        in_thread = {}
+
+        def worker():
+            with step_run("evaluate") as step:
+                in_thread["id"] = step.info.run_id
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        log_artifacts([report, plots])
+
+    uri = tracking_uri(params.tracking, tmp_path)
+    assert (tmp_path / "mlruns" / "mlflow.db").is_file()
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name("featcal-test")
+    assert experiment.artifact_location == (tmp_path.resolve() / "mlruns/artifacts").as_uri()
+    assert len(client.search_runs([experiment.experiment_id])) == 4
+
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED"
+    assert parent.info.run_name == "pipeline"
+    flat = flatten(params)
+    assert set(flat) <= set(parent.data.params)
+    assert parent.data.params["featcal.alpha"] == "0.25"
+    assert parent.data.params["models.experts.svhn"] == "./zoo/svhn"
+    truncated = parent.data.params["run.name"]
+    assert len(truncated) == 6000 and truncated.startswith("nnn") and "sha256" in truncated
+
+    commit = parent.data.tags["git_commit"]
+    assert commit == "unknown" or re.fullmatch(r"[0-9a-f]{40}", commit)
+    assert parent.data.tags["mlflow.source.git.commit"] == commit
+    assert parent.data.tags["dvc.lock_sha256"] == "ab" * 32
+    assert parent.data.tags["prefect.flow_run_id"] == "flow-run-1"
+    assert parent.data.tags["models.base.revision"] == "main"
+    assert len(parent.data.tags["long"]) == 8000
+    assert "skipped" not in parent.data.tags
+
+    for step_id, name in (
+        (merge_id, "merge"),
+        (calibrate_id, "calibrate"),
+        (in_thread["id"], "evaluate"),
+    ):
+        step = client.get_run(step_id)
+        assert step.info.run_name == name
+        assert step.info.status == "FINISHED"
+        assert step.data.tags["mlflow.parentRunId"] == parent_id
+        assert step.data.metrics["duration_s"] >= 0
+        assert step.data.metrics["peak_rss_mb"] > 0
+
+    # the record goes to the parent run
+    for task in TASKS:
+        before = history(client, parent_id, f"drift_before/{task}")
+        after = history(client, parent_id, f"drift_after/{task}")
+        assert before == [(b["index"], b["drift_before"][task]) for b in record["blocks"]]
+        assert after == [
+            (b["index"], pytest.approx(b["drift_after"][task])) for b in record["blocks"]
+        ]
+    assert history(client, parent_id, "drift_before_mean") == [(0, 2.0), (1, 3.0), (2, 4.0)]
+    assert [s for s, _ in history(client, parent_id, "drift_after_mean")] == [0, 1, 2]
+    assert history(client, parent_id, "block_seconds") == [(0, 0.5), (1, 1.5), (2, 2.5)]
+    metrics = parent.data.metrics
+    assert metrics["calibrated_blocks_restored"] == 1
+    assert metrics["calibrated_blocks"] == 3
+    assert metrics["calibration_wall_s"] == 12.5
+    assert metrics["peak_rss_mb"] == 300
+    assert parent.data.params["calibration.alpha"] == "0.25"
+    assert parent.data.params["calibration.pooling"] == "null"
+    assert parent.data.tags["calibration.architecture"] == "clip-vit"
+    assert re.fullmatch(r"[0-9a-f]{64}", parent.data.tags["calibration.inputs_sha256"])
+
+    artifacts = {a.path for a in client.list_artifacts(parent_id)}
+    assert {"featcal.json", "report.md", "plots"} <= artifacts
+    assert [a.path for a in client.list_artifacts(parent_id, "plots")] == ["plots/drift.txt"]
+    local = client.download_artifacts(parent_id, "featcal.json", str(tmp_path / "down"))
+    assert json.loads(Path(local).read_text()) == record
+    assert Path(local).is_relative_to(tmp_path)
+
+
+def test_failures_are_recorded_and_release_the_parent(tmp_path):
+    from mlflow import MlflowClient
+
+    params = make_params(tmp_path)
+    with pytest.raises(ValueError, match="boom"):
+        with parent_run(params, run_name="failing", project_root=tmp_path) as run:
+            parent_id = run.info.run_id
+            with step_run("broken") as step:
+                step_id = step.info.run_id
+                raise ValueError("boom")
+    assert tracking._session is None
+    client = MlflowClient(tracking_uri(params.tracking, tmp_path))
+    assert client.get_run(parent_id).info.status == "FAILED"
+    failed = client.get_run(step_id)
+    assert failed.info.status == "FAILED"
+    assert "duration_s" in failed.data.metrics
+
+    with parent_run(params, run_name="again", project_root=tmp_path) as run:  # not blocked
+        with pytest.raises(RuntimeError, match="already open"):
+            with parent_run(params, project_root=tmp_path):
+                pass
+        with pytest.raises(FileNotFoundError):
+            log_artifacts(tmp_path / "missing.md")
+    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+
+
+def test_disabled_tracking_logs_nothing(tmp_path):
+    import mlflow
+
+    params = make_params(tmp_path, tracking={"enabled": False})
+    with parent_run(params, run_name="off", project_root=tmp_path) as run:
+        assert run is None
+        with step_run("merge") as step:
+            assert step is None
+            log_calibration_record(fake_record())
+            log_artifacts([tmp_path / "missing.md"])
+    assert mlflow.active_run() is None
+    assert not (tmp_path / "mlruns").exists()
+    assert list(tmp_path.iterdir()) == [tmp_path / "params.yaml"]
+
+
+def test_no_parent_run_is_a_no_op(tmp_path):
+    with step_run("alone") as step:
+        assert step is None
+    log_calibration_record(fake_record())
+    log_artifacts([tmp_path / "missing.md"])
+    assert list(tmp_path.iterdir()) == []

@@ -380,11 +380,41 @@ def test_expert_missing_a_tensor(zoo, tmp_path):
     _fails(call, out, key, "missing", "expert 'beta'", str(zoo.experts["beta"]))
 
 
-def test_expert_with_an_extra_tensor(zoo, tmp_path):
-    _edit(zoo.experts["alpha"] / "model.safetensors", lambda t: t.update(extra=torch.ones(2)))
+def test_expert_with_an_extra_tower_tensor(zoo, tmp_path):
+    key = "encoder.layers.7.mlp.fc1.bias"  # a block the base does not have
+    _edit(zoo.experts["alpha"] / "model.safetensors", lambda t: t.update({key: torch.ones(2)}))
     out = tmp_path / "out"
     call = lambda: merge_checkpoints(zoo.base, zoo.experts, out, "average", progress=False)  # noqa: E731
-    _fails(call, out, "'extra'", "expert 'alpha'", "lacks", str(zoo.experts["alpha"]))
+    _fails(call, out, key, "expert 'alpha'", "lacks", str(zoo.experts["alpha"]))
+
+
+def test_expert_head_outside_the_base_layout_is_ignored(zoo, tmp_path):
+    _edit(zoo.experts["alpha"] / "model.safetensors", lambda t: t.update(head=torch.ones(2)))
+    out = tmp_path / "out"
+    merge_checkpoints(zoo.base, zoo.experts, out, "average", progress=False)
+    assert "head" not in load_file(str(out / "model.safetensors"))
+
+
+def test_clipmodel_base_with_transformers4_vision_experts(tmp_path):
+    """The paper's layout: a full CLIPModel base, CLIPVisionModel experts with 4.x keys. The
+    vision tower is merged by canonical name; the text tower is the base's."""
+    zoo = factories.clip_zoo(tmp_path / "zoo", tasks=("a", "b"), dtype=torch.float64)
+    tower = {k: v for k, v in load_file(str(zoo.base / "model.safetensors")).items()}
+    experts = {t: load_file(str(p / "model.safetensors")) for t, p in zoo.experts.items()}
+    for path in zoo.experts.values():
+        factories.to_transformers4_layout(path)
+    clip = factories.clip_model_with_tower(zoo.base, tmp_path / "clipmodel")
+    out = tmp_path / "out"
+    merge_checkpoints(clip, zoo.experts, out, "task_arithmetic", {"scale": 0.5}, progress=False)
+    merged = load_file(str(out / "model.safetensors"))
+    base_full = load_file(str(clip / "model.safetensors"))
+    assert set(merged) == set(base_full)
+    for key, theta0 in tower.items():
+        expected = theta0 + 0.5 * sum(e[key] - theta0 for e in experts.values())
+        torch.testing.assert_close(merged["vision_model." + key], expected)
+    for key in base_full:
+        if not key.startswith("vision_model."):
+            assert torch.equal(merged[key], base_full[key]), key
 
 
 def test_expert_with_another_shape(zoo, tmp_path):

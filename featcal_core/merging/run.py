@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from featcal_core.architectures import detect
 from featcal_core.atomic import atomic_directory, check_output
 from featcal_core.checkpoint import INDEX_NAME, Checkpoint, sha256_file
 from featcal_core.errors import FeatCalError
@@ -70,15 +71,14 @@ def merge_checkpoints(
             raise FeatCalError(
                 f"--out {out} is the {checkpoint.role} directory; write the merge elsewhere"
             )
-    for checkpoint in expert_ckpts.values():
-        _check_same_layout(base_ckpt, checkpoint)
+    key_maps = {task: _key_map(base_ckpt, c) for task, c in expert_ckpts.items()}
     log.info(
         "merging %d experts into %s with %s %s (%d tensors)",
         len(expert_ckpts), out, merger.name, hp, len(base_ckpt.tensors),
     )  # fmt: skip
 
     with atomic_directory(out, overwrite) as tmp:
-        counts = _write_weights(merger, hp, base_ckpt, expert_ckpts, tmp, progress)
+        counts = _write_weights(merger, hp, base_ckpt, expert_ckpts, key_maps, tmp, progress)
         _copy_other_files(base_ckpt, tmp)
         record = {
             "merge_record_version": RECORD_VERSION,
@@ -101,8 +101,58 @@ def _is_float(dtype: str) -> bool:
     return DTYPES[dtype].is_floating_point
 
 
-def _check_same_layout(base: Checkpoint, expert: Checkpoint) -> None:
-    """`expert` has exactly the base's tensor names, shapes and (float or not) dtype kinds."""
+def _key_map(base: Checkpoint, expert: Checkpoint) -> dict[str, str | None]:
+    """For each base tensor, the expert tensor it merges with (None: copy the base's).
+
+    When the base's architecture is known (featcal_core.architectures), the tower's tensors are
+    matched by canonical name through each checkpoint's own key prefix, so a CLIPModel base merges
+    with CLIPVisionModel experts (transformers 4.x or 5.x layout) and a BertModel base with
+    BertForSequenceClassification experts; base tensors outside the tower that the expert lacks
+    (a text tower, a pooler) are copied from the base, and expert tensors outside the base's layout
+    (task heads) are ignored. Otherwise the names must agree exactly.
+    """
+    try:
+        arch = detect(base.config, str(base.directory / "config.json"))
+    except FeatCalError:
+        arch = None
+    if arch is None:
+        return _exact_key_map(base, expert)
+    base_prefix = arch.resolve_prefix(base)
+    expert_prefix = arch.resolve_prefix(expert)
+    mapping: dict[str, str | None] = {}
+    for name in base.tensors:
+        if not name.startswith(base_prefix):
+            mapping[name] = name if name in expert.tensors else None
+            continue
+        canonical = name[len(base_prefix) :]
+        other = expert_prefix + canonical
+        if other in expert.tensors:
+            mapping[name] = other
+        elif arch.owns(canonical):
+            raise FeatCalError(
+                f"tensor {other!r} (the base's {name!r}) is missing from {expert.role} "
+                f"{expert.directory}; an expert must be a fine-tune of the base with the same "
+                "architecture"
+            )
+        else:
+            mapping[name] = None
+    tower = {other for other in mapping.values() if other is not None}
+    extra = [
+        n for n in expert.tensors
+        if n.startswith(expert_prefix) and arch.owns(n[len(expert_prefix) :]) and n not in tower
+    ]  # fmt: skip
+    if extra:
+        raise FeatCalError(
+            f"{expert.role} {expert.directory} has tower tensor {extra[0]!r} that the base model "
+            f"{base.directory} lacks; an expert must be a fine-tune of the base with the same "
+            "architecture"
+        )
+    _check_pairs(base, expert, mapping)
+    return mapping
+
+
+def _exact_key_map(base: Checkpoint, expert: Checkpoint) -> dict[str, str | None]:
+    """Identity mapping; `expert` must have exactly the base's tensor names."""
     missing = [name for name in base.tensors if name not in expert.tensors]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -119,18 +169,28 @@ def _check_same_layout(base: Checkpoint, expert: Checkpoint) -> None:
             f"{base.directory} lacks; an expert must be a fine-tune of the base with the same "
             "architecture"
         )
-    for name, info in base.tensors.items():
-        other = expert.tensors[name]
+    mapping: dict[str, str | None] = {name: name for name in base.tensors}
+    _check_pairs(base, expert, mapping)
+    return mapping
+
+
+def _check_pairs(base: Checkpoint, expert: Checkpoint, mapping: dict[str, str | None]) -> None:
+    """Matched tensors have the same shape and the same (float or not) dtype kind."""
+    for name, other_name in mapping.items():
+        if other_name is None:
+            continue
+        info, other = base.tensors[name], expert.tensors[other_name]
         if other.shape != info.shape:
             raise FeatCalError(
-                f"tensor {name!r} has shape {list(other.shape)} in {expert.role} "
+                f"tensor {other_name!r} has shape {list(other.shape)} in {expert.role} "
                 f"{expert.directory} but {list(info.shape)} in the base model {base.directory}; "
                 "merge only fine-tunes of the same base"
             )
         if _is_float(other.dtype) != _is_float(info.dtype):
             raise FeatCalError(
-                f"tensor {name!r} has dtype {other.dtype} in {expert.role} {expert.directory} "
-                f"but {info.dtype} in the base model {base.directory}; re-save the expert"
+                f"tensor {other_name!r} has dtype {other.dtype} in {expert.role} "
+                f"{expert.directory} but {info.dtype} in the base model {base.directory}; "
+                "re-save the expert"
             )
 
 
@@ -173,6 +233,7 @@ def _write_weights(
     hp: dict[str, Any],
     base: Checkpoint,
     experts: dict[str, Checkpoint],
+    key_maps: dict[str, dict[str, str | None]],
     out_dir: Path,
     progress: bool,
 ) -> dict[str, int]:
@@ -186,11 +247,15 @@ def _write_weights(
         def fetch(name: str) -> torch.Tensor:
             info = base.tensors[name]
             theta0 = readers.read(base, name)
-            if not _is_float(info.dtype):
+            others = [key_maps[task][name] for task in experts]
+            if not _is_float(info.dtype) or any(other is None for other in others):
                 counts["copied"] += 1
                 bar.update(1)
                 return theta0
-            thetas = [readers.read(expert, name) for expert in experts.values()]
+            thetas = [
+                readers.read(expert, other)
+                for expert, other in zip(experts.values(), others, strict=True)
+            ]
             merged = merger.merge_tensor(theta0, thetas, hp)
             del thetas
             if tuple(merged.shape) != info.shape:

@@ -1,7 +1,7 @@
 """`featcal run`: the pipeline as one Prefect flow, configured by params.yaml.
 
-download-experts → calibration sets → merge → calibrate (one cached task per block, resumable),
-each step a nested MLflow run under one parent run per flow run. Evaluation and the report are not
+download-experts → calibration sets → merge → calibrate (one cached task per block, resumable)
+→ evaluate, each step a nested MLflow run under one parent run per flow run. The report step is not
 part of the flow yet.
 
 Everything the run writes goes below `run.results_dir` (default data/results):
@@ -11,11 +11,15 @@ Everything the run writes goes below `run.results_dir` (default data/results):
     merged/                   the merged checkpoint (+ merge.json)
     calibration/              per-block persisted states (the resume cache)
     calibrated/               the calibrated checkpoint (+ featcal.json)
+    evaluation.json           per task and model: accuracy, loss, normalized accuracy
+    heads/                    cached CLIP zero-shot class embeddings
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from pathlib import Path
 
 from flows.environment import PROJECT_ROOT, configure
@@ -33,7 +37,15 @@ def layout(params: Params) -> dict[str, Path]:
         "merged": root / "merged",
         "calibration": root / "calibration",
         "calibrated": root / "calibrated",
+        "evaluation": root / "evaluation.json",
     }
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write JSON atomically (temporary file, then rename)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def run_pipeline(params: Params, project_root: Path = PROJECT_ROOT) -> dict:
@@ -49,8 +61,9 @@ def run_pipeline(params: Params, project_root: Path = PROJECT_ROOT) -> dict:
     from flows.calibration import calibration_flow_fn, make_spec
     from tasks.calibration_sets import build_calibration_sets
     from tasks.download import download_models
+    from tasks.evaluate import evaluate_models
     from tasks.merge import merge_task
-    from tasks.tracking import log_calibration_record, parent_run, step_run
+    from tasks.tracking import log_calibration_record, log_evaluation, parent_run, step_run
 
     paths = layout(params)
 
@@ -93,6 +106,17 @@ def run_pipeline(params: Params, project_root: Path = PROJECT_ROOT) -> dict:
                     "restored": sum(b["restored"] for b in record["blocks"]),
                     "wall_seconds": record["wall_seconds"],
                 }
+            if params.evaluation.enabled:
+                models = {"merged": str(paths["merged"])}
+                if params.featcal.enabled:
+                    models["calibrated"] = str(paths["calibrated"])
+                with step_run("evaluate"):
+                    table = evaluate_models(
+                        params, str(base.path), expert_dirs, models, str(paths["root"])
+                    )
+                write_json(paths["evaluation"], table)
+                log_evaluation(table)
+                summary["evaluation"] = table
         return summary
 
     return featcal_run()

@@ -325,6 +325,29 @@ def log_calibration_record(record: Mapping[str, Any], *, run_id: str | None = No
     client.log_text(run, json.dumps(record, indent=2, default=str) + "\n", RECORD_ARTIFACT)
 
 
+def log_evaluation(table: Mapping[str, Mapping[str, Mapping[str, float]]], *, run_id=None) -> None:
+    """Metrics `accuracy/<task>/<model>`, `loss/…`, `normalized/…` and, per model, the mean
+    over tasks `accuracy_mean/<model>` and `normalized_mean/<model>`."""
+    target = _target(run_id)
+    if target is None:
+        return
+    from mlflow import MlflowClient
+
+    session, run = target
+    metrics: dict[str, float] = {}
+    per_model: dict[str, list[tuple[float, float]]] = {}
+    for task_name, row in table.items():
+        for model, result in row.items():
+            for name in ("accuracy", "loss", "normalized"):
+                metrics[f"{name}/{task_name}/{model}"] = float(result[name])
+            per_model.setdefault(model, []).append((result["accuracy"], result["normalized"]))
+    for model, values in per_model.items():
+        if len(values) == len(table):  # a model evaluated on every task
+            metrics[f"accuracy_mean/{model}"] = sum(a for a, _ in values) / len(values)
+            metrics[f"normalized_mean/{model}"] = sum(n for _, n in values) / len(values)
+    _log_metrics(MlflowClient(session.uri), run, metrics)
+
+
 def log_artifacts(
     paths: str | Path | Iterable[str | Path],
     *,

@@ -78,3 +78,47 @@ def clip_model_with_tower(vision_dir: Path, out: Path) -> Path:
     model.to(vision.dtype).save_pretrained(out)
     CLIPImageProcessor.from_pretrained(vision_dir).save_pretrained(out)
     return out
+
+
+def tiny_clip_model(out: Path, seed: int = 2) -> Path:
+    """A full tiny CLIPModel (vision TINY_CLIP, 1-layer text tower, projection 16) with a real
+    CLIPTokenizer (letters only, no merges) and a CLIPImageProcessor, saved in `out`."""
+    import string
+
+    from transformers import CLIPConfig, CLIPModel, CLIPTokenizer
+
+    torch.manual_seed(seed)
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for letter in [*string.ascii_lowercase, "."]:
+        vocab[letter] = len(vocab)
+        vocab[letter + "</w>"] = len(vocab)
+    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                vocab_size=len(vocab), max_position_embeddings=32, bos_token_id=0,
+                eos_token_id=1, pad_token_id=1)  # fmt: skip
+    config = CLIPConfig(vision_config=dict(TINY_CLIP), text_config=text, projection_dim=16)
+    CLIPModel(config).eval().save_pretrained(out)
+    CLIPTokenizer(vocab=vocab, merges=[]).save_pretrained(out)
+    side = TINY_CLIP["image_size"]
+    CLIPImageProcessor(
+        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
+    ).save_pretrained(out)
+    return out
+
+
+def vision_experts(base: Path, root: Path, tasks, delta: float = 0.05, seed: int = 100):
+    """CLIPVisionModel experts (transformers 4.x layout, as published) = the base CLIPModel's vision
+    tower + seeded Gaussian deltas; returns task → directory."""
+    from transformers import CLIPModel
+
+    clip = CLIPModel.from_pretrained(base)
+    tower = clip.vision_model.state_dict()
+    out = {}
+    for i, task in enumerate(tasks):
+        gen = torch.Generator().manual_seed(seed + i)
+        state = {k: v + delta * torch.randn(v.shape, generator=gen) for k, v in tower.items()}
+        model = CLIPVisionModel(clip.config.vision_config)
+        model.load_state_dict(state)
+        model.save_pretrained(root / f"expert_{task}")
+        to_transformers4_layout(root / f"expert_{task}")
+        out[task] = root / f"expert_{task}"
+    return out

@@ -8,7 +8,6 @@ no merges, saved with save_pretrained (tokenizer.json), so AutoTokenizer loads i
 
 from __future__ import annotations
 
-import string
 from pathlib import Path
 
 import datasets
@@ -29,7 +28,7 @@ from transformers import (
     CLIPVisionModel,
 )
 
-from factories import TINY_BERT, TINY_CLIP, to_transformers4_layout
+from factories import TINY_BERT, TINY_CLIP, tiny_clip_model, to_transformers4_layout
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation import ExpertHead, ZeroShotHead, evaluate, normalized_accuracy
 from featcal_core.synthetic import WORDS
@@ -215,33 +214,9 @@ def test_normalized_accuracy():
 @pytest.fixture(scope="module")
 def clip(tmp_path_factory):
     root = tmp_path_factory.mktemp("clip")
-    torch.manual_seed(2)
-    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
-    for letter in string.ascii_lowercase:
-        vocab[letter] = len(vocab)
-        vocab[letter + "</w>"] = len(vocab)
-    vocab["."] = len(vocab)
-    vocab[".</w>"] = len(vocab)
-    text = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        vocab_size=len(vocab),
-        max_position_embeddings=32,
-        bos_token_id=0,
-        eos_token_id=1,
-        pad_token_id=1,
-    )
-    config = CLIPConfig(vision_config=dict(TINY_CLIP), text_config=text, projection_dim=16)
-    model = CLIPModel(config).eval()
-    base_dir = root / "base"
-    model.save_pretrained(base_dir)
-    CLIPTokenizer(vocab=vocab, merges=[]).save_pretrained(base_dir)
-    side = TINY_CLIP["image_size"]
-    CLIPImageProcessor(
-        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
-    ).save_pretrained(base_dir)
+    base_dir = tiny_clip_model(root / "base", seed=2)
+    model = CLIPModel.from_pretrained(base_dir).eval()
+    config = model.config
 
     tower = _perturbed(model.vision_model.state_dict(), seed=11, scale=0.2)
     vision = CLIPVisionModel(config.vision_config)

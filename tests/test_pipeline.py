@@ -1,5 +1,6 @@
 """`featcal run` end to end on tiny local checkpoints: real Prefect flow (embedded server), real
-MLflow SQLite store; download (local references) → calibration sets → merge → calibrate."""
+MLflow SQLite store; download (local references) → calibration sets → merge → calibrate →
+evaluate."""
 
 from __future__ import annotations
 
@@ -30,16 +31,21 @@ def _labelled_images(path, seed, rows=(20, 10)):
 
 
 def test_featcal_run_end_to_end(tmp_path):
-    zoo = factories.clip_zoo(tmp_path / "zoo", tasks=("alpha", "beta"))
+    """The paper's layout in miniature: a full CLIPModel base, CLIPVisionModel experts in the
+    transformers 4.x layout, zero-shot heads from the base's text tower."""
+    base = factories.tiny_clip_model(tmp_path / "base")
+    experts = factories.vision_experts(base, tmp_path, ("alpha", "beta"))
     params = {
         "run": {"name": "e2e", "results_dir": str(tmp_path / "results"), "seed": 1},
-        "models": {"base": str(zoo.base), "experts": {t: str(p) for t, p in zoo.experts.items()}},
+        "models": {"base": str(base), "experts": {t: str(p) for t, p in experts.items()}},
         "tasks": {
             task: {
                 "calibration": {"path": str(data), "split": "train"},
                 "evaluation": {"path": str(data), "split": "test"},
+                "class_names": ["cat", "dog", "bird"],
+                "templates": ["a photo of a {}.", "a {}."],
             }
-            for i, task in enumerate(zoo.experts)
+            for i, task in enumerate(experts)
             for data in [_labelled_images(tmp_path / f"data_{task}", seed=i)]
         },
         "merge": {"method": "task_arithmetic", "hyperparameters": {"scale": 0.3}},
@@ -68,6 +74,16 @@ def test_featcal_run_end_to_end(tmp_path):
     assert record["hyperparameters"]["alpha"] == 0.3
     assert [b["index"] for b in record["blocks"]] == [0, 1]
     assert summary["calibration"]["blocks"] == 2
+    evaluation = json.loads((results / "evaluation.json").read_text())
+    assert evaluation == summary["evaluation"]
+    for task in ("alpha", "beta"):
+        row = evaluation[task]
+        assert set(row) == {"base", "expert", "merged", "calibrated"}
+        assert all(r["examples"] == 10 for r in row.values())
+        assert row["expert"]["normalized"] == 1.0
+        assert abs(row["merged"]["normalized"] * row["expert"]["accuracy"]
+                   - row["merged"]["accuracy"]) < 1e-9  # fmt: skip
+    assert (results / "heads").is_dir()
 
     import mlflow
 
@@ -75,6 +91,8 @@ def test_featcal_run_end_to_end(tmp_path):
     run = client.get_run(summary["mlflow_run_id"])
     assert run.data.params["featcal.alpha"] == "0.3"
     assert run.data.tags["prefect_flow_run_id"]
+    accuracy = client.get_metric_history(run.info.run_id, "accuracy/alpha/calibrated")
+    assert accuracy[-1].value == evaluation["alpha"]["calibrated"]["accuracy"]
     history = client.get_metric_history(run.info.run_id, "drift_after/alpha")
     assert [m.step for m in history] == [0, 1]
     assert abs(history[-1].value - record["blocks"][-1]["drift_after"]["alpha"]) < 1e-9
@@ -82,7 +100,7 @@ def test_featcal_run_end_to_end(tmp_path):
         [run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'"
     )
     assert {c.data.tags["mlflow.runName"] for c in children} >= {
-        "download-experts", "calibration-sets", "merge", "calibrate",
+        "download-experts", "calibration-sets", "merge", "calibrate", "evaluate",
     }  # fmt: skip
 
 

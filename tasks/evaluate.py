@@ -1,0 +1,93 @@
+"""Prefect task for the evaluate step: per task, accuracy and loss of the base (zero-shot only),
+the task's expert, the merged and the calibrated model, and normalized accuracy (÷ the expert's).
+
+A task with `class_names` or `templates` in params is evaluated with a CLIP zero-shot head built
+from the base CLIPModel's text tower (class embeddings cached under `<results>/heads`); any other
+task with its expert's own classification head. Evaluation data never feeds calibration: the
+params refuse a task whose evaluation source is its calibration source.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from featcal_core.calibration_sets import open_source
+from featcal_core.evaluation import ExpertHead, ZeroShotHead, evaluate, normalized_accuracy
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TEMPLATES = ("a photo of a {}.",)
+
+
+def _evaluation_data(task_name: str, source: Any, data_root: Path) -> tuple[Path, str | None]:
+    """(save_to_disk directory, split) of a task's evaluation rows; Hub splits are saved once."""
+    if source.hub is None:
+        return Path(source.path).expanduser(), source.split
+    target = data_root / task_name
+    if not (target / "state.json").is_file():
+        open_source(source, key=f"tasks.{task_name}.evaluation").save_to_disk(str(target))
+    return target, None
+
+
+def _head(task_name: str, spec: Any, base: Path, expert: Path, data: Path, split, cache: Path):
+    if spec.class_names is None and spec.templates is None:
+        return ExpertHead(expert), False
+    names = spec.class_names
+    if names is None:
+        rows = open_source({"path": str(data), "split": split}, key=f"tasks.{task_name}.evaluation")
+        label = spec.evaluation.label_column or "label"
+        names = list(rows.features[label].names)
+    return ZeroShotHead(base, names, tuple(spec.templates or DEFAULT_TEMPLATES), cache), True
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate_models(
+    params: Any,
+    base: str,
+    experts: dict[str, str],
+    models: dict[str, str],
+    results_dir: str,
+) -> dict[str, dict[str, dict[str, float]]]:
+    """{task: {model name: {"accuracy", "loss", "examples", "normalized"}}}.
+
+    `models` maps a name ("merged", "calibrated") to a checkpoint directory; each task also gets
+    "expert" (its own expert) and, for zero-shot tasks, "base".
+    """
+    settings = params.evaluation
+    root = Path(results_dir)
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for task_name, spec in params.tasks.items():
+        source = spec.evaluation
+        data, split = _evaluation_data(task_name, source, root / "evaluation_data")
+        head, zero_shot = _head(
+            task_name, spec, Path(base), Path(experts[task_name]), data, split, root / "heads"
+        )
+        candidates = {"expert": experts[task_name], **models}
+        if zero_shot:
+            candidates = {"base": base, **candidates}
+        row = {}
+        for name, directory in candidates.items():
+            row[name] = evaluate(
+                directory, head, data, split,
+                batch_size=settings.batch_size, max_examples=settings.max_examples_per_task,
+                image_column=source.image_column, text_column=source.text_column,
+                label_column=source.label_column, device=params.featcal.device, progress=False,
+            )  # fmt: skip
+        expert_accuracy = row["expert"]["accuracy"]
+        for result in row.values():
+            result["normalized"] = (
+                normalized_accuracy(result["accuracy"], expert_accuracy)
+                if expert_accuracy > 0
+                else float("nan")
+            )
+        table[task_name] = row
+        log.info(
+            "evaluate %s: %s", task_name,
+            ", ".join(f"{n} {r['accuracy']:.4f}" for n, r in row.items()),
+        )  # fmt: skip
+    return table

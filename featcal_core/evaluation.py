@@ -424,13 +424,7 @@ class _ZeroShotClassifier(nn.Module):
 
 
 def _tower_prefix(arch: Architecture, names: Any, what: str) -> str:
-    for prefix in arch.prefix_candidates:
-        if prefix + arch.probe_key in names:
-            return prefix
-    raise FeatCalError(
-        f"{what} has no tensor {arch.probe_key!r} (tried prefixes {list(arch.prefix_candidates)}); "
-        f"it is not a {arch.name} model"
-    )
+    return arch.find_prefix(names, what)
 
 
 def _load_tower(

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import types
 import typing
@@ -37,7 +36,12 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from featcal_core.data_source import DataSource as CoreDataSource
 from featcal_core.errors import FeatCalError
+
+_SOURCE_FIELDS = (
+    "hub", "config", "path", "split", "image_column", "text_column", "label_column",
+)  # fmt: skip
 
 __all__ = [
     "DataSource",
@@ -202,22 +206,20 @@ class DataSource(_Section):
             raise _error("empty path; give a save_to_disk directory", "path")
         return self
 
+    def core(self) -> CoreDataSource:
+        """The same source as featcal_core's plain DataSource."""
+        return CoreDataSource(**{name: getattr(self, name) for name in _SOURCE_FIELDS})
+
     @property
     def kind(self) -> Literal["hub", "local"]:
-        return "hub" if self.hub is not None else "local"
+        return self.core().kind
 
     def identity(self) -> tuple[Any, ...]:
         """What identifies the rows: (hub, config, split) or (normalised path, split)."""
-        if self.hub is not None:
-            return ("hub", self.hub, self.config, self.split)
-        return ("local", os.path.normpath(os.path.expanduser(self.path)), self.split)
+        return self.core().identity()
 
     def describe(self) -> str:
-        if self.hub is not None:
-            config = f", config {self.config}" if self.config else ""
-            return f"hub {self.hub}{config}, split {self.split}"
-        split = f", split {self.split}" if self.split else ""
-        return f"path {self.path}{split}"
+        return self.core().describe()
 
 
 def _check_template(template: str) -> str:

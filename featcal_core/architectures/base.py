@@ -64,13 +64,18 @@ class Architecture(ABC):
         """Canonical prefix of block `index`, e.g. "encoder.layers.3."."""
 
     def resolve_prefix(self, checkpoint: Checkpoint) -> str:
+        """The key prefix of the tower inside `checkpoint`."""
+        return self.find_prefix(checkpoint, f"{checkpoint.role} {checkpoint.directory}")
+
+    def find_prefix(self, names, what: str) -> str:
+        """The key prefix of the tower among `names` (anything supporting `in`); `what` names the
+        source in the error."""
         for prefix in self.prefix_candidates:
-            if prefix + self.probe_key in checkpoint:
+            if prefix + self.probe_key in names:
                 return prefix
         raise FeatCalError(
-            f"{checkpoint.role} {checkpoint.directory} has no tensor "
-            f"{self.probe_key!r} (tried prefixes {list(self.prefix_candidates)}); it is not a "
-            f"{self.name} checkpoint"
+            f"{what} has no tensor {self.probe_key!r} (tried prefixes "
+            f"{list(self.prefix_candidates)}); it is not a {self.name} checkpoint"
         )
 
     def owns(self, canonical: str) -> bool:

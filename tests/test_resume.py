@@ -104,3 +104,36 @@ def test_cache_keys_follow_content(zoo, tmp_path):
         tmp_path / "one" / "model.safetensors"
     ).read_bytes()
     assert not any(run(tmp_path / "three", "--alpha", "0.5"))  # α changed: all recomputed
+
+
+def test_two_runs_at_once_on_one_results_dir(zoo, tmp_path):
+    """Both start together: the second either waits its turn (the first finished) or stops at
+    once with a clear message; neither corrupts the shared states, and every output is complete."""
+    home, results = tmp_path / "prefect", tmp_path / "results"
+    outs = [tmp_path / "out_a", tmp_path / "out_b"]
+    procs = [
+        subprocess.Popen(
+            _command(zoo, out, results),
+            env=_env(home),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for out in outs
+    ]
+    finished = [(p.wait(timeout=600), p.communicate()[1]) for p in procs]
+    codes = [code for code, _ in finished]
+    assert 0 in codes and set(codes) <= {0, 2}, finished
+    for (code, stderr), out in zip(finished, outs, strict=True):
+        if code == 2:
+            assert "in use by another featcal run" in stderr.strip().splitlines()[-1]
+            assert not out.exists()
+        else:
+            assert len(_record(out)["blocks"]) == RESUME_CLIP["num_hidden_layers"]
+    from featcal_core.state import verify
+
+    states = [p for p in (results / "states").iterdir() if not p.name.startswith(".")]
+    assert states and all(verify(p) is not None for p in states)
+    done = [out for (code, _), out in zip(finished, outs, strict=True) if code == 0]
+    first = (done[0] / "model.safetensors").read_bytes()
+    assert all((out / "model.safetensors").read_bytes() == first for out in done)

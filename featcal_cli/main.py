@@ -33,17 +33,54 @@ def _pairs(flag: str, values: list[tuple[str, str]] | None) -> dict[str, str]:
     return out
 
 
+STEP_HELP = {
+    "download": "pipeline step: resolve the models of params.yaml and write the lock file",
+    "calib-set": "pipeline step: draw the calibration sets of params.yaml",
+    "evaluate": "pipeline step: evaluate base, experts, merged and calibrated models",
+    "report": "pipeline step: write reports/<run>/report.md and report.html with plots",
+}
+
+
+def _params_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", default="params.yaml", help="the run configuration")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a value of the params file, e.g. featcal.alpha=0.3")  # fmt: skip
+
+
+def _steps(args: argparse.Namespace):
+    from flows.params import load_params
+    from flows.steps import Steps
+
+    return Steps(load_params(args.params, args.set))
+
+
+def _step(name: str):
+    def run(args: argparse.Namespace) -> int:
+        steps = _steps(args)  # params validated before any heavy work
+        if name == "calibrate":
+            from flows.environment import configure
+
+            configure()
+        result = getattr(steps, name)()
+        logging.getLogger("featcal").info("%s: done (%s)", name, steps.paths["root"])
+        if name == "evaluate":
+            print(json.dumps(result, indent=2))
+        return 0
+
+    return run
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="featcal", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
     cal = sub.add_parser("calibrate", help="FeatCal-calibrate a merged model against its experts")
-    cal.add_argument("--base", required=True, help="base model directory (with its preprocessor)")
-    cal.add_argument("--merged", required=True, help="merged model directory")
+    cal.add_argument("--base", help="base model directory (with its preprocessor)")
+    cal.add_argument("--merged", help="merged model directory")
     cal.add_argument("--expert", action="append", type=_task_path("--expert"), metavar="TASK=DIR")
     cal.add_argument("--calib", action="append", type=_task_path("--calib"), metavar="TASK=DIR")
-    cal.add_argument("--out", required=True, help="output directory (save_pretrained layout)")
+    cal.add_argument("--out", help="output directory (save_pretrained layout)")
     cal.add_argument("--alpha", type=float, default=0.25, help="teacher interpolation α")
     cal.add_argument("--rho", type=float, default=2.2, help="anchor blend ρ")
     cal.add_argument("--lam", type=float, default=0.05, help="ridge weight λ")
@@ -65,12 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--no-progress", action="store_true", help="no progress bar")
     from featcal_cli import merge_command
 
-    merge_command.add_parser(sub)
+    merge = merge_command.add_parser(sub)
+    merge.add_argument("--params", help="run the pipeline's merge step from this params.yaml")
+    merge.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="with --params: override a value")  # fmt: skip
+
+    cal.add_argument("--params", help="run the pipeline's calibrate step from this params.yaml "
+                     "(instead of --base/--merged/--expert/--calib/--out)")  # fmt: skip
+    cal.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="with --params: override a value")  # fmt: skip
 
     run = sub.add_parser("run", help="run the whole pipeline (Prefect flow) from params.yaml")
-    run.add_argument("--params", default="params.yaml", help="the run configuration")
-    run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a value of the params file, e.g. featcal.alpha=0.3")  # fmt: skip
+    _params_arguments(run)
+    for name, text in STEP_HELP.items():
+        _params_arguments(sub.add_parser(name, help=text))
 
     demo = sub.add_parser(
         "demo", help="calibrate a small synthetic pool and print the per-block drift (offline)"
@@ -117,6 +162,11 @@ def _demo(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from featcal_core import FeatCalParams, calibrate
 
+    if args.params is not None:
+        return _step("calibrate")(args)
+    missing = [f"--{n}" for n in ("base", "merged", "out") if getattr(args, n) is None]
+    if missing:
+        raise FeatCalError(f"featcal calibrate needs {', '.join(missing)} (or --params FILE)")
     if args.results_dir is not None:
         return _calibrate_flow(args)
     record = calibrate(
@@ -173,6 +223,11 @@ def _calibrate_flow(args: argparse.Namespace) -> int:
 def _merge(args: argparse.Namespace) -> int:
     from featcal_cli import merge_command
 
+    if args.params is not None:
+        return _step("merge")(args)
+    missing = [f"--{n}" for n in ("base", "method", "out") if getattr(args, n) is None]
+    if missing:
+        raise FeatCalError(f"featcal merge needs {', '.join(missing)} (or --params FILE)")
     return merge_command.run(args)
 
 
@@ -187,7 +242,16 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"calibrate": _calibrate, "demo": _demo, "merge": _merge, "run": _run}
+COMMANDS = {
+    "calibrate": _calibrate,
+    "demo": _demo,
+    "merge": _merge,
+    "run": _run,
+    "download": _step("download"),
+    "calib-set": _step("calibration_sets"),
+    "evaluate": _step("evaluate"),
+    "report": _step("report"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,16 +18,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     merge = sub.add_parser(
         "merge", help="merge fine-tuned experts into one model, tensor by tensor (streaming)"
     )
-    merge.add_argument("--base", required=True, help="base (pre-trained) model directory")
+    merge.add_argument("--base", help="base (pre-trained) model directory")
     merge.add_argument("--expert", action="append", type=_task_path("--expert"),
                        metavar="TASK=DIR", help="a fine-tuned expert (repeat per task)")  # fmt: skip
-    merge.add_argument("--method", required=True, choices=available(), help="merge method")
+    merge.add_argument("--method", choices=available(), help="merge method")
     merge.add_argument("--scale", type=float, default=None,
                        help="task vector scale (task_arithmetic default 0.3, ties λ default 1.0)")  # fmt: skip
     merge.add_argument("--top-k", type=float, default=None,
                        help="ties: percent of each task vector's entries kept, per tensor "
                        "(default 20)")  # fmt: skip
-    merge.add_argument("--out", required=True, help="output directory (save_pretrained layout)")
+    merge.add_argument("--out", help="output directory (save_pretrained layout)")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     merge.add_argument("--no-progress", action="store_true", help="no progress bar")
     return merge

@@ -57,7 +57,7 @@ def test_featcal_run_end_to_end(tmp_path):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": uri}
     cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path),
            "--set", "featcal.alpha=0.3"]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout[proc.stdout.index("{") :])
     results = tmp_path / "results"
@@ -84,6 +84,13 @@ def test_featcal_run_end_to_end(tmp_path):
         assert abs(row["merged"]["normalized"] * row["expert"]["accuracy"]
                    - row["merged"]["accuracy"]) < 1e-9  # fmt: skip
     assert (results / "heads").is_dir()
+    report = tmp_path / "reports" / "e2e"
+    assert summary["report"] == str(report / "report.html")
+    markdown = (report / "report.md").read_text()
+    calibrated = evaluation["alpha"]["calibrated"]["accuracy"]
+    assert f"{100 * calibrated:.1f}" in markdown
+    assert (report / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (report / "drift.png").is_file()
 
     import mlflow
 
@@ -100,8 +107,10 @@ def test_featcal_run_end_to_end(tmp_path):
         [run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'"
     )
     assert {c.data.tags["mlflow.runName"] for c in children} >= {
-        "download-experts", "calibration-sets", "merge", "calibrate", "evaluate",
+        "download-experts", "calibration-sets", "merge", "calibrate", "evaluate", "report",
     }  # fmt: skip
+    logged = {a.path for a in client.list_artifacts(run.info.run_id, "report")}
+    assert "report/report.html" in logged and "report/drift.png" in logged
 
 
 def test_invalid_params_fail_before_any_work(tmp_path):

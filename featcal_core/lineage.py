@@ -1,0 +1,1185 @@
+"""Lineage for audits: what produced a checkpoint, checked against the files on disk, and a model
+card that says it.
+
+    result = trace("data/results/calibrated")   # a checkpoint, a results dir or a report dir
+    print(format_trace(result))                 # `featcal lineage PATH`
+    check(result)                               # FeatCalError when a recorded input changed
+    write_model_card("data/results/calibrated", **model_card_fields(result))
+
+`trace` follows the records the pipeline writes below its results directory:
+
+    calibrated/featcal.json   → merged (its sha256), base, experts (sha256 of each weight file),
+                                calibration sets (sha256_tree of each directory)
+    merged/merge.json         → base, experts (sha256 of each weight file)
+    models.lock.json          → base and experts: reference, revision, commit, sha256 of each file
+    calibration_sets/<task>/calibration_set.json → source, seed, row ids, digest of the data files
+
+plus the evaluation table (evaluation.json) and the provenance fields of a `provenance.json`
+beside the traced path or in the results directory (git commit, MLflow run id, Prefect flow-run
+id, DVC stage). Every recorded input is verified: each weight file must still have its recorded
+sha256, each calibration set its recorded digest, the lock its lock_digest, and records that
+name the same input must agree. Mismatches are collected as problems (one per file); `check`
+turns the first into a one-line FeatCalError.
+
+A recorded absolute path that no longer exists (a moved results directory) is looked up at its
+place in the results layout (merged/, calibration_sets/<task>/); relative local paths of the lock
+are taken from the working directory, then from the folders above the results directory.
+
+Pure library: no Prefect, MLflow or DVC imports; nothing is written by `trace`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import numbers
+import os
+import re
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from featcal_core.checkpoint import sha256_file
+from featcal_core.errors import FeatCalError
+
+__all__ = [
+    "CARD_NAME",
+    "PROVENANCE_FIELDS",
+    "PROVENANCE_NAME",
+    "check",
+    "format_trace",
+    "model_card_fields",
+    "render_model_card",
+    "trace",
+    "write_model_card",
+]
+
+log = logging.getLogger(__name__)
+
+#: the records (same names as featcal_core.calibration, .merging.run, .calibration_sets, flows)
+FEATCAL_RECORD = "featcal.json"
+MERGE_RECORD = "merge.json"
+SET_RECORD = "calibration_set.json"
+LOCK_NAME = "models.lock.json"
+EVALUATION_NAME = "evaluation.json"
+#: optional run identifiers, beside the traced path or in the results directory
+PROVENANCE_NAME = "provenance.json"
+#: the model card written next to the weights
+CARD_NAME = "README.md"
+
+#: provenance fields and the keys they may be written under in provenance.json
+PROVENANCE_FIELDS: dict[str, tuple[str, ...]] = {
+    "git_commit": ("git_commit", "git.commit", "mlflow.source.git.commit"),
+    "git_dirty": ("git_dirty", "git.dirty"),
+    "mlflow_run_id": ("mlflow_run_id", "mlflow.run_id"),
+    "prefect_flow_run_id": ("prefect_flow_run_id", "prefect.flow_run_id"),
+    "dvc_stage": ("dvc_stage", "dvc.stage"),
+}
+_PROVENANCE_LABELS = {
+    "git_commit": "git commit",
+    "git_dirty": "git working tree dirty",
+    "mlflow_run_id": "MLflow run id",
+    "prefect_flow_run_id": "Prefect flow-run id",
+    "dvc_stage": "DVC stage",
+}
+#: provenance.json keys of a report directory that point at what it reports on
+_POINTERS = ("checkpoint", "results_dir")
+
+_KIND_LABELS = {
+    "calibrated": "calibrated checkpoint",
+    "merged": "merged checkpoint",
+    "results": "results directory",
+}
+_FEATCAL_LABELS = (
+    ("alpha", "α (alpha, teacher interpolation)"),
+    ("rho", "ρ (rho, anchor blend)"),
+    ("lam", "λ (lam, ridge weight)"),
+    ("eps", "ε (eps, jitter)"),
+    ("num_per_task", "n per task (calibration inputs per task)"),
+    ("seed", "seed (calibration sample)"),
+)
+_METRIC_ORDER = ("accuracy", "normalized", "loss", "examples")
+#: what the model card shows of a calibration set
+_CARD_SET_KEYS = (
+    "digest", "tree_sha256", "n_rows", "rows", "rows_available", "seed", "source", "split",
+)  # fmt: skip
+#: what the chain shows of a calibration set's own record
+_SET_KEYS = (
+    "task", "source", "split", "modality", "seed", "n_requested", "rows_available", "n_rows",
+    "digest", "row_ids",
+)  # fmt: skip
+#: what the model card shows of the base model, and under which label
+_CARD_MODEL_FACTS = (("reference", "reference"), ("kind", "kind"), ("revision", "revision"),
+                     ("commit", "commit"))  # fmt: skip
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_DASH = "—"
+_RERUN = "restore the recorded input or rerun the pipeline (featcal run) so the records match"
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _tree_digest(directory: Path, exclude: str | None = None) -> str:
+    """featcal_core.checkpoint.sha256_tree, optionally without one top-level file (the record)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+        relative = path.relative_to(directory)
+        if exclude is not None and str(relative) == exclude:
+            continue
+        digest.update(str(relative).encode())
+        digest.update(bytes.fromhex(sha256_file(path)))
+    return digest.hexdigest()
+
+
+def _short(digest: Any) -> str:
+    return f"{digest[:12]}…" if isinstance(digest, str) and digest else str(digest)
+
+
+def _changed_after(directory: Path, reference: Path) -> list[str]:
+    """Files below `directory` modified after `reference` was written (a hint, by mtime);
+    empty when none or all are (a copy resets every time stamp)."""
+    try:
+        written = reference.stat().st_mtime_ns
+        files = [p for p in directory.rglob("*") if p.is_file() and p != reference]
+        newer = [p for p in files if p.stat().st_mtime_ns > written]
+    except OSError:
+        return []
+    if not newer or len(newer) == len(files):
+        return []
+    return sorted(str(p.relative_to(directory)) for p in newer)
+
+
+def _as_dict(value: Any) -> dict:
+    return dict(value) if isinstance(value, Mapping) else {}
+
+
+def _sha_map(entry: Any) -> dict[str, str]:
+    """{file name: sha256} of a record's input entry (`sha256`, or the lock's `files`)."""
+    data = _as_dict(entry)
+    files = data.get("sha256", data.get("files"))
+    return {str(k): str(v) for k, v in _as_dict(files).items()}
+
+
+def _first_existing(candidates: list[Path]) -> Path | None:
+    for candidate in candidates:
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _is_results_root(directory: Path) -> bool:
+    return (
+        (directory / LOCK_NAME).is_file()
+        or (directory / "calibrated" / FEATCAL_RECORD).is_file()
+        or (directory / "merged" / MERGE_RECORD).is_file()
+    )
+
+
+class _Tracer:
+    """Collects the chain's problems (one per file) and hashes each file once."""
+
+    def __init__(self) -> None:
+        self.problems: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self._index: dict[tuple[str, str], dict[str, Any]] = {}
+        self._digests: dict[Path, str | None] = {}
+        self.sets_checked = 0
+
+    def problem(
+        self, file: Path | str, kind: str, message: str, record: Path | str | None = None
+    ) -> dict[str, Any]:
+        """Add a problem, or name `record` in the existing one for the same file and kind."""
+        key = (str(file), kind)
+        if key in self._index:
+            entry = self._index[key]
+            if record is not None and str(record) not in entry["recorded_in"]:
+                entry["recorded_in"].append(str(record))
+            return entry
+        entry = {
+            "file": str(file),
+            "kind": kind,
+            "message": message,
+            "recorded_in": [str(record)] if record is not None else [],
+        }
+        self._index[key] = entry
+        self.problems.append(entry)
+        return entry
+
+    def digest(self, path: Path) -> str | None:
+        key = path.absolute()
+        if key not in self._digests:
+            log.debug("hashing %s", path)
+            self._digests[key] = sha256_file(path) if path.is_file() else None
+        return self._digests[key]
+
+    @property
+    def files_checked(self) -> int:
+        return len(self._digests)
+
+    def read_json(self, path: Path, what: str) -> dict | None:
+        """A record's content; a problem (not an exception) when it is unreadable."""
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError) as exc:
+            message = " ".join(str(exc).split())
+            self.problem(
+                path, "record", f"{path} ({what}) is not readable JSON ({message}); {_RERUN}"
+            )
+            return None
+        if not isinstance(data, dict):
+            self.problem(path, "record", f"{path} ({what}) is not a JSON object; {_RERUN}")
+            return None
+        return data
+
+    def verify_files(self, directory: Path, files: Mapping[str, str], record: Path, key: str):
+        """{name: {"sha256", "status"}} for recorded files below `directory`."""
+        out: dict[str, dict[str, str]] = {}
+        for name, expected in sorted(files.items()):
+            path = directory / name
+            actual = self.digest(path)
+            if actual is None:
+                status = "missing"
+                self.problem(
+                    path,
+                    "missing",
+                    f"{path} is missing; {record} ({key}) recorded it with sha256 "
+                    f"{_short(expected)}",
+                    record,
+                )
+            elif actual != expected:
+                status = "changed"
+                self.problem(
+                    path,
+                    "changed",
+                    f"{path} has sha256 {_short(actual)}, {record} ({key}) recorded "
+                    f"{_short(expected)}",
+                    record,
+                )
+            else:
+                status = "ok"
+            out[name] = {"sha256": expected, "status": status}
+        return out
+
+
+# -------------------------------------------------------------------------------------- trace
+
+
+def trace(path: str | Path) -> dict[str, Any]:
+    """The chain of records that produced `path`, with every recorded input verified.
+
+    `path`: a checkpoint directory (with featcal.json or merge.json), a results directory
+    (models.lock.json, merged/, calibrated/), a report directory inside one, or one of those
+    records. Returns {"path", "kind", "checkpoint", "chain", "problems", "notes", "verified"}:
+    `chain` holds calibrated, merged, base, experts, lock, calibration_sets, evaluation and
+    provenance (JSON-able); each problem is {"file", "kind", "message", "recorded_in"}, kind one
+    of missing, changed, digest, inconsistent, lock, record. Raises FeatCalError only when `path`
+    is none of these.
+    """
+    start = Path(path).expanduser()
+    if start.is_file() and start.name in (
+        FEATCAL_RECORD,
+        MERGE_RECORD,
+        LOCK_NAME,
+        EVALUATION_NAME,
+        PROVENANCE_NAME,
+    ):
+        start = start.parent
+    if not start.is_dir():
+        raise FeatCalError(
+            f"{start} is not a directory; pass a checkpoint directory (with featcal.json or "
+            "merge.json), a results directory or a report directory"
+        )
+    start = start.resolve()
+    tracer = _Tracer()
+    target, kind = _classify(start, tracer)
+    checkpoint = target if kind in ("calibrated", "merged") else None
+
+    featcal_path = merge_path = None
+    if kind == "calibrated":
+        featcal_path = target / FEATCAL_RECORD
+    elif kind == "merged":
+        merge_path = target / MERGE_RECORD
+    featcal = tracer.read_json(featcal_path, "FeatCal record") if featcal_path else None
+    root = _results_root(target, kind, featcal)
+    if kind == "results":
+        if (root / "calibrated" / FEATCAL_RECORD).is_file():
+            featcal_path = root / "calibrated" / FEATCAL_RECORD
+            featcal = tracer.read_json(featcal_path, "FeatCal record")
+        elif (root / "merged" / MERGE_RECORD).is_file():
+            merge_path = root / "merged" / MERGE_RECORD
+
+    chain: dict[str, Any] = {
+        "results_dir": str(root) if root is not None else None,
+        "calibrated": None,
+        "merged": None,
+        "base": None,
+        "experts": {},
+        "lock": None,
+        "calibration_sets": {},
+        "evaluation": None,
+        "provenance": {},
+        "provenance_files": [],
+    }
+    sources: dict[str, list[tuple[Path, str, Path, dict[str, str]]]] = {}  # role → sources
+    details: dict[str, dict[str, Any]] = {}  # role → reference, commit... (from the lock)
+    tasks_by_record: list[tuple[Path, str, set[str]]] = []
+
+    # calibrated → featcal.json
+    merged_dir = None
+    if featcal is not None:
+        inputs = _as_dict(featcal.get("inputs"))
+        blocks = featcal.get("blocks") if isinstance(featcal.get("blocks"), list) else []
+        chain["calibrated"] = {
+            "path": str(featcal_path.parent),
+            "record": str(featcal_path),
+            "architecture": featcal.get("architecture"),
+            "hyperparameters": _as_dict(featcal.get("hyperparameters")),
+            "blocks": len(blocks),
+            "restored": sum(bool(_as_dict(b).get("restored")) for b in blocks),
+            "wall_seconds": featcal.get("wall_seconds"),
+            "inputs_digest": featcal.get("inputs_digest"),
+        }
+        _add_source(sources, "base", featcal_path, "inputs.base", inputs.get("base"), root)
+        experts = _as_dict(inputs.get("experts"))
+        for task, entry in experts.items():
+            _add_source(
+                sources, f"experts.{task}", featcal_path, f"inputs.experts.{task}", entry, root
+            )
+        tasks_by_record.append((featcal_path, "calibrated against", set(experts)))
+        merged_entry = _as_dict(inputs.get("merged"))
+        merged_dir = (
+            _locate(merged_entry.get("path"), root, "merged", MERGE_RECORD, tracer)
+            if merged_entry
+            else None
+        )
+        if merged_dir is not None:
+            chain["merged"] = {
+                "path": str(merged_dir),
+                "record": None,
+                "files": tracer.verify_files(
+                    merged_dir, _sha_map(merged_entry), featcal_path, "inputs.merged"
+                ),
+            }
+            if (merged_dir / MERGE_RECORD).is_file():
+                merge_path = merged_dir / MERGE_RECORD
+            else:
+                tracer.notes.append(
+                    f"{merged_dir} has no {MERGE_RECORD}: how it was merged is not recorded"
+                )
+        elif merged_entry:
+            tracer.problem(
+                merged_entry.get("path", "merged"),
+                "missing",
+                f"the merged model {merged_entry.get('path')} that {featcal_path} was calibrated "
+                f"from is missing; {_RERUN}",
+                featcal_path,
+            )
+
+    # merged → merge.json
+    if merge_path is not None:
+        merge = tracer.read_json(merge_path, "merge record")
+        if merge is not None:
+            entry = chain["merged"] or {"path": str(merge_path.parent), "files": {}}
+            entry.update(
+                record=str(merge_path),
+                method=merge.get("method"),
+                hyperparameters=_as_dict(merge.get("hyperparameters")),
+                tensors=merge.get("tensors"),
+            )
+            chain["merged"] = entry
+            inputs = _as_dict(merge.get("inputs"))
+            _add_source(sources, "base", merge_path, "inputs.base", inputs.get("base"), root)
+            experts = _as_dict(inputs.get("experts"))
+            for task, item in experts.items():
+                _add_source(
+                    sources, f"experts.{task}", merge_path, f"inputs.experts.{task}", item, root
+                )
+            tasks_by_record.append((merge_path, "merged", set(experts)))
+
+    # the lock of the results directory
+    lock_path = root / LOCK_NAME if root is not None else None
+    if lock_path is not None and lock_path.is_file():
+        lock = tracer.read_json(lock_path, "models lock")
+        if lock is not None:
+            chain["lock"] = _check_lock(lock, lock_path, tracer)
+            for role, entry in [("base", lock.get("base"))] + [
+                (f"experts.{task}", item) for task, item in _as_dict(lock.get("experts")).items()
+            ]:
+                _add_source(sources, role, lock_path, role, entry, root)
+                details[role] = {
+                    key: _as_dict(entry).get(key)
+                    for key in ("reference", "kind", "repo_id", "revision", "commit")
+                }
+            tasks_by_record.append((lock_path, "locked", set(_as_dict(lock.get("experts")).keys())))
+    elif root is not None:
+        tracer.notes.append(f"no {LOCK_NAME} in {root}: model references and commits unknown")
+
+    # base and experts, verified at every recorded place
+    for role, role_sources in sources.items():
+        entry = _verify_model(role, role_sources, details.get(role, {}), tracer)
+        if role == "base":
+            chain["base"] = entry
+        else:
+            chain["experts"][role.split(".", 1)[1]] = entry
+    _check_tasks(tasks_by_record, tracer)
+
+    # calibration sets
+    if featcal is not None:
+        calibration = _as_dict(_as_dict(featcal.get("inputs")).get("calibration"))
+        for task, entry in calibration.items():
+            entry = _as_dict(entry)
+            directory = _locate(
+                entry.get("path"), root, f"calibration_sets/{task}", SET_RECORD, tracer
+            )
+            chain["calibration_sets"][task] = _verify_set(
+                task, directory, entry, featcal_path, tracer
+            )
+    elif kind == "results" and root is not None and (root / "calibration_sets").is_dir():
+        for record in sorted((root / "calibration_sets").glob(f"*/{SET_RECORD}")):
+            task = record.parent.name
+            chain["calibration_sets"][task] = _verify_set(task, record.parent, {}, None, tracer)
+
+    # evaluation and provenance
+    if root is not None and (root / EVALUATION_NAME).is_file():
+        chain["evaluation"] = tracer.read_json(root / EVALUATION_NAME, "evaluation table")
+    places = [start, target]
+    if featcal_path is not None:
+        places.append(featcal_path.parent)
+    if root is not None:
+        places.append(root)
+    chain["provenance"], chain["provenance_files"] = _provenance(places, tracer)
+
+    return {
+        "path": str(start),
+        "kind": kind,
+        "checkpoint": str(checkpoint) if checkpoint is not None else None,
+        "chain": chain,
+        "problems": tracer.problems,
+        "notes": tracer.notes,
+        "verified": {
+            "files": tracer.files_checked,
+            "calibration_sets": tracer.sets_checked,
+        },
+    }
+
+
+def _classify(start: Path, tracer: _Tracer) -> tuple[Path, str]:
+    """(directory to trace, kind): a checkpoint, a results dir, or what a report dir points at."""
+    if (start / FEATCAL_RECORD).is_file():
+        return start, "calibrated"
+    if (start / MERGE_RECORD).is_file():
+        return start, "merged"
+    if _is_results_root(start):
+        return start, "results"
+    # a report directory: provenance.json may point at what it reports on, else a folder above
+    pointer = start / PROVENANCE_NAME
+    if pointer.is_file():
+        data = tracer.read_json(pointer, "provenance") or {}
+        for key in _POINTERS:
+            value = data.get(key)
+            if isinstance(value, str) and value:
+                target = (start / Path(value).expanduser()).resolve()
+                if (target / FEATCAL_RECORD).is_file():
+                    return target, "calibrated"
+                if (target / MERGE_RECORD).is_file():
+                    return target, "merged"
+                if _is_results_root(target):
+                    return target, "results"
+    for parent in list(start.parents)[:3]:
+        if _is_results_root(parent):
+            return parent, "results"
+    raise FeatCalError(
+        f"{start} holds no {FEATCAL_RECORD}, {MERGE_RECORD} or {LOCK_NAME} and is not inside a "
+        "results directory; pass a checkpoint directory, a results directory or a report "
+        "directory (or add a provenance.json with results_dir)"
+    )
+
+
+def _results_root(target: Path, kind: str, featcal: dict | None) -> Path | None:
+    """The results directory a traced directory belongs to (None: a checkpoint on its own)."""
+    if kind == "results":
+        return target
+    candidates = [target.parent]
+    recorded = (featcal or {}).get("results_dir")  # the flow's state dir: <root>/calibration
+    if isinstance(recorded, str) and recorded:
+        candidates += [Path(recorded).parent, Path(recorded)]
+    for candidate in candidates:
+        if _is_results_root(candidate):
+            return candidate.resolve()
+    return None
+
+
+def _locate(
+    recorded: Any, root: Path | None, subdir: str, marker: str, tracer: _Tracer
+) -> Path | None:
+    """A recorded directory, or its place in the results layout when it moved (None: neither)."""
+    path = Path(recorded).expanduser() if isinstance(recorded, str) and recorded else None
+    if path is not None and path.is_dir():
+        return path
+    if root is not None:
+        fallback = root / subdir
+        if fallback.is_dir() and (path is None or (fallback / marker).exists()):
+            if path is not None:
+                tracer.notes.append(f"{path} does not exist; using {fallback} of the results dir")
+            return fallback
+    return None
+
+
+def _resolve_local(recorded: Any, root: Path | None) -> Path | None:
+    """A lock path: absolute, else from the working directory, else from folders above root."""
+    if not isinstance(recorded, str) or not recorded:
+        return None
+    path = Path(recorded).expanduser()
+    if path.is_absolute():
+        return path
+    candidates = [Path.cwd() / path]
+    if root is not None:
+        candidates += [folder / path for folder in [root, *list(root.parents)[:3]]]
+    return _first_existing(candidates) or candidates[0]
+
+
+def _add_source(sources, role: str, record: Path, key: str, entry: Any, root: Path | None):
+    data = _as_dict(entry)
+    if not data:
+        return
+    directory = _resolve_local(data.get("path"), root)
+    if directory is None:
+        return
+    sources.setdefault(role, []).append((record, key, directory, _sha_map(data)))
+
+
+def _verify_model(role: str, role_sources, detail: dict[str, Any], tracer: _Tracer) -> dict:
+    """One base or expert entry of the chain: every record's files verified where it says."""
+    first_dir = role_sources[0][2]
+    files: dict[str, dict[str, str]] = {}
+    recorded: dict[str, tuple[Path, str]] = {}  # name → (first record, its sha256)
+    paths: list[str] = []
+    for record, key, directory, sha in role_sources:
+        statuses = tracer.verify_files(directory, sha, record, key)
+        for name, status in statuses.items():
+            files.setdefault(name, status)
+        if str(directory) not in paths:
+            paths.append(str(directory))
+        for name, digest in sha.items():
+            if name not in recorded:
+                recorded[name] = (record, digest)
+            elif recorded[name][1] != digest:
+                other, expected = recorded[name]
+                tracer.problem(
+                    record,
+                    "inconsistent",
+                    f"{record} records sha256 {_short(digest)} for {role}'s {name}, {other} "
+                    f"records {_short(expected)}: they describe different models; {_RERUN}",
+                )
+    entry = {
+        "role": role,
+        "path": str(first_dir),
+        **{key: value for key, value in detail.items() if value is not None},
+        "files": files,
+        "recorded_in": list(dict.fromkeys(str(s[0]) for s in role_sources)),
+    }
+    if len(paths) > 1:
+        entry["paths"] = paths
+    return entry
+
+
+def _check_tasks(tasks_by_record: list[tuple[Path, str, set[str]]], tracer: _Tracer) -> None:
+    """The records of one chain name the same tasks."""
+    if not tasks_by_record:
+        return
+    first, first_verb, first_tasks = tasks_by_record[0]
+    for record, verb, tasks in tasks_by_record[1:]:
+        if tasks != first_tasks:
+            tracer.problem(
+                record,
+                "inconsistent",
+                f"{record} {verb} experts {sorted(tasks)} but {first} {first_verb} "
+                f"{sorted(first_tasks)}; the records come from different runs, rerun the "
+                "pipeline (featcal run)",
+            )
+
+
+def _check_lock(lock: dict, lock_path: Path, tracer: _Tracer) -> dict[str, Any]:
+    from featcal_core.resolve import lock_digest  # (imports huggingface_hub; only needed here)
+
+    recorded = lock.get("lock_digest")
+    actual = lock_digest(lock)
+    ok = recorded == actual
+    if not ok:
+        tracer.problem(
+            lock_path,
+            "lock",
+            f"{lock_path}: lock_digest {_short(recorded)} does not match the content "
+            f"({_short(actual)}; the lock was edited); rerun the pipeline (featcal run) to "
+            "rewrite it",
+        )
+    return {
+        "path": str(lock_path),
+        "version": lock.get("version"),
+        "architecture": lock.get("architecture"),
+        "lock_digest": recorded,
+        "lock_digest_ok": ok,
+    }
+
+
+def _verify_set(
+    task: str,
+    directory: Path | None,
+    entry: dict[str, Any],
+    featcal_path: Path | None,
+    tracer: _Tracer,
+) -> dict[str, Any]:
+    """One calibration set: its own record's digest, and featcal.json's sha256_tree of it."""
+    tracer.sets_checked += 1
+    out: dict[str, Any] = {"path": str(directory) if directory else entry.get("path")}
+    if featcal_path is not None:
+        out["recorded_in"] = [str(featcal_path)]
+    if directory is None or not directory.is_dir():
+        where = f"{featcal_path} (inputs.calibration.{task})" if featcal_path else "the results"
+        tracer.problem(
+            out["path"],
+            "missing",
+            f"calibration set {task!r}: {out['path']} is missing; {where} recorded it; {_RERUN}",
+            featcal_path,
+        )
+        out["status"] = "missing"
+        return out
+    status = "ok"
+    reported: dict[str, Any] | None = None
+    record_path = directory / SET_RECORD
+    record = tracer.read_json(record_path, "calibration set") if record_path.is_file() else None
+    if record is not None:
+        for key in _SET_KEYS:
+            out[key] = record.get(key)
+        out["recorded_in"] = [*out.get("recorded_in", []), str(record_path)]
+        actual = _tree_digest(directory, exclude=SET_RECORD)
+        if actual != record.get("digest"):
+            status = "changed"
+            reported = _set_problem(
+                task, directory, record_path, actual, record.get("digest"), tracer
+            )
+    if entry:
+        out["rows"] = entry.get("rows")
+        out["indices"] = entry.get("indices")
+        out["tree_sha256"] = entry.get("sha256")
+        if entry.get("sha256"):
+            actual = _tree_digest(directory)
+            if actual != entry["sha256"] and reported is None:
+                status = "changed"
+                _set_problem(task, directory, featcal_path, actual, entry["sha256"], tracer)
+            elif actual != entry["sha256"]:  # the same change, seen by featcal.json too
+                reported["recorded_in"].append(str(featcal_path))
+    out["status"] = status
+    return out
+
+
+def _set_problem(
+    task: str, directory: Path, record: Path, actual: str, expected: Any, tracer: _Tracer
+) -> dict[str, Any]:
+    suspects = _changed_after(directory, record)
+    hint = f" ({', '.join(suspects)} changed after the record was written)" if suspects else ""
+    file = directory / suspects[0] if len(suspects) == 1 else directory
+    return tracer.problem(
+        file,
+        "digest",
+        f"calibration set {task!r}: {directory} has digest {_short(actual)}, {record} recorded "
+        f"{_short(expected)}{hint}; {_RERUN}",
+        record,
+    )
+
+
+def _provenance(places: list[Path], tracer: _Tracer) -> tuple[dict[str, Any], list[str]]:
+    """Fields of the provenance.json files at `places`, the nearest first."""
+    fields: dict[str, Any] = {}
+    files: list[str] = []
+    known = {alias for aliases in PROVENANCE_FIELDS.values() for alias in aliases}
+    for place in dict.fromkeys(places):
+        path = place / PROVENANCE_NAME
+        if not path.is_file():
+            continue
+        data = tracer.read_json(path, "provenance")
+        if data is None:
+            continue
+        files.append(str(path))
+        for name, aliases in PROVENANCE_FIELDS.items():
+            for alias in aliases:
+                if alias in data and data[alias] is not None and name not in fields:
+                    fields[name] = data[alias]
+                    break
+        for key, value in data.items():
+            if key in known or key in fields or isinstance(value, (dict, list)):
+                continue
+            fields[key] = value
+    return fields, files
+
+
+# -------------------------------------------------------------------------------------- check
+
+
+def check(path_or_trace: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """`trace(path)` (or an existing trace result); FeatCalError naming the first problem.
+
+    The message is one line: the first mismatching file, what was recorded, that the pipeline
+    should be rerun, and how many other problems there are.
+    """
+    if isinstance(path_or_trace, Mapping):
+        result = dict(path_or_trace)
+    else:
+        result = trace(path_or_trace)
+    problems = result.get("problems") or []
+    if problems:
+        first = problems[0]["message"]
+        others = len(problems) - 1
+        more = (
+            f" ({others} other problem{'s' if others != 1 else ''}: featcal lineage "
+            f"{result.get('path')} lists them)"
+            if others
+            else ""
+        )
+        raise FeatCalError(" ".join(f"{first}{more}".split()))
+    return result
+
+
+# --------------------------------------------------------------------------------- formatting
+
+
+def _value(value: Any) -> str:
+    if value is None:
+        return _DASH
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else _DASH
+    if isinstance(value, (dict, list, tuple)):
+        return json.dumps(value, ensure_ascii=False, sort_keys=True)
+    return str(value)
+
+
+def _pairs(values: Mapping[str, Any]) -> str:
+    return ", ".join(f"{key}={_value(value)}" for key, value in values.items()) or _DASH
+
+
+def _row_ids(ids: Any, limit: int = 8) -> str:
+    if not isinstance(ids, list):
+        return _DASH
+    shown = ", ".join(str(i) for i in ids[:limit])
+    return shown + (f", … ({len(ids)} in all)" if len(ids) > limit else "")
+
+
+_STATUS = {"ok": "ok", "changed": "CHANGED", "missing": "MISSING"}
+
+
+def format_trace(result: Mapping[str, Any]) -> str:
+    """The trace as text, one fact a line (what `featcal lineage PATH` prints)."""
+    chain = result.get("chain") or {}
+    kind = result.get("kind")
+    lines = [f"lineage of {result.get('path')} ({_KIND_LABELS.get(kind, kind)})"]
+    if chain.get("results_dir"):
+        lines.append(f"  results dir      {chain['results_dir']}")
+    calibrated = chain.get("calibrated")
+    if calibrated:
+        lines.append(f"  calibrated       {calibrated['path']}")
+        lines.append(f"    record         {calibrated['record']}")
+        lines.append(
+            f"    FeatCal        {calibrated.get('architecture') or _DASH}, "
+            f"{calibrated.get('blocks')} blocks ({calibrated.get('restored')} restored)"
+        )
+        lines.append(f"    settings       {_pairs(calibrated.get('hyperparameters') or {})}")
+    merged = chain.get("merged")
+    if merged:
+        lines.append(f"  merged           {merged['path']}")
+        if merged.get("record"):
+            lines.append(f"    record         {merged['record']}")
+            lines.append(
+                f"    method         {merged.get('method') or _DASH} "
+                f"({_pairs(merged.get('hyperparameters') or {})})"
+            )
+        lines += _file_lines(merged.get("files") or {})
+    models = [("base", chain.get("base"))] + [
+        (f"expert {task}", entry) for task, entry in (chain.get("experts") or {}).items()
+    ]
+    for label, entry in models:
+        if not entry:
+            continue
+        lines.append(f"  {label:<16} {entry.get('reference') or entry['path']}")
+        facts = {key: entry.get(key) for key in ("kind", "revision", "commit") if entry.get(key)}
+        if facts:
+            lines.append(f"    {'':<14} {_pairs(facts)}")
+        if entry.get("reference") and entry.get("reference") != entry["path"]:
+            lines.append(f"    path           {entry['path']}")
+        for other in entry.get("paths", [])[1:]:
+            lines.append(f"    also recorded  {other}")
+        lines += _file_lines(entry.get("files") or {})
+    lock = chain.get("lock")
+    if lock:
+        state = "ok" if lock.get("lock_digest_ok") else "EDITED"
+        lines.append(f"  lock             {lock['path']}")
+        lines.append(f"    lock_digest    {_short(lock.get('lock_digest'))} {state}")
+    for task, entry in (chain.get("calibration_sets") or {}).items():
+        lines.append(f"  calibration set  {task}: {entry.get('path')}")
+        if "n_rows" in entry:
+            lines.append(
+                f"    rows           {entry.get('n_rows')} of {entry.get('rows_available')}, "
+                f"seed {_value(entry.get('seed'))}, split {_value(entry.get('split'))}, from "
+                f"{entry.get('source')}"
+            )
+            lines.append(f"    row ids        {_row_ids(entry.get('row_ids'))}")
+        if entry.get("indices") is not None:
+            lines.append(f"    calibrated on  {len(entry['indices'])} of {entry.get('rows')} rows")
+        digest = entry.get("digest") or entry.get("tree_sha256")
+        status = _STATUS.get(entry.get("status"), entry.get("status"))
+        lines.append(f"    digest         {_short(digest)} {status}")
+    evaluation = chain.get("evaluation")
+    if isinstance(evaluation, Mapping) and evaluation:
+        lines.append("  evaluation (accuracy)")
+        for task, row in evaluation.items():
+            if isinstance(row, Mapping):
+                cells = ", ".join(
+                    f"{model} {_metric(_as_dict(res).get('accuracy'))}"
+                    for model, res in row.items()
+                )
+                lines.append(f"    {task:<14} {cells}")
+    if chain.get("provenance"):
+        lines.append(f"  provenance       {_pairs(chain['provenance'])}")
+    for note in result.get("notes") or []:
+        lines.append(f"  note: {note}")
+    problems = result.get("problems") or []
+    verified = result.get("verified") or {}
+    if problems:
+        lines.append(f"problems ({len(problems)}):")
+        lines += [f"  - {p['message']}" for p in problems]
+    else:
+        lines.append(
+            f"all recorded inputs verify ({verified.get('files', 0)} files, "
+            f"{verified.get('calibration_sets', 0)} calibration sets)"
+        )
+    return "\n".join(lines)
+
+
+def _file_lines(files: Mapping[str, Mapping[str, str]]) -> list[str]:
+    return [
+        f"    {_STATUS.get(info.get('status'), info.get('status')):<8} {name}  "
+        f"sha256 {_short(info.get('sha256'))}"
+        for name, info in files.items()
+    ]
+
+
+def _metric(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return _DASH if value is None else str(value)
+    if isinstance(value, numbers.Integral):
+        return str(value)
+    value = float(value)
+    if not math.isfinite(value):
+        return _DASH
+    return f"{value:.4f}" if abs(value) < 1e4 else f"{value:.6g}"
+
+
+# --------------------------------------------------------------------------------- model card
+
+
+def model_card_fields(result: Mapping[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of `write_model_card` (title, recipe, inputs, metrics, provenance)
+    taken from a `trace` result."""
+    chain = result.get("chain") or {}
+    calibrated, merged = chain.get("calibrated"), chain.get("merged")
+    recipe: dict[str, Any] = {}
+    if merged and merged.get("method"):
+        recipe["merge"] = {
+            "method": merged["method"],
+            "hyperparameters": dict(merged.get("hyperparameters") or {}),
+        }
+    if calibrated:
+        recipe["featcal"] = dict(calibrated.get("hyperparameters") or {})
+
+    def model(entry: Mapping[str, Any] | None) -> dict[str, Any]:
+        if not entry:
+            return {}
+        out = {
+            key: entry.get(key)
+            for key in ("reference", "kind", "repo_id", "revision", "commit")
+            if entry.get(key) is not None
+        }
+        out.setdefault("reference", entry.get("path"))
+        out["sha256"] = {name: info["sha256"] for name, info in (entry.get("files") or {}).items()}
+        return out
+
+    inputs: dict[str, Any] = {
+        "base": model(chain.get("base")),
+        "experts": {task: model(e) for task, e in (chain.get("experts") or {}).items()},
+        "calibration_sets": {
+            task: {key: entry.get(key) for key in _CARD_SET_KEYS if entry.get(key) is not None}
+            for task, entry in (chain.get("calibration_sets") or {}).items()
+        },
+    }
+    checkpoint = Path(result.get("checkpoint") or result.get("path") or "model")
+    count = len(inputs["experts"])
+    if calibrated:
+        how = "FeatCal-calibrated"
+        if merged and merged.get("method"):
+            how += f" {merged['method']}"
+        title = f"{checkpoint.name}: {how} merge of {count} experts"
+    elif merged and merged.get("method"):
+        title = f"{checkpoint.name}: {merged['method']} merge of {count} experts"
+    else:
+        title = checkpoint.name
+    return {
+        "title": title,
+        "recipe": recipe,
+        "inputs": inputs,
+        "metrics": chain.get("evaluation") or None,
+        "provenance": dict(chain.get("provenance") or {}) or None,
+    }
+
+
+def _cell(value: Any) -> str:
+    text = _value(value) if not isinstance(value, str) else value
+    return " ".join(text.split()).replace("|", "\\|") or _DASH
+
+
+def _code(value: Any) -> str:
+    return f"`{value}`" if isinstance(value, str) and value and "`" not in value else _cell(value)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return lines + [""]
+
+
+def _hub_id(base: Mapping[str, Any]) -> str | None:
+    """The base's Hub id (owner/name, no revision), or None for a local model."""
+    kind = base.get("kind")
+    if kind == "local":
+        return None
+    for key in ("repo_id", "reference"):
+        value = base.get(key)
+        if not isinstance(value, str):
+            continue
+        ident = value.split("@", 1)[0].strip()
+        if not _HUB_ID.match(ident) or ".." in ident:
+            continue
+        if kind == "hub" or key == "repo_id" or not Path(value).expanduser().exists():
+            return ident
+    return None
+
+
+def render_model_card(
+    *,
+    title: str,
+    recipe: Mapping[str, Any],
+    inputs: Mapping[str, Any],
+    metrics: Mapping[str, Any] | None = None,
+    provenance: Mapping[str, Any] | None = None,
+) -> str:
+    """The model card's text (see `write_model_card` for the arguments)."""
+    base = _as_dict(inputs.get("base"))
+    experts = _as_dict(inputs.get("experts"))
+    sets = _as_dict(inputs.get("calibration_sets"))
+    merge = _as_dict(recipe.get("merge"))
+    featcal = _as_dict(recipe.get("featcal"))
+    hub_id = _hub_id(base)
+
+    lines = ["---", "library_name: transformers", "tags: [featcal, model-merging]"]
+    if hub_id:
+        lines.append(f"base_model: {hub_id}")
+    lines += ["---", "", f"# {' '.join(str(title).split())}", ""]
+    method = merge.get("method")
+    made = f"{len(experts)} fine-tuned task experts" if experts else "task experts"
+    made += f" merged into the base model with `{method}`" if method else " merged"
+    if featcal:
+        made += (
+            ", then repaired with FeatCal, a closed-form, block-by-block calibration of the "
+            "merged model's features towards each expert's"
+        )
+    lines += [f"This checkpoint is {made}.", ""]
+    lines += [
+        "Every input below is listed with the sha256 recorded when the model was built; "
+        "`featcal lineage <this directory>` checks them against the files on disk.",
+        "",
+    ]
+
+    lines += ["## How it was made", ""]
+    step = 1
+    if merge:
+        lines.append(f"{step}. **Merge** with `{method or _DASH}`.")
+        lines.append("")
+        hp = _as_dict(merge.get("hyperparameters"))
+        rows = [[_cell(k), _cell(v)] for k, v in hp.items()]
+        lines += _table(["hyperparameter", "value"], rows) if rows else []
+        step += 1
+    if featcal:
+        lines.append(f"{step}. **FeatCal calibration** of the merged model against the experts.")
+        lines.append("")
+        aliases = {"lambda": "lam", "n_per_task": "num_per_task"}
+        values = {aliases.get(k, k): v for k, v in featcal.items()}
+        rows = [[label, _cell(values.pop(key))] for key, label in _FEATCAL_LABELS if key in values]
+        rows += [[_cell(k), _cell(v)] for k, v in values.items()]
+        lines += _table(["setting", "value"], rows)
+    else:
+        lines += ["FeatCal calibration: not applied.", ""]
+    other = {k: v for k, v in recipe.items() if k not in ("merge", "featcal")}
+    if other:
+        lines += _table(
+            ["other setting", "value"], [[_cell(k), _cell(v)] for k, v in other.items()]
+        )
+
+    lines += ["## Inputs", "", "### Base model", ""]
+    if base:
+        facts = [
+            [label, _code(base.get(key))]
+            for key, label in _CARD_MODEL_FACTS
+            if base.get(key) is not None
+        ]
+        lines += _table(["", ""], facts) if facts else []
+        lines += _table(
+            ["weight file", "sha256"],
+            [[_cell(n), _code(s)] for n, s in _as_dict(base.get("sha256")).items()],
+        )
+    else:
+        lines += ["Not recorded.", ""]
+    lines += ["### Experts", ""]
+    if experts:
+        lines += _table(
+            ["task", "reference", "revision", "commit"],
+            [
+                [
+                    _cell(task),
+                    _code(e.get("reference")),
+                    _cell(e.get("revision")),
+                    _code(e.get("commit")),
+                ]
+                for task, e in ((t, _as_dict(e)) for t, e in experts.items())
+            ],
+        )
+        lines += _table(
+            ["task", "weight file", "sha256"],
+            [
+                [_cell(task), _cell(name), _code(sha)]
+                for task, e in experts.items()
+                for name, sha in _as_dict(_as_dict(e).get("sha256")).items()
+            ],
+        )
+    else:
+        lines += ["Not recorded.", ""]
+    lines += ["### Calibration sets", ""]
+    if sets:
+        rows = []
+        for task, entry in sets.items():
+            entry = _as_dict(entry)
+            count = entry.get("n_rows", entry.get("rows"))
+            rows.append(
+                [
+                    _cell(task),
+                    _cell(count),
+                    _cell(entry.get("rows_available")),
+                    _cell(entry.get("seed")),
+                    _cell(entry.get("source")),
+                    _cell(entry.get("split")),
+                    _code(entry.get("digest") or entry.get("tree_sha256")),
+                ]
+            )
+        lines += _table(["task", "rows", "of", "seed", "source", "split", "digest (sha256)"], rows)
+    else:
+        lines += ["None (no FeatCal calibration recorded).", ""]
+
+    if metrics:
+        lines += ["## Metrics", ""]
+        lines += _metrics_table(metrics)
+    if provenance:
+        lines += ["## Provenance", ""]
+        lines += _table(
+            ["field", "value"],
+            [
+                [_PROVENANCE_LABELS.get(k, _cell(k)), _code(_value(v))]
+                for k, v in provenance.items()
+            ],
+        )
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _metrics_table(metrics: Mapping[str, Any]) -> list[str]:
+    """{task: {model: {metric: v}}} (evaluation.json), {task: {metric: v}} or {metric: v}."""
+    rows_nested = {
+        task: row
+        for task, row in metrics.items()
+        if isinstance(row, Mapping) and row and all(isinstance(v, Mapping) for v in row.values())
+    }
+    if rows_nested and len(rows_nested) == len(metrics):
+        names = list(
+            dict.fromkeys(
+                key for row in rows_nested.values() for res in row.values() for key in res
+            )
+        )
+        names = [n for n in _METRIC_ORDER if n in names] + [
+            n for n in names if n not in _METRIC_ORDER
+        ]
+        rows = [
+            [_cell(task), _cell(model)] + [_metric(_as_dict(res).get(n)) for n in names]
+            for task, row in rows_nested.items()
+            for model, res in row.items()
+        ]
+        return _table(["task", "model", *names], rows)
+    if all(isinstance(row, Mapping) for row in metrics.values()):
+        names = list(dict.fromkeys(key for row in metrics.values() for key in row))
+        rows = [
+            [_cell(task)] + [_metric(row.get(n)) for n in names] for task, row in metrics.items()
+        ]
+        return _table(["task", *names], rows)
+    return _table(["metric", "value"], [[_cell(k), _metric(v)] for k, v in metrics.items()])
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) atomically: a temporary file beside `path`, then os.replace."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_model_card(
+    checkpoint_dir: str | Path,
+    *,
+    title: str,
+    recipe: Mapping[str, Any],
+    inputs: Mapping[str, Any],
+    metrics: Mapping[str, Any] | None = None,
+    provenance: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a Hugging Face style model card, `README.md`, next to the weights; returns its path.
+
+    recipe: {"merge": {"method", "hyperparameters"}, "featcal": {"alpha", "rho", "lam", "eps",
+    "num_per_task", "seed", ...}} (either may be missing). inputs: {"base": {"reference", "kind",
+    "repo_id", "revision", "commit", "sha256": {file: sha256}}, "experts": {task: same},
+    "calibration_sets": {task: {"digest", "n_rows", "rows_available", "seed", "source",
+    "split"}}}. metrics: evaluation.json's {task: {model: {"accuracy", ...}}} (or a flat
+    {task: {metric: value}}). provenance: {"git_commit", "mlflow_run_id", "prefect_flow_run_id",
+    "dvc_stage", ...}. `model_card_fields(trace(dir))` builds all of them from the records.
+
+    The front matter says library_name transformers, tags featcal and model-merging, and
+    base_model when the base is a Hub model. An existing README.md (e.g. the base model's card,
+    copied by the merge) is replaced atomically.
+    """
+    directory = Path(checkpoint_dir)
+    if not directory.is_dir():
+        raise FeatCalError(
+            f"{directory} is not a directory; pass the checkpoint directory the model card "
+            "belongs in"
+        )
+    text = render_model_card(
+        title=title, recipe=recipe, inputs=inputs, metrics=metrics, provenance=provenance
+    )
+    path = directory / CARD_NAME
+    _write_text(path, text)
+    log.info("wrote model card %s", path)
+    return path

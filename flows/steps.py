@@ -1,0 +1,165 @@
+"""The pipeline's steps for one validated params.yaml, each reading what the earlier steps wrote
+below `run.results_dir`. `featcal run` calls them inside one Prefect flow; the per-step
+subcommands (`featcal download`, `calib-set`, `merge --params`, `calibrate --params`,
+`evaluate`, `report`) and the DVC stages call them one at a time.
+
+    models.lock.json          resolved models, commits and sha256 of every weight file
+    calibration_sets/<task>/  the drawn calibration inputs (with source row ids)
+    merged/                   the merged checkpoint (+ merge.json)
+    calibration/              per-block persisted states (the resume cache)
+    calibrated/               the calibrated checkpoint (+ featcal.json)
+    evaluation.json           per task and model: accuracy, loss, normalized accuracy
+    heads/                    cached CLIP zero-shot class embeddings
+
+and the report in reports/<run name>/ (report.md, report.html and two plots).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from featcal_core.errors import FeatCalError
+from flows.params import Params
+
+
+def layout(params: Params) -> dict[str, Path]:
+    root = Path(params.run.results_dir).expanduser()
+    return {
+        "root": root,
+        "lock": root / "models.lock.json",
+        "calibration_sets": root / "calibration_sets",
+        "merged": root / "merged",
+        "calibration": root / "calibration",
+        "calibrated": root / "calibrated",
+        "evaluation": root / "evaluation.json",
+        "report": Path("reports") / params.run.name,
+    }
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write JSON atomically (temporary file, then rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+class Steps:
+    """The steps of one run. `in_flow`: call the Prefect tasks (inside a flow run); otherwise
+    call their bodies directly, with no Prefect server (calibration still runs as its own,
+    resumable flow)."""
+
+    def __init__(self, params: Params, in_flow: bool = False):
+        self.params = params
+        self.paths = layout(params)
+        self.in_flow = in_flow
+
+    def _call(self, task, *args, **kwargs):
+        return task(*args, **kwargs) if self.in_flow else task.fn(*args, **kwargs)
+
+    # ----- inputs of later steps -------------------------------------------------------------
+    def lock(self) -> dict:
+        from featcal_core.resolve import read_lock
+
+        if not self.paths["lock"].is_file():
+            raise FeatCalError(
+                f"{self.paths['lock']} does not exist; run `featcal download` (or `featcal run`)"
+            )
+        return read_lock(self.paths["lock"])
+
+    def models(self) -> tuple[str, dict[str, str]]:
+        from featcal_core.resolve import models_from_lock
+
+        base, experts = models_from_lock(self.lock())
+        return str(base.path), {task: str(model.path) for task, model in experts.items()}
+
+    def calibration_set_dirs(self) -> dict[str, str]:
+        root = self.paths["calibration_sets"]
+        dirs = {task: root / task for task in self.params.tasks}
+        for task, path in dirs.items():
+            if not path.is_dir():
+                raise FeatCalError(
+                    f"{path} (calibration set of {task!r}) does not exist; run `featcal calib-set`"
+                )
+        return {task: str(path) for task, path in dirs.items()}
+
+    # ----- the steps --------------------------------------------------------------------------
+    def download(self) -> dict:
+        from tasks.download import download_models
+
+        return self._call(download_models, self.params.models, self.paths["lock"])
+
+    def calibration_sets(self) -> dict:
+        from featcal_core.architectures import REGISTRY
+        from tasks.calibration_sets import build_calibration_sets
+
+        modality = REGISTRY[self.lock()["architecture"]].modality
+        root = str(self.paths["calibration_sets"])
+        return self._call(build_calibration_sets, self.params, modality, root)
+
+    def merge(self) -> dict:
+        from tasks.merge import merge_task
+
+        base, experts = self.models()
+        merge = self.params.merge
+        return self._call(
+            merge_task, base, experts, str(self.paths["merged"]), merge.method,
+            dict(merge.hyperparameters),
+        )  # fmt: skip
+
+    def calibration_spec(self) -> dict:
+        from featcal_core.block import FeatCalParams
+        from featcal_core.calibration import Settings
+        from flows.calibration import make_spec
+
+        base, experts = self.models()
+        featcal, seed = self.params.featcal, self.params.run.seed
+        return make_spec(
+            base, self.paths["merged"], experts, self.calibration_set_dirs(),
+            self.paths["calibration"],
+            FeatCalParams(featcal.alpha, featcal.rho, featcal.lam, featcal.eps),
+            Settings(featcal.num_per_task, featcal.batch_size, seed, featcal.device,
+                     featcal.max_length, featcal.pooling),
+        )  # fmt: skip
+
+    def calibrate(self) -> dict:
+        from flows.calibration import calibration_flow, calibration_flow_fn
+
+        run = calibration_flow_fn if self.in_flow else calibration_flow
+        return run(self.calibration_spec(), str(self.paths["calibrated"]), overwrite=True)
+
+    def evaluate(self) -> dict:
+        from tasks.evaluate import evaluate_models
+
+        base, experts = self.models()
+        models = {"merged": str(self.paths["merged"])}
+        if self.params.featcal.enabled:
+            models["calibrated"] = str(self.paths["calibrated"])
+        table = self._call(
+            evaluate_models, self.params, base, experts, models, str(self.paths["root"])
+        )
+        write_json(self.paths["evaluation"], table)
+        return table
+
+    def report(self) -> dict[str, Path]:
+        """reports/<run name>/: report.md, report.html, accuracy.png, drift.png."""
+        from featcal_core.report import write_report
+
+        def load(path: Path) -> dict | None:
+            return json.loads(path.read_text()) if path.is_file() else None
+
+        evaluation = load(self.paths["evaluation"])
+        if evaluation is None:
+            raise FeatCalError(
+                f"{self.paths['evaluation']} does not exist; run `featcal evaluate` first"
+            )
+        return write_report(
+            self.paths["report"],
+            run_name=self.params.run.name,
+            evaluation=evaluation,
+            calibration=load(self.paths["calibrated"] / "featcal.json"),
+            merge=load(self.paths["merged"] / "merge.json"),
+            lock=load(self.paths["lock"]),
+        )

@@ -1,0 +1,283 @@
+"""The run report (featcal_core/report.py) from hand-built evaluation tables and records."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from featcal_core import report
+from featcal_core.errors import FeatCalError
+from featcal_core.report import DASH, gap_closed, write_report
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _result(accuracy, expert):
+    return {
+        "accuracy": accuracy,
+        "loss": 1.0 - accuracy,
+        "examples": 100,
+        "normalized": accuracy / expert if expert > 0 else float("nan"),
+    }
+
+
+def _task(expert, merged, calibrated=None, base=None):
+    row = {"expert": _result(expert, expert), "merged": _result(merged, expert)}
+    if calibrated is not None:
+        row["calibrated"] = _result(calibrated, expert)
+    if base is not None:
+        row = {"base": _result(base, expert), **row}
+    return row
+
+
+def _evaluation():
+    return {
+        "mnist": _task(0.9, 0.5, 0.7, base=0.3),  # gap closed 50 %
+        "svhn": _task(0.8, 0.6, 0.8),  # gap closed 100 %, no base
+        "<b>x</b>": _task(0.6, 0.6, 0.65),  # expert == merged: no gap
+    }
+
+
+def _calibration(restored=(1,), drift_scale=1.0):
+    blocks = []
+    for i in range(4):
+        before = {"mnist": drift_scale * 10.0 ** (i - 1), "svhn": drift_scale * 2 * 10.0 ** (i - 1)}
+        after = {task: value * 1e-3 for task, value in before.items()}
+        blocks.append(
+            {
+                "index": i,
+                "seconds": 0.5 + i,
+                "restored": i in restored,
+                "drift_before": before,
+                "drift_after": after,
+            }
+        )
+    return {
+        "featcal_record_version": 1,
+        "architecture": "hf-clip-vision",
+        "hyperparameters": {"alpha": 0.5, "rho": 0.1, "lam": 1e-4, "eps": 1e-6, "dtype": "float32"},
+        "inputs": {},
+        "blocks": blocks,
+        "wall_seconds": 123.456,
+        "peak_rss_bytes": 3 * 1024 * 1024 * 1024 + 512 * 1024 * 1024,
+        "peak_device_bytes": 0,
+    }
+
+
+def _lock():
+    def model(role, reference, commit):
+        return {
+            "role": role,
+            "reference": reference,
+            "kind": "hub" if commit else "local",
+            "commit": commit,
+            "path": "/somewhere",
+            "files": {"config.json": "a" * 64, "model.safetensors": "b" * 64},
+        }
+
+    return {
+        "version": 1,
+        "base": model("models.base", "openai/clip-vit-base-patch32@main", "c" * 40),
+        "experts": {
+            "mnist": model("models.experts.mnist", "someone/clip-mnist", "d" * 40),
+            "svhn": model("models.experts.svhn", "./experts/svhn", None),
+        },
+        "lock_digest": "e" * 64,
+    }
+
+
+def _merge():
+    return {"method": "task_arithmetic", "hyperparameters": {"scaling": 0.3}}
+
+
+def _write(out, **overrides):
+    kwargs = {
+        "run_name": "demo run",
+        "evaluation": _evaluation(),
+        "calibration": _calibration(),
+        "merge": _merge(),
+        "lock": _lock(),
+    }
+    kwargs.update(overrides)
+    return write_report(out, **kwargs)
+
+
+def _table_rows(markdown):
+    """{first cell: cells} of the per-task markdown table."""
+    lines = markdown.split("| task |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    rows = {}
+    for line in lines:
+        cells = [c.strip().strip("*") for c in line.strip().strip("|").split(" | ")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+# ------------------------------------------------------------------------------------ gap_closed
+
+
+def test_gap_closed():
+    assert gap_closed(0.5, 0.7, 0.9) == pytest.approx(50.0)
+    assert gap_closed(0.6, 0.8, 0.8) == pytest.approx(100.0)
+    assert gap_closed(0.5, 0.4, 0.9) == pytest.approx(-25.0)
+    assert gap_closed(0.6, 0.65, 0.6) is None
+    assert gap_closed(0.5, None, 0.9) is None
+    assert gap_closed(0.5, float("nan"), 0.9) is None
+
+
+# ------------------------------------------------------------------------------------ files
+
+
+def test_files_and_pngs(tmp_path):
+    out = tmp_path / "report"
+    paths = _write(out)
+    assert set(paths) == {"report.md", "report.html", "accuracy.png", "drift.png"}
+    for name, path in paths.items():
+        assert path == out / name and path.is_file()
+    for name in ("accuracy.png", "drift.png"):
+        data = paths[name].read_bytes()
+        assert data[:8] == PNG_MAGIC
+        assert len(data) > 5_000
+    html = paths["report.html"].read_text(encoding="utf-8")
+    assert '<img src="accuracy.png"' in html and '<img src="drift.png"' in html
+    assert "<style>" in html
+    assert [p.name for p in tmp_path.iterdir()] == ["report"]  # no temporary leftovers
+
+
+def test_table_numbers(tmp_path):
+    markdown = _write(tmp_path / "r")["report.md"].read_text(encoding="utf-8")
+    rows = _table_rows(markdown)
+    #          base   expert  merged  calibrated  norm(m)  norm(c)  gap
+    assert rows["mnist"] == ["30.0", "90.0", "50.0", "70.0", "55.6", "77.8", "50.0"]
+    assert rows["svhn"] == [DASH, "80.0", "60.0", "80.0", "75.0", "100.0", "100.0"]
+    # expert == merged: no gap to close
+    assert rows["\\<b>x\\</b>"] == [DASH, "60.0", "60.0", "65.0", "100.0", "108.3", DASH]
+    # averages over tasks of each column; gap closed of the averages
+    expert, merged, calibrated = (
+        (0.9 + 0.8 + 0.6) / 3,
+        (0.5 + 0.6 + 0.6) / 3,
+        (0.7 + 0.8 + 0.65) / 3,
+    )
+    gap = (calibrated - merged) / (expert - merged) * 100
+    norm_m = (0.5 / 0.9 + 0.6 / 0.8 + 1.0) / 3
+    norm_c = (0.7 / 0.9 + 1.0 + 0.65 / 0.6) / 3
+    assert rows["average"] == [
+        "30.0",  # base: only one task has it
+        f"{expert * 100:.1f}",
+        f"{merged * 100:.1f}",
+        f"{calibrated * 100:.1f}",
+        f"{norm_m * 100:.1f}",
+        f"{norm_c * 100:.1f}",
+        f"{gap:.1f}",
+    ]
+    assert "base: averaged over the 1 of 3 tasks that have it" in markdown
+    assert f"Calibration closed {gap:.1f} % of the merged→expert gap" in markdown
+    assert "# FeatCal report: demo run" in markdown
+
+
+def test_known_gap_case(tmp_path):
+    evaluation = {"t": _task(0.9, 0.5, 0.7)}
+    markdown = _write(tmp_path / "r", evaluation=evaluation)["report.md"].read_text("utf-8")
+    rows = _table_rows(markdown)
+    assert rows["t"][-1] == "50.0"
+    assert rows["average"][-1] == "50.0"
+    assert "closed 50.0 % of the merged→expert gap" in markdown
+
+
+def test_no_calibration_no_base(tmp_path):
+    evaluation = {"a": _task(0.9, 0.5), "b": _task(0.7, 0.7)}
+    paths = _write(tmp_path / "r", evaluation=evaluation, calibration=None, merge=None, lock=None)
+    assert set(paths) == {"report.md", "report.html", "accuracy.png"}
+    assert paths["accuracy.png"].read_bytes()[:8] == PNG_MAGIC
+    markdown = paths["report.md"].read_text(encoding="utf-8")
+    rows = _table_rows(markdown)
+    assert rows["a"] == [DASH, "90.0", "50.0", DASH, "55.6", DASH, DASH]
+    assert rows["b"] == [DASH, "70.0", "70.0", DASH, "100.0", DASH, DASH]
+    assert rows["average"] == [DASH, "80.0", "60.0", DASH, "77.8", DASH, DASH]
+    assert "FeatCal was not run" in markdown
+    assert "No lock file." in markdown and "No merge record." in markdown
+    assert "drift.png" not in paths["report.html"].read_text(encoding="utf-8")
+
+
+def test_nan_normalized_is_missing(tmp_path):
+    evaluation = {"zero": _task(0.0, 0.0, 0.0), "t": _task(0.9, 0.5, 0.7)}
+    rows = _table_rows(_write(tmp_path / "r", evaluation=evaluation)["report.md"].read_text())
+    assert rows["zero"][4:] == [DASH, DASH, DASH]
+    assert rows["average"][4] == "55.6"  # NaN left out of the average
+    assert math.isnan(evaluation["zero"]["merged"]["normalized"])  # input untouched
+
+
+def test_html_escaping(tmp_path):
+    extra = {"note": "<script>alert(1)</script>"}
+    html = _write(tmp_path / "r", run_name="run & <i>co</i>", extra=extra)["report.html"]
+    text = html.read_text(encoding="utf-8")
+    assert "&lt;b&gt;x&lt;/b&gt;" in text
+    assert "<b>x</b>" not in text
+    assert "<script>" not in text and "&lt;script&gt;" in text
+    assert "run &amp; &lt;i&gt;co&lt;/i&gt;" in text
+
+
+def test_sections(tmp_path):
+    paths = _write(tmp_path / "r", extra={"mlflow_run_id": "abc123"})
+    for name in ("report.md", "report.html"):
+        text = paths[name].read_text(encoding="utf-8")
+        assert "hf-clip-vision" in text
+        assert "4 (3 computed, 1 restored)" in text
+        assert "123.456 s" in text
+        assert "3584.0 MiB" in text
+        assert "0.0001" in text  # lam as given
+        assert "openai/clip-vit-base-patch32@main" in text and "c" * 40 in text
+        assert "./experts/svhn" in text and "commit local" in text
+        assert "2 files" in text and "a" * 12 in text and "a" * 13 not in text
+        assert "e" * 64 in text  # lock digest
+        assert "task_arithmetic" in text and "scaling" in text and "0.3" in text
+        assert "mlflow_run_id" in text and "abc123" in text
+
+
+def test_drift_plot_linear_and_symlog(tmp_path):
+    # no restored blocks, narrow range (linear y); and zeros among wide-range values (symlog)
+    calibration = _calibration(restored=())
+    for block in calibration["blocks"]:
+        block["drift_before"] = {"mnist": 1.0 + block["index"]}
+        block["drift_after"] = {"mnist": 0.5}
+    report.plot_drift(tmp_path / "linear.png", calibration)
+    calibration["blocks"][0]["drift_after"] = {"mnist": 0.0}
+    calibration["blocks"][1]["drift_after"] = {"mnist": 1e-6}
+    report.plot_drift(tmp_path / "symlog.png", calibration)
+    for name in ("linear.png", "symlog.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
+
+
+# ------------------------------------------------------------------------------------ atomicity
+
+
+def test_failed_write_leaves_old_report(tmp_path, monkeypatch):
+    out = tmp_path / "report"
+    _write(out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("plotting failed")
+
+    monkeypatch.setattr(report, "plot_drift", boom)
+    with pytest.raises(RuntimeError, match="plotting failed"):
+        _write(out, run_name="second run")
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["report"]  # temporary directory removed
+
+
+def test_rewrite_replaces_report(tmp_path):
+    out = tmp_path / "report"
+    _write(out)
+    paths = _write(out, run_name="second run", calibration=None)
+    assert sorted(p.name for p in out.iterdir()) == ["accuracy.png", "report.html", "report.md"]
+    assert "second run" in paths["report.md"].read_text(encoding="utf-8")
+
+
+def test_refuses_directory_with_other_files(tmp_path):
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "evaluation.json").write_text("{}")
+    with pytest.raises(FeatCalError, match="not part of a report"):
+        _write(out)
+    assert [p.name for p in out.iterdir()] == ["evaluation.json"]

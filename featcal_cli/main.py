@@ -100,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run as the resumable Prefect flow, persisting each block's result here",
     )
     cal.add_argument("--no-progress", action="store_true", help="no progress bar")
-    from featcal_cli import merge_command
+    from featcal_cli import lineage_command, merge_command
 
+    lineage_command.add_parser(sub)
     merge = merge_command.add_parser(sub)
     merge.add_argument("--params", help="run the pipeline's merge step from this params.yaml")
     merge.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -231,6 +232,12 @@ def _merge(args: argparse.Namespace) -> int:
     return merge_command.run(args)
 
 
+def _lineage(args: argparse.Namespace) -> int:
+    from featcal_cli import lineage_command
+
+    return lineage_command.run(args)
+
+
 def _run(args: argparse.Namespace) -> int:
     from flows.params import load_params
 
@@ -251,6 +258,7 @@ COMMANDS = {
     "calib-set": _step("calibration_sets"),
     "evaluate": _step("evaluate"),
     "report": _step("report"),
+    "lineage": _lineage,
 }
 
 

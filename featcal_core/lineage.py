@@ -21,6 +21,10 @@ sha256, each calibration set its recorded digest, the lock its lock_digest, and 
 name the same input must agree. Mismatches are collected as problems (one per file); `check`
 turns the first into a one-line FeatCalError.
 
+A report directory (featcal_core.report: reports/<run name>/, beside the results) is traced
+through the results directory whose models.lock.json has the lock digest its report.md names (or
+the results_dir of a provenance.json there; or the results directory it sits in).
+
 A recorded absolute path that no longer exists (a moved results directory) is looked up at its
 place in the results layout (merged/, calibration_sets/<task>/); relative local paths of the lock
 are taken from the working directory, then from the folders above the results directory.
@@ -69,6 +73,9 @@ EVALUATION_NAME = "evaluation.json"
 PROVENANCE_NAME = "provenance.json"
 #: the model card written next to the weights
 CARD_NAME = "README.md"
+#: a report directory's markdown (featcal_core.report), and the lock digest line it holds
+REPORT_NAME = "report.md"
+_REPORT_LOCK = re.compile(r"lock digest: ([0-9a-f]{64})\b")
 
 #: provenance fields and the keys they may be written under in provenance.json
 PROVENANCE_FIELDS: dict[str, tuple[str, ...]] = {
@@ -122,16 +129,19 @@ _RERUN = "restore the recorded input or rerun the pipeline (featcal run) so the 
 # ------------------------------------------------------------------------------------ helpers
 
 
-def _tree_digest(directory: Path, exclude: str | None = None) -> str:
-    """featcal_core.checkpoint.sha256_tree, optionally without one top-level file (the record)."""
-    digest = hashlib.sha256()
+def _tree_digests(directory: Path, exclude: str) -> tuple[str, str]:
+    """(featcal_core.checkpoint.sha256_tree of `directory`, the same without the top-level file
+    `exclude`: what calibration_set.json's digest covers); every file is read once."""
+    full, without = hashlib.sha256(), hashlib.sha256()
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        relative = path.relative_to(directory)
-        if exclude is not None and str(relative) == exclude:
-            continue
-        digest.update(str(relative).encode())
-        digest.update(bytes.fromhex(sha256_file(path)))
-    return digest.hexdigest()
+        relative = str(path.relative_to(directory)).encode()
+        content = bytes.fromhex(sha256_file(path))
+        full.update(relative)
+        full.update(content)
+        if relative != exclude.encode():
+            without.update(relative)
+            without.update(content)
+    return full.hexdigest(), without.hexdigest()
 
 
 def _short(digest: Any) -> str:
@@ -246,7 +256,7 @@ class _Tracer:
                     path,
                     "missing",
                     f"{path} is missing; {record} ({key}) recorded it with sha256 "
-                    f"{_short(expected)}",
+                    f"{_short(expected)}; {_RERUN}",
                     record,
                 )
             elif actual != expected:
@@ -255,7 +265,7 @@ class _Tracer:
                     path,
                     "changed",
                     f"{path} has sha256 {_short(actual)}, {record} ({key}) recorded "
-                    f"{_short(expected)}",
+                    f"{_short(expected)}; {_RERUN}",
                     record,
                 )
             else:
@@ -271,8 +281,9 @@ def trace(path: str | Path) -> dict[str, Any]:
     """The chain of records that produced `path`, with every recorded input verified.
 
     `path`: a checkpoint directory (with featcal.json or merge.json), a results directory
-    (models.lock.json, merged/, calibrated/), a report directory inside one, or one of those
-    records. Returns {"path", "kind", "checkpoint", "chain", "problems", "notes", "verified"}:
+    (models.lock.json, merged/, calibrated/), a report directory (inside one, pointed at by its
+    provenance.json's results_dir, or found by the lock digest its report.md names), or one of
+    those records. Returns {"path", "kind", "checkpoint", "chain", "problems", "notes", "verified"}:
     `chain` holds calibrated, merged, base, experts, lock, calibration_sets, evaluation and
     provenance (JSON-able); each problem is {"file", "kind", "message", "recorded_in"}, kind one
     of missing, changed, digest, inconsistent, lock, record. Raises FeatCalError only when `path`
@@ -491,11 +502,45 @@ def _classify(start: Path, tracer: _Tracer) -> tuple[Path, str]:
     for parent in list(start.parents)[:3]:
         if _is_results_root(parent):
             return parent, "results"
+    if (start / REPORT_NAME).is_file():
+        found = _results_of_report(start / REPORT_NAME, tracer)
+        if found is not None:
+            return found, "results"
     raise FeatCalError(
         f"{start} holds no {FEATCAL_RECORD}, {MERGE_RECORD} or {LOCK_NAME} and is not inside a "
         "results directory; pass a checkpoint directory, a results directory or a report "
         "directory (or add a provenance.json with results_dir)"
     )
+
+
+def _results_of_report(report: Path, tracer: _Tracer) -> Path | None:
+    """The results directory whose models.lock.json has the lock digest report.md names, looked
+    for up to two folders below the report's parent and the folder above that (the pipeline
+    writes reports/<run name>/ and <results_dir>/ relative to the project root)."""
+    try:
+        match = _REPORT_LOCK.search(report.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return None
+    if match is None:
+        return None
+    digest = match.group(1)
+    seen: set[Path] = set()
+    for folder in list(report.parent.parents)[:2]:
+        for pattern in (LOCK_NAME, f"*/{LOCK_NAME}", f"*/*/{LOCK_NAME}"):
+            for lock in sorted(folder.glob(pattern)):
+                if lock in seen:
+                    continue
+                seen.add(lock)
+                try:
+                    found = json.loads(lock.read_text(encoding="utf-8")).get("lock_digest")
+                except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+                    continue
+                if found == digest:
+                    tracer.notes.append(
+                        f"{report} names lock digest {_short(digest)}: results dir {lock.parent}"
+                    )
+                    return lock.parent.resolve()
+    return None
 
 
 def _results_root(target: Path, kind: str, featcal: dict | None) -> Path | None:
@@ -561,8 +606,8 @@ def _verify_model(role: str, role_sources, detail: dict[str, Any], tracer: _Trac
         statuses = tracer.verify_files(directory, sha, record, key)
         for name, status in statuses.items():
             files.setdefault(name, status)
-        if str(directory) not in paths:
-            paths.append(str(directory))
+        if str(directory.resolve()) not in paths:
+            paths.append(str(directory.resolve()))
         for name, digest in sha.items():
             if name not in recorded:
                 recorded[name] = (record, digest)
@@ -649,28 +694,27 @@ def _verify_set(
         return out
     status = "ok"
     reported: dict[str, Any] | None = None
+    tree, data = _tree_digests(directory, exclude=SET_RECORD)
     record_path = directory / SET_RECORD
     record = tracer.read_json(record_path, "calibration set") if record_path.is_file() else None
     if record is not None:
         for key in _SET_KEYS:
             out[key] = record.get(key)
         out["recorded_in"] = [*out.get("recorded_in", []), str(record_path)]
-        actual = _tree_digest(directory, exclude=SET_RECORD)
-        if actual != record.get("digest"):
+        if data != record.get("digest"):
             status = "changed"
             reported = _set_problem(
-                task, directory, record_path, actual, record.get("digest"), tracer
+                task, directory, record_path, data, record.get("digest"), tracer
             )
     if entry:
         out["rows"] = entry.get("rows")
         out["indices"] = entry.get("indices")
         out["tree_sha256"] = entry.get("sha256")
         if entry.get("sha256"):
-            actual = _tree_digest(directory)
-            if actual != entry["sha256"] and reported is None:
+            if tree != entry["sha256"] and reported is None:
                 status = "changed"
-                _set_problem(task, directory, featcal_path, actual, entry["sha256"], tracer)
-            elif actual != entry["sha256"]:  # the same change, seen by featcal.json too
+                _set_problem(task, directory, featcal_path, tree, entry["sha256"], tracer)
+            elif tree != entry["sha256"]:  # the same change, seen by featcal.json too
                 reported["recorded_in"].append(str(featcal_path))
     out["status"] = status
     return out
@@ -988,14 +1032,15 @@ def render_model_card(
         lines.append(f"base_model: {hub_id}")
     lines += ["---", "", f"# {' '.join(str(title).split())}", ""]
     method = merge.get("method")
-    made = f"{len(experts)} fine-tuned task experts" if experts else "task experts"
-    made += f" merged into the base model with `{method}`" if method else " merged"
+    made = f"{len(experts)} fine-tuned task experts" if experts else "fine-tuned task experts"
+    made = f"This checkpoint merges {made} into one model"
+    made += f" with `{method}`" if method else ""
     if featcal:
         made += (
-            ", then repaired with FeatCal, a closed-form, block-by-block calibration of the "
-            "merged model's features towards each expert's"
+            ", then repairs the merge with FeatCal, a closed-form, block-by-block calibration of "
+            "the merged model's features towards each expert's"
         )
-    lines += [f"This checkpoint is {made}.", ""]
+    lines += [f"{made}.", ""]
     lines += [
         "Every input below is listed with the sha256 recorded when the model was built; "
         "`featcal lineage <this directory>` checks them against the files on disk.",
@@ -1034,9 +1079,9 @@ def render_model_card(
             for key, label in _CARD_MODEL_FACTS
             if base.get(key) is not None
         ]
-        lines += _table(["", ""], facts) if facts else []
+        lines += _table(["field", "value"], facts) if facts else []
         lines += _table(
-            ["weight file", "sha256"],
+            ["file", "sha256"],
             [[_cell(n), _code(s)] for n, s in _as_dict(base.get("sha256")).items()],
         )
     else:
@@ -1056,7 +1101,7 @@ def render_model_card(
             ],
         )
         lines += _table(
-            ["task", "weight file", "sha256"],
+            ["task", "file", "sha256"],
             [
                 [_cell(task), _cell(name), _code(sha)]
                 for task, e in experts.items()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from flows.environment import PROJECT_ROOT, configure
 from flows.params import Params, load_params
-from flows.steps import Steps
+from flows.steps import Steps, write_json
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,7 @@ def run_pipeline(params: Params, project_root: Path = PROJECT_ROOT) -> dict:
 
     from featcal_core.resolve import lock_digest
     from tasks.tracking import (
+        git_commit,
         log_artifacts,
         log_calibration_record,
         log_evaluation,
@@ -42,6 +43,12 @@ def run_pipeline(params: Params, project_root: Path = PROJECT_ROOT) -> dict:
             params, run_name=params.run.name, tags=tags, project_root=project_root
         ) as run:
             summary["mlflow_run_id"] = run.info.run_id if run is not None else None
+            write_json(steps.paths["root"] / "provenance.json", {
+                "git_commit": git_commit(project_root)[0],
+                "mlflow_run_id": summary["mlflow_run_id"],
+                "prefect_flow_run_id": tags["prefect_flow_run_id"],
+                "params": params.run.name,
+            })  # fmt: skip
             with step_run("download-experts"):
                 summary["lock_digest"] = lock_digest(steps.download())
             with step_run("calibration-sets"):

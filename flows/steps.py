@@ -92,10 +92,10 @@ class Steps:
         return self._call(download_models, self.params.models, self.paths["lock"])
 
     def calibration_sets(self) -> dict:
-        from featcal_core.architectures import REGISTRY
+        from featcal_core.architectures import get
         from tasks.calibration_sets import build_calibration_sets
 
-        modality = REGISTRY[self.lock()["architecture"]].modality
+        modality = get(self.lock()["architecture"]).modality
         root = str(self.paths["calibration_sets"])
         return self._call(build_calibration_sets, self.params, modality, root)
 
@@ -125,10 +125,16 @@ class Steps:
         )  # fmt: skip
 
     def calibrate(self) -> dict:
+        from featcal_core.lineage import model_card_fields, trace, write_model_card
         from flows.calibration import calibration_flow, calibration_flow_fn
 
         run = calibration_flow_fn if self.in_flow else calibration_flow
-        return run(self.calibration_spec(), str(self.paths["calibrated"]), overwrite=True)
+        record = run(self.calibration_spec(), str(self.paths["calibrated"]), overwrite=True)
+        # the model card (README.md) next to the weights: recipe, inputs with hashes, provenance
+        write_model_card(
+            self.paths["calibrated"], **model_card_fields(trace(self.paths["calibrated"]))
+        )
+        return record
 
     def evaluate(self) -> dict:
         from tasks.evaluate import evaluate_models

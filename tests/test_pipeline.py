@@ -91,6 +91,15 @@ def test_featcal_run_end_to_end(tmp_path):
     assert f"{100 * calibrated:.1f}" in markdown
     assert (report / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (report / "drift.png").is_file()
+    card = (results / "calibrated" / "README.md").read_text()
+    assert "featcal" in card and "0.3" in card
+    provenance = json.loads((results / "provenance.json").read_text())
+    assert provenance["mlflow_run_id"] == summary["mlflow_run_id"]
+    lineage = subprocess.run([sys.executable, "-m", "featcal_cli.main", "lineage",
+                              str(results / "calibrated"), "--json"],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    assert lineage.returncode == 0, lineage.stderr[-2000:]
+    assert json.loads(lineage.stdout)["problems"] == []
 
     import mlflow
 

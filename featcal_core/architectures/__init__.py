@@ -38,9 +38,19 @@ def detect(
     )
 
 
+def get(name: str) -> type[Architecture]:
+    """The adapter class registered as `name`."""
+    _import_all()
+    if name not in REGISTRY:
+        raise FeatCalError(
+            f"unknown architecture {name!r}; supported: {', '.join(sorted(REGISTRY))}"
+        )
+    return REGISTRY[name]
+
+
 def supported() -> list[str]:
     _import_all()
     return sorted(REGISTRY)
 
 
-__all__ = ["Architecture", "REGISTRY", "detect", "register", "supported"]
+__all__ = ["Architecture", "REGISTRY", "detect", "get", "register", "supported"]

@@ -1,0 +1,95 @@
+"""The DVC stages (dvc.yaml) in a temporary git repository: `dvc repro` runs every stage, a second
+`dvc repro` runs none, and `dvc push` / `dvc pull` round-trip the checkpoints through a local
+remote."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from test_pipeline import _labelled_images
+
+import factories
+from flows.params import dump, load_params
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    bin_dir = str(Path(sys.executable).parent)
+    return {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "DVC_NO_ANALYTICS": "1",
+        "DVC_SITE_CACHE_DIR": str(tmp_path / "dvc-site"),
+        "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }  # fmt: skip
+
+
+def _sh(args: list[str], cwd: Path, env: dict[str, str]) -> str:
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        print(proc.stdout[-4000:], proc.stderr[-4000:])
+    assert proc.returncode == 0, args
+    return proc.stdout + proc.stderr
+
+
+def test_dvc_repro_then_nothing_then_push_pull(tmp_path):
+    base = factories.tiny_clip_model(tmp_path / "base")
+    experts = factories.vision_experts(base, tmp_path, ("alpha", "beta"))
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    env = _env(tmp_path)
+    params = {
+        "run": {"name": "dvc-test", "results_dir": "data/results"},
+        "models": {"base": str(base), "experts": {t: str(p) for t, p in experts.items()}},
+        "tasks": {
+            task: {
+                "calibration": {"path": str(data), "split": "train"},
+                "evaluation": {"path": str(data), "split": "test"},
+                "class_names": ["cat", "dog", "bird"],
+            }
+            for i, task in enumerate(experts)
+            for data in [_labelled_images(tmp_path / f"data_{task}", seed=i)]
+        },
+        "featcal": {"num_per_task": 8, "batch_size": 4},
+        "tracking": {"enabled": False},
+    }
+    draft = tmp_path / "draft.yaml"
+    draft.write_text(yaml.safe_dump(params))
+    (repo / "params.yaml").write_text(dump(load_params(draft)))  # every section, defaults filled
+    shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
+    _sh(["git", "init", "-q"], repo, env)
+    _sh(["dvc", "init", "-q"], repo, env)
+    _sh(["dvc", "remote", "add", "-d", "store", str(tmp_path / "remote")], repo, env)
+
+    first = _sh(["dvc", "repro"], repo, env)
+    for stage in ("download", "calib-set", "merge", "calibrate", "evaluate", "report"):
+        assert f"Running stage '{stage}'" in first, first[-3000:]
+    results = repo / "data" / "results"
+    evaluation = json.loads((results / "evaluation.json").read_text())
+    assert set(evaluation) == {"alpha", "beta"}
+    assert (repo / "reports" / "dvc-test" / "report.html").is_file()
+    assert (results / "calibrated" / "featcal.json").is_file()
+
+    second = _sh(["dvc", "repro"], repo, env)
+    assert "Running stage" not in second
+
+    merged = (results / "merged" / "model.safetensors").read_bytes()
+    _sh(["dvc", "push"], repo, env)
+    shutil.rmtree(results / "merged")
+    shutil.rmtree(results / "calibration_sets")
+    shutil.rmtree(repo / ".dvc" / "cache")
+    _sh(["dvc", "pull"], repo, env)
+    assert (results / "merged" / "model.safetensors").read_bytes() == merged
+    assert (results / "calibration_sets" / "alpha" / "calibration_set.json").is_file()
+
+    changed = _sh(["dvc", "repro", "--dry"], repo, env)  # nothing to do after the pull
+    assert "Running stage" not in changed

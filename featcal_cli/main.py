@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run the whole pipeline (Prefect flow) from params.yaml")
     _params_arguments(run)
+    serve = sub.add_parser("serve", help="run the pipeline on a schedule (Prefect deployment)")
+    _params_arguments(serve)
+    serve.add_argument("--cron", help='cron schedule, e.g. "0 3 * * *"')
+    serve.add_argument("--interval", type=float, help="schedule every N seconds")
     for name, text in STEP_HELP.items():
         _params_arguments(sub.add_parser(name, help=text))
 
@@ -232,6 +236,13 @@ def _merge(args: argparse.Namespace) -> int:
     return merge_command.run(args)
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from flows.serve import serve
+
+    serve(args.params, args.set, cron=args.cron, interval_s=args.interval)
+    return 0
+
+
 def _lineage(args: argparse.Namespace) -> int:
     from featcal_cli import lineage_command
 
@@ -259,6 +270,7 @@ COMMANDS = {
     "evaluate": _step("evaluate"),
     "report": _step("report"),
     "lineage": _lineage,
+    "serve": _serve,
 }
 
 

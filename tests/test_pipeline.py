@@ -30,9 +30,9 @@ def _labelled_images(path, seed, rows=(20, 10)):
     return path
 
 
-def test_featcal_run_end_to_end(tmp_path):
-    """The paper's layout in miniature: a full CLIPModel base, CLIPVisionModel experts in the
-    transformers 4.x layout, zero-shot heads from the base's text tower."""
+def write_params(tmp_path):
+    """params.yaml for the paper's layout in miniature: a full CLIPModel base, CLIPVisionModel
+    experts in the transformers 4.x layout, zero-shot heads from the base's text tower."""
     base = factories.tiny_clip_model(tmp_path / "base")
     experts = factories.vision_experts(base, tmp_path, ("alpha", "beta"))
     params = {
@@ -53,6 +53,11 @@ def test_featcal_run_end_to_end(tmp_path):
     }
     params_path = tmp_path / "params.yaml"
     params_path.write_text(yaml.safe_dump(params))
+    return params_path
+
+
+def test_featcal_run_end_to_end(tmp_path):
+    params_path = write_params(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": uri}
     cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path),

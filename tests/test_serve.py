@@ -1,0 +1,66 @@
+"""`featcal serve --interval`: with no PREFECT_API_URL it starts and supervises a local Prefect
+server, serves the pipeline as a deployment, and scheduled runs complete."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+from test_pipeline import write_params
+
+
+def _completed_runs(api_url: str) -> int:
+    body = json.dumps({"flow_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}).encode()
+    request = urllib.request.Request(f"{api_url}/flow_runs/filter", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=10) as response:
+        runs = json.loads(response.read())
+    # scheduled runs of the deployment, not their subflows
+    return sum(
+        1 for run in runs if run.get("deployment_id") and run.get("parent_task_run_id") is None
+    )
+
+
+def test_serve_runs_on_a_schedule(tmp_path):
+    params_path = write_params(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PYTHONUNBUFFERED="1",
+               MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")  # fmt: skip
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "featcal_cli.main", "serve", "--params", str(params_path),
+             "--interval", "5"],
+            env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    api_url, completed = None, 0
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and proc.poll() is None:
+            if api_url is None:
+                found = re.search(r"local Prefect server at (\S+)", log_path.read_text())
+                api_url = found.group(1) if found else None
+            elif (completed := _completed_runs(api_url)) >= 2:
+                break
+            time.sleep(2)
+    finally:
+        proc.send_signal(signal.SIGINT)  # serving stops; the supervised server is stopped too
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        port = api_url.split(":")[2].split("/")[0] if api_url else None
+        leftovers = [p for p in psutil.process_iter(["cmdline"])
+                     if port and "server" in (p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])]  # fmt: skip
+        for p in leftovers:
+            p.kill()
+    assert api_url, log_path.read_text()[-3000:]
+    assert completed >= 2, log_path.read_text()[-3000:]
+    assert not leftovers, "the supervised Prefect server outlived featcal serve"

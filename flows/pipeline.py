@@ -7,6 +7,7 @@ layout of what they write are in flows/steps.py.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from pathlib import Path
 
@@ -29,6 +30,7 @@ def run_pipeline(params: Params, project_root: Path = PROJECT_ROOT) -> dict:
         log_artifacts,
         log_calibration_record,
         log_evaluation,
+        log_tags,
         parent_run,
         step_run,
     )
@@ -50,15 +52,20 @@ def run_pipeline(params: Params, project_root: Path = PROJECT_ROOT) -> dict:
                 "params": params.run.name,
             })  # fmt: skip
             with step_run("download-experts"):
-                summary["lock_digest"] = lock_digest(steps.download())
+                lock = steps.download()
+            summary["lock_digest"] = lock_digest(lock)
+            log_tags(lineage_tags(lock))
             with step_run("calibration-sets"):
-                steps.calibration_sets()
+                sets = steps.calibration_sets()
+            log_tags({f"calibration_set.{t}.sha256": r["digest"] for t, r in sets.items()})
             with step_run("merge"):
                 steps.merge()
+            log_tags({"merged.sha256": _checkpoint_digest(steps.paths["merged"])})
             if params.featcal.enabled:
                 with step_run("calibrate"):
                     record = steps.calibrate()
                 log_calibration_record(record)
+                log_tags({"calibration.inputs_digest": record.get("inputs_digest")})
                 summary["calibration"] = {
                     "blocks": len(record["blocks"]),
                     "restored": sum(b["restored"] for b in record["blocks"]),
@@ -76,6 +83,30 @@ def run_pipeline(params: Params, project_root: Path = PROJECT_ROOT) -> dict:
         return summary
 
     return featcal_run()
+
+
+def _files_digest(files: dict[str, str]) -> str:
+    """One sha256 over a {file: sha256} mapping."""
+    text = "\n".join(f"{name} {digest}" for name, digest in sorted(files.items()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _checkpoint_digest(directory: Path) -> str:
+    from featcal_core.checkpoint import Checkpoint, sha256_file
+
+    paths = Checkpoint(directory, "checkpoint").weight_paths()
+    return _files_digest({p.name: sha256_file(p) for p in paths})
+
+
+def lineage_tags(lock: dict) -> dict[str, str | None]:
+    """MLflow tags naming exactly which models a run used: references, commits, file digests."""
+    tags: dict[str, str | None] = {"lock_digest": lock.get("lock_digest")}
+    entries = {"base": lock["base"], **{f"expert.{t}": e for t, e in lock["experts"].items()}}
+    for role, entry in entries.items():
+        tags[f"{role}.reference"] = entry["reference"]
+        tags[f"{role}.commit"] = entry.get("commit") or "local"
+        tags[f"{role}.sha256"] = _files_digest(entry["files"])
+    return tags
 
 
 def run_from_file(params_path: str | Path, overrides: list[str]) -> dict:

@@ -325,6 +325,18 @@ def log_calibration_record(record: Mapping[str, Any], *, run_id: str | None = No
     client.log_text(run, json.dumps(record, indent=2, default=str) + "\n", RECORD_ARTIFACT)
 
 
+def log_tags(tags: Mapping[str, object], *, run_id: str | None = None) -> None:
+    """Tags on the parent run (or `run_id`); None values skipped; nothing without a parent run."""
+    target = _target(run_id)
+    if target is None:
+        return
+    from mlflow import MlflowClient
+
+    session, run = target
+    values = {key: value for key, value in tags.items() if value is not None}
+    _log_tags(MlflowClient(session.uri), run, _clean(values, _MAX_TAG_VALUE))
+
+
 def log_evaluation(table: Mapping[str, Mapping[str, Mapping[str, float]]], *, run_id=None) -> None:
     """Metrics `accuracy/<task>/<model>`, `loss/…`, `normalized/…` and, per model, the mean
     over tasks `accuracy_mean/<model>` and `normalized_mean/<model>`."""

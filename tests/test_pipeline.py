@@ -106,12 +106,29 @@ def test_featcal_run_end_to_end(tmp_path):
     assert lineage.returncode == 0, lineage.stderr[-2000:]
     assert json.loads(lineage.stdout)["problems"] == []
 
+    # an evaluation-only change recomputes no block
+    cmd[-1] = "featcal.alpha=0.3"
+    again = subprocess.run([*cmd, "--set", "evaluation.batch_size=3"], env=env, capture_output=True,
+                           text=True, timeout=600, cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    rerun = json.loads(again.stdout[again.stdout.index("{") :])
+    assert rerun["calibration"]["restored"] == rerun["calibration"]["blocks"] == 2
+    for task, row in evaluation.items():  # same models and data; another batch size
+        for model, result in row.items():
+            again_result = rerun["evaluation"][task][model]
+            assert again_result["accuracy"] == result["accuracy"]
+            assert abs(again_result["loss"] - result["loss"]) < 1e-5 * max(1.0, result["loss"])
+
     import mlflow
 
     client = mlflow.MlflowClient(uri)
     run = client.get_run(summary["mlflow_run_id"])
     assert run.data.params["featcal.alpha"] == "0.3"
     assert run.data.tags["prefect_flow_run_id"]
+    assert run.data.tags["lock_digest"] == lock["lock_digest"]
+    assert run.data.tags["expert.alpha.commit"] == "local"
+    assert len(run.data.tags["calibration_set.alpha.sha256"]) == 64
+    assert len(run.data.tags["merged.sha256"]) == 64
     accuracy = client.get_metric_history(run.info.run_id, "accuracy/alpha/calibrated")
     assert accuracy[-1].value == evaluation["alpha"]["calibrated"]["accuracy"]
     history = client.get_metric_history(run.info.run_id, "drift_after/alpha")

@@ -326,3 +326,12 @@ def test_model_ref_mapping_form_in_params(tmp_path):
     assert isinstance(params, Params)
     assert params.models.base.trust_remote_code is True
     assert params.models.experts["mnist"].trust_remote_code is False
+
+
+def test_shipped_params_files_load():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for path in sorted((root / "params").glob("*.yaml")):
+        params = load_params(path)
+        assert params.models.experts and params.tasks, path

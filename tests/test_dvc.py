@@ -12,9 +12,8 @@ import sys
 from pathlib import Path
 
 import yaml
-from test_pipeline import _labelled_images
+from test_pipeline import write_params
 
-import factories
 from flows.params import dump, load_params
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,27 +41,13 @@ def _sh(args: list[str], cwd: Path, env: dict[str, str]) -> str:
 
 
 def test_dvc_repro_then_nothing_then_push_pull(tmp_path):
-    base = factories.tiny_clip_model(tmp_path / "base")
-    experts = factories.vision_experts(base, tmp_path, ("alpha", "beta"))
     repo = tmp_path / "repo"
     repo.mkdir()
     env = _env(tmp_path)
-    params = {
-        "run": {"name": "dvc-test", "results_dir": "data/results"},
-        "models": {"base": str(base), "experts": {t: str(p) for t, p in experts.items()}},
-        "tasks": {
-            task: {
-                "calibration": {"path": str(data), "split": "train"},
-                "evaluation": {"path": str(data), "split": "test"},
-                "class_names": ["cat", "dog", "bird"],
-            }
-            for i, task in enumerate(experts)
-            for data in [_labelled_images(tmp_path / f"data_{task}", seed=i)]
-        },
-        "featcal": {"num_per_task": 8, "batch_size": 4},
-        "tracking": {"enabled": False},
-    }
-    draft = tmp_path / "draft.yaml"
+    draft = write_params(tmp_path)  # the tiny zero-shot CLIP setting of test_pipeline
+    params = yaml.safe_load(draft.read_text())
+    params["run"].update(name="dvc-test", results_dir="data/results")
+    params["tracking"] = {"enabled": False}
     draft.write_text(yaml.safe_dump(params))
     (repo / "params.yaml").write_text(dump(load_params(draft)))  # every section, defaults filled
     shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")

@@ -332,6 +332,6 @@ def test_shipped_params_files_load():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    for path in sorted((root / "params").glob("*.yaml")):
+    for path in [root / "params.yaml", *sorted((root / "params").glob("*.yaml"))]:
         params = load_params(path)
         assert params.models.experts and params.tasks, path

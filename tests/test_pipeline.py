@@ -11,10 +11,13 @@ import sys
 
 import datasets
 import numpy as np
+import torch
 import yaml
 from PIL import Image
+from safetensors.torch import load_file
 
 import factories
+from featcal_core.synthetic import WORDS
 
 
 def _labelled_images(path, seed, rows=(20, 10)):
@@ -153,3 +156,70 @@ def test_invalid_params_fail_before_any_work(tmp_path):
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("featcal: error: ") and "params.yaml" in last
+
+
+def _bert_with_heads(tmp_path):
+    """A BertModel base (with its tokenizer) and BertForSequenceClassification experts (bert.* +
+    classifier.*): the layout of encoder experts with task heads."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    pool = factories.bert_zoo(tmp_path / "pool", tasks=("alpha", "beta"), delta=0.02)
+    config = BertConfig.from_pretrained(pool.base, num_labels=3)
+    experts = {}
+    for i, (task, path) in enumerate(pool.experts.items()):
+        torch.manual_seed(10 + i)
+        model = BertForSequenceClassification(config)
+        tower = load_file(str(path / "model.safetensors"))
+        missing = model.bert.load_state_dict(tower, strict=False).missing_keys
+        assert not [k for k in missing if "pooler" not in k]
+        model.save_pretrained(tmp_path / f"head_{task}")
+        experts[task] = tmp_path / f"head_{task}"
+    return pool.base, experts
+
+
+def _labelled_texts(path, seed, rows=(24, 12)):
+    rng = np.random.default_rng(seed)
+    splits = {}
+    for split, count in zip(("train", "test"), rows, strict=True):
+        texts = [" ".join(rng.choice(WORDS, size=int(rng.integers(2, 9)))) for _ in range(count)]
+        labels = [int(x) for x in rng.integers(0, 3, size=count)]
+        splits[split] = datasets.Dataset.from_dict({"text": texts, "label": labels})
+    datasets.DatasetDict(splits).save_to_disk(str(path))
+    return path
+
+
+def test_featcal_run_bert_with_task_heads(tmp_path):
+    """BERT experts with their own classification heads: the merge takes the encoders (heads
+    ignored), calibration runs on the encoder, evaluation uses each expert's head."""
+    base, experts = _bert_with_heads(tmp_path)
+    params = {
+        "run": {"name": "bert", "results_dir": str(tmp_path / "results")},
+        "models": {"base": str(base), "experts": {t: str(p) for t, p in experts.items()}},
+        "tasks": {
+            task: {
+                "calibration": {"path": str(data), "split": "train"},
+                "evaluation": {"path": str(data), "split": "test"},
+            }
+            for i, task in enumerate(experts)
+            for data in [_labelled_texts(tmp_path / f"text_{task}", seed=i)]
+        },
+        "featcal": {"num_per_task": 12, "batch_size": 4},
+    }
+    params_path = tmp_path / "params.yaml"
+    params_path.write_text(yaml.safe_dump(params))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # fmt: skip
+    cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = tmp_path / "results"
+    merged = load_file(str(results / "merged" / "model.safetensors"))
+    assert not any(k.startswith(("classifier", "bert.")) for k in merged)  # the base's layout
+    record = json.loads((results / "calibrated" / "featcal.json").read_text())
+    assert record["architecture"] == "hf-bert" and len(record["blocks"]) == 2
+    evaluation = json.loads((results / "evaluation.json").read_text())
+    for task in experts:
+        row = evaluation[task]
+        assert set(row) == {"expert", "merged", "calibrated"}  # no zero-shot head: no base row
+        assert all(r["examples"] == 12 for r in row.values())
+        assert row["expert"]["normalized"] == 1.0

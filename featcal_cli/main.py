@@ -36,6 +36,7 @@ def _pairs(flag: str, values: list[tuple[str, str]] | None) -> dict[str, str]:
 STEP_HELP = {
     "download": "pipeline step: resolve the models of params.yaml and write the lock file",
     "calib-set": "pipeline step: draw the calibration sets of params.yaml",
+    "heads": "pipeline step: head calibration (refit each task's head; featcal.heads)",
     "evaluate": "pipeline step: evaluate base, experts, merged and calibrated models",
     "report": "pipeline step: write reports/<run>/report.md and report.html with plots",
 }
@@ -122,16 +123,69 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in STEP_HELP.items():
         _params_arguments(sub.add_parser(name, help=text))
 
-    demo = sub.add_parser(
-        "demo", help="calibrate a small synthetic pool and print the per-block drift (offline)"
+    zoo = sub.add_parser(
+        "zoo", help="build the offline model zoo: a base and task experts fine-tuned here"
     )
-    demo.add_argument("--work", default="runs/demo", help="where the pool and the output go")
-    demo.add_argument("--tasks", type=int, default=4, help="number of synthetic experts")
-    demo.add_argument("--rebuild", action="store_true", help="rebuild the synthetic pool")
+    zoo.add_argument("--preset", choices=["vision", "text"], help="a built-in zoo")
+    zoo.add_argument("--dataset", action="append", type=_task_path("--dataset"),
+                     metavar="TASK=DIR", help="your own task: a save_to_disk DatasetDict with "
+                     "train and test splits and image or text plus label columns")  # fmt: skip
+    zoo.add_argument("--modality", choices=["image", "text"], help="with --dataset")
+    zoo.add_argument("--base", help="with --dataset: model to fine-tune from (text: a BertModel "
+                     "folder, default all-MiniLM-L6-v2; image: a CLIPVisionModel folder, default: "
+                     "pretrain one here)")  # fmt: skip
+    zoo.add_argument("--name", default="custom", help="with --dataset: the zoo's name")
+    zoo.add_argument("--out", help="zoo folder (default: data/zoo/<preset or name>)")
+    zoo.add_argument("--seed", type=int, default=None, help="seed (default 0)")
+    zoo.add_argument("--pretrain-steps", type=int, help="vision base pretraining steps")
+    zoo.add_argument("--expert-steps", type=int, help="fine-tuning steps per expert")
+    zoo.add_argument("--rebuild", action="store_true", help="build even if the zoo exists")
+    zoo.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _params_arguments(zoo)
+    zoo.set_defaults(params=None)
+
+    demo = sub.add_parser(
+        "demo",
+        help="the embedded default: build or reuse the offline zoo, run the whole pipeline on "
+        "params.yaml and print the per-task accuracy table",
+    )
+    _params_arguments(demo)
+    demo.add_argument("--synthetic", action="store_true",
+                      help="instead: calibrate a small synthetic pool and print the per-block "
+                      "drift (plumbing only, no accuracy)")  # fmt: skip
+    demo.add_argument("--work", default="runs/demo", help="--synthetic: where the pool goes")
+    demo.add_argument("--tasks", type=int, default=4, help="--synthetic: number of experts")
+    demo.add_argument("--rebuild", action="store_true", help="--synthetic: rebuild the pool")
     return parser
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.synthetic:
+        return _synthetic_demo(args)
+    import time
+
+    from flows.params import load_params
+
+    params = load_params(args.params, args.set)  # validated before any heavy work
+    from flows.pipeline import run_pipeline
+    from flows.summary import accuracy_table
+
+    started = time.perf_counter()
+    summary = run_pipeline(params)
+    print()
+    print(accuracy_table(summary.get("evaluation") or {}))
+    print()
+    if summary.get("report"):
+        print(f"report:      {summary['report']}")
+    if summary.get("mlflow_run_id"):
+        print(f"MLflow run:  {summary['mlflow_run_id']} ({summary.get('mlflow_uri')}; "
+              "browse with `mlflow ui --backend-store-uri <uri>`)")  # fmt: skip
+    print(f"results:     {summary['paths']['root']}")
+    print(f"wall time:   {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def _synthetic_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from featcal_core import calibrate
@@ -161,6 +215,57 @@ def _demo(args: argparse.Namespace) -> int:
         )
     print(f"\ncalibrated model: {out}  (record: {out / 'featcal.json'})")
     print("accuracy needs real experts and data: see the README")
+    return 0
+
+
+def _zoo(args: argparse.Namespace) -> int:
+    import dataclasses
+    from pathlib import Path
+
+    from featcal_core.zoo.build import PRESETS, build_zoo
+
+    out = args.out
+    if args.params is not None:
+        from flows.params import load_params
+
+        settings = load_params(args.params, args.set).zoo
+        if settings is None:  # models and tasks are given directly: nothing to build
+            placeholder = Path(out or "data/zoo")
+            placeholder.mkdir(parents=True, exist_ok=True)
+            (placeholder / "NO_ZOO.md").write_text(
+                f"{args.params} has no zoo: section, so no zoo was built (the DVC zoo stage's "
+                "output is this note).\n"
+            )
+            print(f"{args.params}: no zoo: section; nothing to build")
+            return 0
+        spec = settings.spec()
+        out = out or str(settings.path)
+    elif args.dataset:
+        if args.preset is not None:
+            raise FeatCalError("give --preset or --dataset TASK=DIR, not both")
+        if args.modality is None:
+            raise FeatCalError("--dataset needs --modality image or --modality text")
+        template = PRESETS["vision" if args.modality == "image" else "text"]
+        spec = dataclasses.replace(
+            template, name=args.name, tasks=_pairs("--dataset", args.dataset), base=args.base,
+            optional=(), max_train=None,
+        )  # fmt: skip
+    elif args.preset is not None:
+        spec = PRESETS[args.preset]
+    else:
+        raise FeatCalError("featcal zoo needs --preset vision|text, --dataset TASK=DIR or --params")
+    changes = {"seed": args.seed, "pretrain_steps": args.pretrain_steps,
+               "expert_steps": args.expert_steps}  # fmt: skip
+    spec = dataclasses.replace(spec, **{k: v for k, v in changes.items() if v is not None})
+    out = Path(out or f"data/zoo/{spec.name}")
+    manifest = build_zoo(spec, out, rebuild=args.rebuild, progress=not args.no_progress)
+    print(f"zoo {spec.name} in {out}: base {manifest['base']['repo_id']}")
+    for entry in manifest["experts"].values():
+        print(
+            f"  expert {entry['repo_id']}: validation accuracy {entry['validation_accuracy']:.4f}"
+        )
+    for task, reason in manifest["skipped"].items():
+        print(f"  task {task} left out: {reason}")
     return 0
 
 
@@ -263,10 +368,12 @@ def _run(args: argparse.Namespace) -> int:
 COMMANDS = {
     "calibrate": _calibrate,
     "demo": _demo,
+    "zoo": _zoo,
     "merge": _merge,
     "run": _run,
     "download": _step("download"),
     "calib-set": _step("calibration_sets"),
+    "heads": _step("heads"),
     "evaluate": _step("evaluate"),
     "report": _step("report"),
     "lineage": _lineage,

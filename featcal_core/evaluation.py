@@ -20,6 +20,7 @@ base directory (ZeroShotHead). All computation is in float32.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -81,35 +82,104 @@ class Head(ABC):
     def preprocess(self, rows: list[Any]) -> dict[str, torch.Tensor]:
         """Model inputs for a batch of rows (PIL images / arrays, or strings)."""
 
+    #: a replacement for the head's final Linear (set by `with_linear`; head calibration)
+    linear_override: tuple[torch.Tensor, torch.Tensor] | None = None
+
     @abstractmethod
+    def parts(self, model_dir: str | Path, device: torch.device) -> tuple[nn.Module, nn.Linear]:
+        """(features, linear) in eval mode on `device`, running the tower stored in `model_dir`:
+        features(**inputs) gives the head's input (B, d) float32, linear maps it to logits
+        (B, classes). `linear` is the head's own, before any `with_linear` override."""
+
     def classifier(self, model_dir: str | Path, device: torch.device) -> nn.Module:
         """A module in eval mode on `device` whose forward(**inputs) gives logits (B, classes),
-        running the tower stored in `model_dir` under this head."""
+        running the tower stored in `model_dir` under this head (and its linear override)."""
+        features, linear = self.parts(model_dir, device)
+        if self.linear_override is not None:
+            weight, bias = self.linear_override
+            linear = _linear(weight, bias).to(device)
+        return _FeatureClassifier(features, linear).eval()
+
+    def with_linear(self, weight: torch.Tensor, bias: torch.Tensor) -> Head:
+        """This head with its final Linear replaced by (weight (classes, d), bias (classes))."""
+        if weight.ndim != 2 or bias.shape != (weight.shape[0],):
+            raise FeatCalError(
+                f"{self.describe()}: a replacement head needs weight (classes, d) and bias "
+                f"(classes), got {tuple(weight.shape)} and {tuple(bias.shape)}"
+            )
+        if weight.shape[0] != self.num_classes:
+            raise FeatCalError(
+                f"{self.describe()}: the replacement head has {weight.shape[0]} classes, the head "
+                f"{self.num_classes}; calibrate the head for this task"
+            )
+        clone = copy.copy(self)
+        clone.linear_override = (weight.detach().float().cpu(), bias.detach().float().cpu())
+        return clone
 
     def describe(self) -> str:
         return type(self).__name__
 
 
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        layer.weight.copy_(weight.float())
+        if bias is not None:
+            layer.bias.copy_(bias.float())
+    return layer.eval()
+
+
+class _FeatureClassifier(nn.Module):
+    def __init__(self, features: nn.Module, linear: nn.Linear):
+        super().__init__()
+        self.features = features
+        self.linear = linear
+
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.features(**inputs).float())
+
+
+class _PooledOutput(nn.Module):
+    """features(**inputs) = tower(**inputs).pooler_output (B, d)."""
+
+    def __init__(self, tower: nn.Module):
+        super().__init__()
+        self.tower = tower
+
+    def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
+        return self.tower(**inputs).pooler_output
+
+
 class ExpertHead(Head):
-    """The classification head of a fine-tuned expert (a full `...For...Classification` model).
+    """The classification head of a fine-tuned expert. Two kinds of expert directory:
+
+    - a full transformers classification model (`config.json` `architectures`, e.g.
+      BertForSequenceClassification): its classifier on the pooled output;
+    - a bare tower (e.g. CLIPVisionModel) with a linear head beside it (`classifier.safetensors`
+      + `classifier.json`, see `featcal_core.linear_head`): that Linear on `pooler_output`.
 
     The tokenizer or image processor is loaded from `expert_dir`; text is truncated to
     `max_length` tokens (or the model's position limit, whichever is smaller).
     """
 
     def __init__(self, expert_dir: str | Path, max_length: int = 512):
+        from featcal_core.linear_head import has_linear_head, load_linear_head
+
         self.expert_dir = Path(expert_dir)
         checkpoint = Checkpoint(self.expert_dir, role="expert")  # checks dir, config, weights
         self.config = checkpoint.config
         names = self.config.get("architectures") or []
+        self.arch: Architecture = detect(self.config, source=str(self.expert_dir / "config.json"))
+        self.linear_file = (
+            load_linear_head(self.expert_dir) if has_linear_head(expert_dir) else None
+        )
         if not names:
             raise FeatCalError(
                 f"{self.expert_dir / 'config.json'} has no 'architectures' entry; the expert must "
                 "be a classification model saved with save_pretrained (e.g. "
-                "BertForSequenceClassification, CLIPForImageClassification)"
+                "BertForSequenceClassification) or a tower with classifier.safetensors"
             )
         self.class_name = str(names[0])
-        self.arch: Architecture = detect(self.config, source=str(self.expert_dir / "config.json"))
         self.modality = self.arch.modality
         self.max_length = int(max_length)
         self._num_classes: int | None = None
@@ -118,13 +188,17 @@ class ExpertHead(Head):
     @property
     def num_classes(self) -> int:
         if self._num_classes is None:
-            from transformers import AutoConfig
+            if self.linear_file is not None:
+                self._num_classes = int(self.linear_file.weight.shape[0])
+            else:
+                from transformers import AutoConfig
 
-            self._num_classes = int(AutoConfig.from_pretrained(self.expert_dir).num_labels)
+                self._num_classes = int(AutoConfig.from_pretrained(self.expert_dir).num_labels)
         return self._num_classes
 
     def describe(self) -> str:
-        return f"expert head {self.class_name} from {self.expert_dir}"
+        kind = "linear head" if self.linear_file is not None else "expert head"
+        return f"{kind} {self.class_name} from {self.expert_dir}"
 
     def preprocess(self, rows: list[Any]) -> dict[str, torch.Tensor]:
         if self.modality == "image":
@@ -163,15 +237,18 @@ class ExpertHead(Head):
             )
         return model
 
-    def classifier(self, model_dir: str | Path, device: torch.device) -> nn.Module:
+    def _with_tower(self, model_dir: str | Path) -> nn.Module:
+        """The expert's model with its tower tensors replaced by those in `model_dir`."""
         model = self._load_expert()
         state = model.state_dict()  # tensors share storage with the parameters
         prefix = _tower_prefix(self.arch, state, f"expert {self.expert_dir}")
-        if prefix == "" or all(key.startswith(prefix) for key in state):
+        if self.linear_file is None and (
+            prefix == "" or all(key.startswith(prefix) for key in state)
+        ):
             raise FeatCalError(
                 f"expert {self.expert_dir} ({self.class_name}) has no classification head next to "
                 "its tower; pass a fine-tuned classification checkpoint (e.g. "
-                "BertForSequenceClassification)"
+                "BertForSequenceClassification) or save classifier.safetensors beside the tower"
             )
         targets = {key[len(prefix) :]: state[key] for key in state if key.startswith(prefix)}
         replaced = _load_tower(
@@ -188,7 +265,30 @@ class ExpertHead(Head):
             len(replaced),
             len(targets) - len(replaced),
         )
-        return _ExpertClassifier(model).to(device).eval()
+        return model
+
+    def parts(self, model_dir: str | Path, device: torch.device) -> tuple[nn.Module, nn.Linear]:
+        model = self._with_tower(model_dir)
+        if self.linear_file is not None:
+            features: nn.Module = _PooledOutput(model)
+            linear = _linear(self.linear_file.weight, self.linear_file.bias)
+        else:
+            linear = getattr(model, "classifier", None)
+            base = getattr(model, "base_model", None)
+            if not isinstance(linear, nn.Linear) or base is None or base is model:
+                raise FeatCalError(
+                    f"expert {self.expert_dir} ({self.class_name}): its head is not one Linear on "
+                    "the pooled output, so it cannot be split for head calibration; use a "
+                    "BertForSequenceClassification-style expert or classifier.safetensors"
+                )
+            features = _PooledOutput(base)
+        return features.to(device).eval(), linear.to(device).eval()
+
+    def classifier(self, model_dir: str | Path, device: torch.device) -> nn.Module:
+        if self.linear_file is None and self.linear_override is None:
+            # the model's own forward: exact for any classification head, not only a Linear
+            return _ExpertClassifier(self._with_tower(model_dir)).to(device).eval()
+        return super().classifier(model_dir, device)
 
 
 class _ExpertClassifier(nn.Module):
@@ -375,7 +475,9 @@ class ZeroShotHead(Head):
         return embeddings
 
     # ----- classifier -------------------------------------------------------------------------
-    def classifier(self, model_dir: str | Path, device: torch.device) -> nn.Module:
+    def parts(self, model_dir: str | Path, device: torch.device) -> tuple[nn.Module, nn.Linear]:
+        """features: the L2-normalised projected image embedding (B, projection_dim); linear:
+        exp(logit_scale) · class embeddings, without bias."""
         from transformers import CLIPVisionConfig, CLIPVisionModel
 
         vision_config = CLIPVisionConfig.from_dict(dict(self.base.config["vision_config"]))
@@ -395,29 +497,20 @@ class ZeroShotHead(Head):
                 f"class embeddings have width {embeddings.shape[1]}, the visual projection "
                 f"{projection.shape[0]}; delete the cache file {self.cache_path()}"
             )
-        module = _ZeroShotClassifier(vision, projection, extra["logit_scale"].float(), embeddings)
-        return module.to(device).eval()
+        scale = extra["logit_scale"].float().reshape(()).exp()
+        linear = _linear(scale * embeddings.cpu(), None)
+        return _ZeroShotFeatures(vision, projection).to(device).eval(), linear.to(device)
 
 
-class _ZeroShotClassifier(nn.Module):
-    def __init__(
-        self,
-        vision: nn.Module,
-        projection: torch.Tensor,
-        logit_scale: torch.Tensor,
-        class_embeddings: torch.Tensor,
-    ):
+class _ZeroShotFeatures(nn.Module):
+    def __init__(self, vision: nn.Module, projection: torch.Tensor):
         super().__init__()
         self.vision = vision
-        self.visual_projection = nn.Linear(projection.shape[1], projection.shape[0], bias=False)
-        self.visual_projection.weight.data.copy_(projection)
-        self.register_buffer("scale", logit_scale.reshape(()).exp())
-        self.register_buffer("class_embeddings", class_embeddings.float())
+        self.visual_projection = _linear(projection, None)
 
     def forward(self, pixel_values: torch.Tensor, **_: torch.Tensor) -> torch.Tensor:
         pooled = self.vision(pixel_values=pixel_values).pooler_output  # post_layernorm(CLS)
-        image = F.normalize(self.visual_projection(pooled), dim=-1)
-        return self.scale * image @ self.class_embeddings.T
+        return F.normalize(self.visual_projection(pooled), dim=-1)
 
 
 # ------------------------------------------------------------------------------- tower loading

@@ -256,6 +256,42 @@ class _Section:
     tables: list[tuple[list[str], list[list[str]]]] = field(default_factory=list)
 
 
+_HEAD_MODELS = ("expert", "merged", "merged_heads", "calibrated", "calibrated_heads")
+
+
+def _heads_section(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> _Section | None:
+    """Head calibration (beyond the paper), when the evaluation has "<model>_heads" rows:
+    accuracy with the refit heads beside the paper-faithful numbers, and the gap each closes."""
+    if not any("merged_heads" in (m or {}) or "calibrated_heads" in (m or {})
+               for m in evaluation.values()):  # fmt: skip
+        return None
+    section = _Section("Head calibration (beyond the paper)")
+    section.lines.append(
+        "Each task's head refit in closed form on the calibration inputs to reproduce the "
+        "expert's logits on the merged (or calibrated) tower; no labels. Gap closed is "
+        "(model − merged) / (expert − merged)."
+    )
+    header = ["task", "expert", "merged", "merged + heads", "calibrated", "calibrated + heads",
+              "gap closed: calibrated", "gap closed: merged + heads",
+              "gap closed: calibrated + heads"]  # fmt: skip
+    table, sums = [], {m: [] for m in _HEAD_MODELS}
+    for task, models in evaluation.items():
+        acc = {m: _number(((models or {}).get(m) or {}).get("accuracy")) for m in _HEAD_MODELS}
+        for m in _HEAD_MODELS:
+            sums[m].append(acc[m])
+        table.append(_head_cells(str(task), acc))
+    means = {m: _mean(values)[0] for m, values in sums.items()}
+    table.append(_head_cells("average", means))
+    section.tables.append((header, table))
+    return section
+
+
+def _head_cells(label: str, acc: Mapping[str, float | None]) -> list[str]:
+    gaps = [gap_closed(acc["merged"], acc[m], acc["expert"])
+            for m in ("calibrated", "merged_heads", "calibrated_heads")]  # fmt: skip
+    return [label, *(_pct(acc[m]) for m in _HEAD_MODELS), *(_gap_text(g) for g in gaps)]
+
+
 def _calibration_section(calibration: Mapping[str, Any] | None) -> _Section:
     section = _Section("Calibration")
     if calibration is None:
@@ -623,6 +659,8 @@ def write_report(
     if has_drift:
         plots.append(("drift.png", "feature drift per block"))
     sections = [_calibration_section(calibration), _inputs_section(lock), _merge_section(merge)]
+    if (heads_section := _heads_section(evaluation)) is not None:
+        sections.insert(0, heads_section)
     if (extra_section := _extra_section(extra)) is not None:
         sections.append(extra_section)
 

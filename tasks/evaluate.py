@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 
 from featcal_core.calibration_sets import open_source
 from featcal_core.evaluation import ExpertHead, ZeroShotHead, evaluate, normalized_accuracy
+from featcal_core.linear_head import load_linear_head
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,10 @@ def _evaluation_data(task_name: str, source: Any, data_root: Path) -> tuple[Path
     return target, None
 
 
-def _head(task_name: str, spec: Any, base: Path, expert: Path, data: Path, split, cache: Path):
+def task_head(task_name: str, spec: Any, base, expert, root: Path):
+    """(head, zero_shot) of one task: its expert's own classifier, or a CLIP zero-shot head
+    when the task has class_names or templates."""
+    data, split = _evaluation_data(task_name, spec.evaluation, root / "evaluation_data")
     if spec.class_names is None and spec.templates is None:
         return ExpertHead(expert), False
     names = spec.class_names
@@ -42,7 +46,8 @@ def _head(task_name: str, spec: Any, base: Path, expert: Path, data: Path, split
         rows = open_source({"path": str(data), "split": split}, key=f"tasks.{task_name}.evaluation")
         label = spec.evaluation.label_column or "label"
         names = list(rows.features[label].names)
-    return ZeroShotHead(base, names, tuple(spec.templates or DEFAULT_TEMPLATES), cache), True
+    templates = tuple(spec.templates or DEFAULT_TEMPLATES)
+    return ZeroShotHead(base, names, templates, root / "heads"), True
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
@@ -52,11 +57,14 @@ def evaluate_models(
     experts: dict[str, str],
     models: dict[str, str],
     results_dir: str,
+    refit_heads: dict[str, dict[str, str]] | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
     """{task: {model name: {"accuracy", "loss", "examples", "normalized"}}}.
 
     `models` maps a name ("merged", "calibrated") to a checkpoint directory; each task also gets
-    "expert" (its own expert) and, for zero-shot tasks, "base".
+    "expert" (its own expert) and, for zero-shot tasks, "base". `refit_heads` ({model name:
+    {task: head folder}}, from head calibration) adds a "<model>_heads" row per model: its tower
+    under the refit head.
     """
     settings = params.evaluation
     root = Path(results_dir)
@@ -64,16 +72,22 @@ def evaluate_models(
     for task_name, spec in params.tasks.items():
         source = spec.evaluation
         data, split = _evaluation_data(task_name, source, root / "evaluation_data")
-        head, zero_shot = _head(
-            task_name, spec, Path(base), Path(experts[task_name]), data, split, root / "heads"
-        )
-        candidates = {"expert": experts[task_name], **models}
+        head, zero_shot = task_head(task_name, spec, Path(base), Path(experts[task_name]), root)
+        candidates = {name: (directory, head) for name, directory in
+                      {"expert": experts[task_name], **models}.items()}  # fmt: skip
         if zero_shot:
-            candidates = {"base": base, **candidates}
+            candidates = {"base": (base, head), **candidates}
+        for name, heads in (refit_heads or {}).items():
+            if task_name in heads:
+                refit = load_linear_head(heads[task_name])
+                candidates[f"{name}_heads"] = (
+                    models[name],
+                    head.with_linear(refit.weight, refit.bias),
+                )
         row = {}
-        for name, directory in candidates.items():
+        for name, (directory, model_head) in candidates.items():
             row[name] = evaluate(
-                directory, head, data, split,
+                directory, model_head, data, split,
                 batch_size=settings.batch_size, max_examples=settings.max_examples_per_task,
                 image_column=source.image_column, text_column=source.text_column,
                 label_column=source.label_column, device=params.featcal.device, progress=False,

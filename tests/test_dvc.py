@@ -56,7 +56,7 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path):
     _sh(["dvc", "remote", "add", "-d", "store", str(tmp_path / "remote")], repo, env)
 
     first = _sh(["dvc", "repro"], repo, env)
-    for stage in ("download", "calib-set", "merge", "calibrate", "evaluate", "report"):
+    for stage in ("zoo", "download", "calib-set", "merge", "calibrate", "evaluate", "report"):
         assert f"Running stage '{stage}'" in first, first[-3000:]
     results = repo / "data" / "results"
     evaluation = json.loads((results / "evaluation.json").read_text())

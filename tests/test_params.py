@@ -334,4 +334,7 @@ def test_shipped_params_files_load():
     root = Path(__file__).resolve().parent.parent
     for path in [root / "params.yaml", *sorted((root / "params").glob("*.yaml"))]:
         params = load_params(path)
-        assert params.models.experts and params.tasks, path
+        # either models and tasks written out, or a zoo that provides them
+        assert (params.models is not None and params.models.experts and params.tasks) or (
+            params.zoo is not None and params.models is None and params.tasks is None
+        ), path

@@ -203,7 +203,7 @@ def test_featcal_run_bert_with_task_heads(tmp_path):
             for i, task in enumerate(experts)
             for data in [_labelled_texts(tmp_path / f"text_{task}", seed=i)]
         },
-        "featcal": {"num_per_task": 12, "batch_size": 4},
+        "featcal": {"num_per_task": 12, "batch_size": 4, "heads": True, "head_lam": 0.1},
     }
     params_path = tmp_path / "params.yaml"
     params_path.write_text(yaml.safe_dump(params))
@@ -220,6 +220,16 @@ def test_featcal_run_bert_with_task_heads(tmp_path):
     evaluation = json.loads((results / "evaluation.json").read_text())
     for task in experts:
         row = evaluation[task]
-        assert set(row) == {"expert", "merged", "calibrated"}  # no zero-shot head: no base row
+        # no zero-shot head: no base row; head calibration adds the refit-head rows
+        assert set(row) == {"expert", "merged", "calibrated", "merged_heads", "calibrated_heads"}
         assert all(r["examples"] == 12 for r in row.values())
         assert row["expert"]["normalized"] == 1.0
+        # the refit head is the closed form on the calibration rows: it differs from the expert's
+        refit = load_file(
+            str(results / "refit_heads" / "calibrated" / task / "classifier.safetensors")
+        )
+        expert_head = load_file(str(experts[task] / "model.safetensors"))
+        assert refit["weight"].shape == expert_head["classifier.weight"].shape
+        assert not torch.equal(refit["weight"], expert_head["classifier.weight"])
+    report = (tmp_path / "reports" / "bert" / "report.md").read_text()
+    assert "Head calibration (beyond the paper)" in report

@@ -1,0 +1,1 @@
+"""Real, offline task datasets (read from installed packages) as train/validation/test splits."""

@@ -1,0 +1,61 @@
+"""The per-task accuracy table printed at the end of `featcal demo` (plain text, monospace)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from featcal_core.report import gap_closed
+
+#: columns in display order: (evaluation row name, header)
+COLUMNS = (
+    ("expert", "expert"),
+    ("merged", "merged"),
+    ("calibrated", "calibrated"),
+    ("calibrated_heads", "calib+heads"),
+)
+
+
+def _pct(value: float | None) -> str:
+    return "—" if value is None else f"{100 * value:.1f}"
+
+
+def accuracy_table(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
+    """Accuracy (%) per task of the expert, merged and calibrated models (and the calibrated model
+    with refit heads when present), normalized accuracy (÷ expert) of the calibrated ones, and
+    the share of the merged→expert gap closed; then the average over tasks."""
+    present = [(key, head) for key, head in COLUMNS
+               if any(key in row for row in evaluation.values())]  # fmt: skip
+    normalized = [key for key, _ in present if key not in ("expert", "merged")]
+    headers = ["task"] + [h for _, h in present] + [f"norm {h}" for k, h in present
+                                                    if k in normalized]  # fmt: skip
+    headers += [f"gap closed {h}" for k, h in present if k in normalized]
+    rows, sums = [], {key: [] for key, _ in present}
+    for task, models in evaluation.items():
+        acc = {key: (models.get(key) or {}).get("accuracy") for key, _ in present}
+        for key in acc:
+            sums[key].append(acc[key])
+        rows.append(_cells(task, acc, present, normalized))
+    if rows:
+        mean = {k: (sum(v) / len(v) if v and None not in v else None) for k, v in sums.items()}
+        rows.append(_cells("average", mean, present, normalized))
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=True)]
+    lines = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in
+                       enumerate(zip(headers, widths, strict=True)))]  # fmt: skip
+    lines.append("  ".join("-" * w for w in widths))
+    for row in rows:
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                               enumerate(zip(row, widths, strict=True))))  # fmt: skip
+    return "accuracy (%) on the evaluation split\n" + "\n".join(lines)
+
+
+def _cells(label, acc, present, normalized) -> list[str]:
+    expert, merged = acc.get("expert"), acc.get("merged")
+    cells = [str(label)] + [_pct(acc[key]) for key, _ in present]
+    for key in normalized:
+        value = acc[key] / expert if acc[key] is not None and expert else None
+        cells.append(_pct(value))
+    for key in normalized:
+        gap = gap_closed(merged, acc[key], expert)
+        cells.append("—" if gap is None else f"{gap:.0f} %")
+    return cells

@@ -1,0 +1,56 @@
+"""Prefect task "calibrate-heads": head calibration (beyond the paper) for the merged and the
+calibrated model. For every task, the task's head (the one evaluation uses: the expert's own
+classifier, or the CLIP zero-shot class embeddings) is refit in closed form on the task's
+calibration inputs (the same rows FeatCal used; no labels) so that, on the evaluated tower, it
+reproduces the expert's logits. Written as `<results>/refit_heads/<model>/<task>/classifier.*`
+(featcal_core.linear_head format); the evaluate step scores "<model>_heads" rows with them.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from featcal_core.calibration_data import load_calibration_set
+from featcal_core.head_calibration import calibrate_head
+from featcal_core.linear_head import save_linear_head
+from tasks.evaluate import task_head
+
+log = logging.getLogger(__name__)
+
+
+@task(name="calibrate-heads", cache_policy=NO_CACHE)
+def calibrate_heads(
+    params: Any,
+    base: str,
+    experts: dict[str, str],
+    models: dict[str, str],
+    calibration_sets: dict[str, str],
+    results_dir: str,
+) -> dict[str, dict[str, str]]:
+    """{model name: {task: refit head folder}} for each of `models` (name -> checkpoint)."""
+    root = Path(results_dir)
+    featcal = params.featcal
+    out: dict[str, dict[str, str]] = {name: {} for name in models}
+    for task_name, spec in params.tasks.items():
+        head, zero_shot = task_head(task_name, spec, Path(base), Path(experts[task_name]), root)
+        features = "clip_image_embeds" if zero_shot else "pooler_output"
+        rows = load_calibration_set(
+            task_name, calibration_sets[task_name], head.modality, featcal.num_per_task,
+            params.run.seed,
+        ).rows  # fmt: skip
+        labels = [str(i) for i in range(head.num_classes)]
+        for name, directory in models.items():
+            weight, bias = calibrate_head(
+                head, experts[task_name], directory, rows, lam=featcal.head_lam,
+                batch_size=featcal.batch_size, device=featcal.device,
+            )  # fmt: skip
+            target = root / "refit_heads" / name / task_name
+            save_linear_head(target, weight, bias, labels, features=features)
+            out[name][task_name] = str(target)
+        log.info("calibrate-heads %s: %d inputs, models %s", task_name, len(rows), list(models))
+    return out

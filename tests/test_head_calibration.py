@@ -1,0 +1,127 @@
+"""Head calibration: the closed form against brute-force least squares, and the refit head on a
+real (tiny) BERT classification expert."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_evaluation import bert  # noqa: F401  (module fixture: tiny BERT expert + towers)
+from transformers import AutoTokenizer, BertForSequenceClassification
+
+from featcal_core.errors import FeatCalError
+from featcal_core.evaluation import ExpertHead, evaluate
+from featcal_core.head_calibration import HeadStatistics, calibrate_head, fit_linear_head
+
+DTYPE = torch.float64
+
+
+def _stats(student: torch.Tensor, expert: torch.Tensor, batch: int = 7) -> HeadStatistics:
+    stats = HeadStatistics(student.shape[1])
+    for start in range(0, student.shape[0], batch):
+        stats.add(student[start : start + batch], expert[start : start + batch])
+    return stats
+
+
+def _brute_force(student, expert, weight, bias, lam, eps=1e-8):
+    """Weight: min s/N Σ‖W z_s − W_e z_e‖² + (λ+ε)‖W‖-ridge toward W_e (stacked lstsq);
+    bias: min s/N Σ‖W z_s + b − y‖² + λ‖b − b_e‖² with the new W."""
+    n, d = student.shape
+    gram = student.T @ student / n
+    s = 1.0 / float(torch.linalg.matrix_norm(gram))
+    target = expert @ weight.T
+    rows = [(s / n) ** 0.5 * student, ((lam + eps) ** 0.5) * torch.eye(d, dtype=DTYPE)]
+    # ε regularises toward 0, λ toward W_e: rhs for the ridge rows is λ W_eᵀ / sqrt(λ+ε)
+    rhs = [(s / n) ** 0.5 * target, (lam / (lam + eps) ** 0.5) * weight.T]
+    solution = torch.linalg.lstsq(torch.cat(rows), torch.cat(rhs)).solution
+    new_weight = solution.T
+    logits = expert @ weight.T + bias
+    residual = (logits - student @ new_weight.T).mean(0)
+    new_bias = (s * residual + lam * bias) / (s + lam)
+    return new_weight, new_bias
+
+
+@pytest.mark.parametrize("lam", [0.0, 0.05, 3.0])
+def test_fit_matches_brute_force(lam):
+    gen = torch.Generator().manual_seed(0)
+    n, d, classes = 40, 6, 3
+    expert = torch.randn(n, d, generator=gen, dtype=DTYPE)
+    student = expert + 0.3 * torch.randn(n, d, generator=gen, dtype=DTYPE) + 0.2
+    weight = torch.randn(classes, d, generator=gen, dtype=DTYPE)
+    bias = torch.randn(classes, generator=gen, dtype=DTYPE)
+    got_w, got_b = fit_linear_head(_stats(student, expert), weight, bias, lam)
+    want_w, want_b = _brute_force(student, expert, weight, bias, lam)
+    torch.testing.assert_close(got_w, want_w, rtol=1e-7, atol=1e-9)
+    torch.testing.assert_close(got_b, want_b, rtol=1e-7, atol=1e-9)
+
+
+def test_same_features_give_the_expert_head_back():
+    gen = torch.Generator().manual_seed(1)
+    features = torch.randn(30, 5, generator=gen, dtype=DTYPE)
+    weight = torch.randn(4, 5, generator=gen, dtype=DTYPE)
+    bias = torch.randn(4, generator=gen, dtype=DTYPE)
+    for lam in (0.0, 0.5):
+        got_w, got_b = fit_linear_head(_stats(features, features), weight, bias, lam)
+        torch.testing.assert_close(got_w, weight, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got_b, bias, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_statistics_are_clear_errors():
+    stats = HeadStatistics(3)
+    with pytest.raises(FeatCalError, match="no calibration inputs"):
+        fit_linear_head(stats, torch.zeros(2, 3), torch.zeros(2), 0.1)
+    with pytest.raises(FeatCalError, match="must both be"):
+        stats.add(torch.zeros(2, 3), torch.zeros(2, 4))
+    with pytest.raises(FeatCalError, match="NaN or Inf"):
+        stats.add(torch.full((2, 3), float("nan")), torch.zeros(2, 3))
+
+
+def _pooled_and_logits(directory, tokenizer, texts):
+    model = BertForSequenceClassification.from_pretrained(directory).eval()
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        pooled = model.bert(**enc).pooler_output.double()
+    return model, pooled
+
+
+def test_calibrated_bert_head_matches_the_closed_form_and_the_expert_better(bert):  # noqa: F811
+    head = ExpertHead(bert["expert"])
+    texts = bert["texts"]
+    weight, bias = calibrate_head(head, bert["expert"], bert["bare"], texts, lam=0.05, batch_size=5)
+
+    # independent features: the expert's own model, and the same model with the student's tower
+    tokenizer = AutoTokenizer.from_pretrained(bert["expert"])
+    expert_model, expert_pooled = _pooled_and_logits(bert["expert"], tokenizer, texts)
+    student_model = BertForSequenceClassification.from_pretrained(bert["expert"]).eval()
+    student_model.bert.load_state_dict(bert["backbone"])
+    enc = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        student_pooled = student_model.bert(**enc).pooler_output.double()
+    w_e = expert_model.classifier.weight.double().detach()
+    b_e = expert_model.classifier.bias.double().detach()
+    want_w, want_b = _brute_force(student_pooled, expert_pooled, w_e, b_e, 0.05)
+    torch.testing.assert_close(weight.double(), want_w, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(bias.double(), want_b, rtol=1e-4, atol=1e-5)
+
+    # the refit head reproduces the expert's logits better than the expert's head does
+    expert_logits = expert_pooled @ w_e.T + b_e
+    before = (student_pooled @ w_e.T + b_e - expert_logits).pow(2).mean()
+    after = (student_pooled @ want_w.T + want_b - expert_logits).pow(2).mean()
+    assert after < before
+
+    # evaluation with the replaced head uses exactly that Linear
+    refit = head.with_linear(weight, bias)
+    classifier = refit.classifier(bert["bare"], torch.device("cpu"))
+    with torch.no_grad():
+        logits = classifier(**refit.preprocess(texts)).double()
+    torch.testing.assert_close(logits, student_pooled @ weight.double().T + bias.double(),
+                               rtol=1e-4, atol=1e-5)  # fmt: skip
+    result = evaluate(bert["bare"], refit, bert["data"], "test", progress=False)
+    assert 0.0 <= result["accuracy"] <= 1.0 and result["examples"] == len(texts)
+
+
+def test_with_linear_checks_shapes(bert):  # noqa: F811
+    head = ExpertHead(bert["expert"])
+    with pytest.raises(FeatCalError, match="classes"):
+        head.with_linear(torch.zeros(head.num_classes + 1, 8), torch.zeros(head.num_classes + 1))
+    with pytest.raises(FeatCalError, match="weight"):
+        head.with_linear(torch.zeros(head.num_classes, 8), torch.zeros(2, 2))

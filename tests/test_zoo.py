@@ -1,0 +1,207 @@
+"""The offline zoo: publishing into a Hugging Face cache folder, `featcal zoo` on datasets built in
+the test, reuse, bad input, and the whole flow (zoo → download → ... → report with head
+calibration) through a real Prefect flow."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import datasets
+import numpy as np
+import pytest
+import yaml
+from huggingface_hub import snapshot_download
+from PIL import Image
+
+from featcal_cli.main import main
+from featcal_core.errors import FeatCalError
+from featcal_core.zoo import hub_cache
+from featcal_core.zoo.build import PRESETS, ZooSpec, build_zoo, load_manifest
+from flows.params import Params, load_params
+
+
+def _toy_images(path, vertical: bool, seed: int, rows=(40, 16)):
+    """Two classes told apart by which half of a 16×16 image is bright (left/right or top/bottom),
+    saved as a DatasetDict with train and test splits (no validation: the zoo carves it)."""
+    rng = np.random.default_rng(seed)
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=["first", "second"])}
+    )
+    splits = {}
+    for split, count in zip(("train", "test"), rows, strict=True):
+        images, labels = [], []
+        for _ in range(count):
+            label = int(rng.integers(0, 2))
+            pixels = rng.integers(0, 60, (16, 16)).astype(np.uint8)
+            half = (slice(0, 8), slice(None)) if vertical else (slice(None), slice(0, 8))
+            other = (slice(8, 16), slice(None)) if vertical else (slice(None), slice(8, 16))
+            pixels[half if label else other] += 150
+            images.append(Image.fromarray(pixels, "L"))
+            labels.append(label)
+        splits[split] = datasets.Dataset.from_dict(
+            {"image": images, "label": labels}, features=features
+        )
+    datasets.DatasetDict(splits).save_to_disk(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def toy_data(tmp_path_factory):
+    root = tmp_path_factory.mktemp("toy")
+    return {
+        "left": _toy_images(root / "left", vertical=False, seed=0),
+        "top": _toy_images(root / "top", vertical=True, seed=1),
+    }
+
+
+# ------------------------------------------------------------------------------ hub cache
+
+
+def test_publish_resolves_like_a_hub_download(tmp_path):
+    source = tmp_path / "model"
+    source.mkdir()
+    (source / "config.json").write_text('{"model_type": "x"}')
+    (source / "model.safetensors").write_bytes(b"weights")
+    commit = hub_cache.publish(source, tmp_path / "hub", "featcal-zoo/toy-base")
+    assert len(commit) == 40 and commit == hub_cache.content_commit(source)
+    assert hub_cache.publish(source, tmp_path / "hub", "featcal-zoo/toy-base") == commit
+    found = snapshot_download(
+        "featcal-zoo/toy-base", cache_dir=tmp_path / "hub", local_files_only=True
+    )
+    assert found.endswith(commit) and (tmp_path / "hub").is_dir()
+    (source / "model.safetensors").write_bytes(b"other weights")
+    assert hub_cache.publish(source, tmp_path / "hub", "featcal-zoo/toy-base") != commit
+    with pytest.raises(FeatCalError, match="owner/name"):
+        hub_cache.publish(source, tmp_path / "hub", "no-owner")
+
+
+# -------------------------------------------------------------------------------- featcal zoo
+
+
+def test_featcal_zoo_on_own_datasets_then_reuse(toy_data, tmp_path, capsys, caplog):
+    out = tmp_path / "zoo"
+    argv = ["zoo", "--modality", "image", "--name", "toy", "--out", str(out), "--no-progress",
+            "--pretrain-steps", "2", "--expert-steps", "25"]  # fmt: skip
+    argv += [f"--dataset={task}={path}" for task, path in toy_data.items()]
+    assert main(argv) == 0
+    manifest = load_manifest(out)
+    assert set(manifest["experts"]) == {"left", "top"} and manifest["skipped"] == {}
+    for task, entry in manifest["experts"].items():
+        rows = manifest["tasks"][task]["rows"]
+        assert rows["test"] == 16 and rows["train"] + rows["validation"] == 40
+        assert entry["validation_accuracy"] >= 0.8  # the toy task is learnt
+        snapshot = snapshot_download(entry["repo_id"], cache_dir=out / "hub", local_files_only=True)
+        assert snapshot.endswith(entry["commit"])
+        names = set(os.listdir(snapshot))
+        assert {"config.json", "model.safetensors", "classifier.safetensors"} <= names
+        assert "preprocessor_config.json" in names
+    split = datasets.load_from_disk(str(out / "data" / "left"))
+    assert set(split) == {"train", "validation", "test"}
+
+    # the same spec again: reused, nothing trained (the manifest is unchanged)
+    before = (out / "zoo.json").read_text()
+    caplog.set_level("INFO", logger="featcal_core.zoo.build")
+    assert main(argv) == 0
+    assert (out / "zoo.json").read_text() == before
+    assert any("reusing" in r.getMessage() for r in caplog.records)
+
+
+def test_zoo_bad_inputs_are_clear_and_leave_nothing(toy_data, tmp_path):
+    no_label = tmp_path / "no_label"
+    data = datasets.load_from_disk(str(toy_data["left"]))
+    datasets.DatasetDict({k: v.remove_columns("label") for k, v in data.items()}).save_to_disk(
+        str(no_label)
+    )
+    spec = ZooSpec(name="bad", modality="image", tasks={"x": str(no_label)}, pretrain_steps=1,
+                   expert_steps=1)  # fmt: skip
+    out = tmp_path / "zoo"
+    with pytest.raises(FeatCalError, match="label"):
+        build_zoo(spec, out, progress=False)
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".zoo")]
+
+    missing = ZooSpec(name="bad", modality="image", tasks={"x": str(tmp_path / "nowhere")})
+    with pytest.raises(FeatCalError, match="neither a built-in source"):
+        build_zoo(missing, out, progress=False)
+
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "keep.txt").write_text("mine")
+    with pytest.raises(FeatCalError, match="not a zoo"):
+        build_zoo(PRESETS["vision"], occupied, progress=False)
+    assert (occupied / "keep.txt").read_text() == "mine"
+
+    text_source = ZooSpec(name="bad", modality="image", tasks={"x": "polarity"})
+    with pytest.raises(FeatCalError, match="modality"):
+        build_zoo(text_source, out, progress=False)
+
+
+def test_zoo_params_validation(tmp_path):
+    params = Params.model_validate({"zoo": {"preset": "text"}})
+    assert params.zoo.path.as_posix() == "data/zoo/text" and params.models is None
+    spec = Params.model_validate(
+        {"zoo": {"datasets": {"a": "/x"}, "name": "mine", "expert_steps": 3}}
+    ).zoo.spec()
+    assert spec.tasks == {"a": "/x"} and spec.name == "mine" and spec.expert_steps == 3
+    path = tmp_path / "p.yaml"
+    path.write_text("zoo: {preset: vision}\nmodels: {base: ./b, experts: {a: ./a}}\n")
+    with pytest.raises(FeatCalError, match="either zoo"):
+        load_params(path)
+    path.write_text("run: {name: x}\n")
+    with pytest.raises(FeatCalError, match=r"models: missing; .*zoo"):
+        load_params(path)
+    path.write_text("zoo: {preset: audio}\n")
+    with pytest.raises(FeatCalError, match=r"zoo\.preset"):
+        load_params(path)
+
+
+# ------------------------------------------------------------------------- the whole flow
+
+
+def test_flow_builds_the_zoo_and_runs_with_head_calibration(toy_data, tmp_path):
+    params = {
+        "run": {"name": "toy", "results_dir": str(tmp_path / "results")},
+        "zoo": {"preset": "vision", "name": "toy", "dir": str(tmp_path / "zoo"),
+                "datasets": {t: str(p) for t, p in toy_data.items()},
+                "pretrain_steps": 2, "expert_steps": 25},
+        "featcal": {"num_per_task": 8, "batch_size": 8, "heads": True},
+    }  # fmt: skip
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # fmt: skip
+    cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    manifest = load_manifest(tmp_path / "zoo")
+    lock = json.loads((tmp_path / "results" / "models.lock.json").read_text())
+    # the experts were resolved as Hub references from the zoo's cache, at the zoo's commits
+    assert lock["base"]["reference"] == "featcal-zoo/toy-base"
+    for task, entry in manifest["experts"].items():
+        assert lock["experts"][task]["commit"] == entry["commit"]
+        assert lock["experts"][task]["reference"] == entry["repo_id"]
+    evaluation = json.loads((tmp_path / "results" / "evaluation.json").read_text())
+    for task in toy_data:
+        row = evaluation[task]
+        assert set(row) == {"expert", "merged", "calibrated", "merged_heads", "calibrated_heads"}
+        assert all(r["examples"] == 16 for r in row.values())
+    report = (tmp_path / "reports" / "toy" / "report.md").read_text()
+    assert "Head calibration (beyond the paper)" in report
+
+
+def test_default_params_use_the_vision_zoo_and_dvc_builds_it():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    params = load_params(os.path.join(root, "params.yaml"))
+    assert params.zoo is not None and params.zoo.preset == "vision"
+    assert params.zoo.path.as_posix().startswith("data/zoo/")
+    assert params.featcal.heads  # head calibration shown beside the paper-faithful numbers
+    with open(os.path.join(root, "dvc.yaml")) as handle:
+        stages = yaml.safe_load(handle)["stages"]
+    assert stages["zoo"]["cmd"] == "featcal zoo --params params.yaml"
+    assert "data/zoo" in stages["zoo"]["outs"] and "zoo" in stages["zoo"]["params"]
+    assert "data/zoo" in stages["download"]["deps"]
+    text = load_params(os.path.join(root, "params", "text.yaml"))
+    assert text.zoo.preset == "text" and text.zoo.spec().modality == "text"

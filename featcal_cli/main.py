@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--pooling", choices=["cls", "mean"], default=None,
                      help="pooling of the model's output (default: the architecture's)")  # fmt: skip
     cal.add_argument("--spill-dir", default=None, help="keep hidden-state streams on disk here")
+    cal.add_argument("--heads", action="store_true",
+                     help="also refit each expert's own classification head for the calibrated "
+                     "model (head calibration; written to OUT/heads/<task>/)")  # fmt: skip
+    cal.add_argument("--head-lam", type=float, default=0.05, help="ridge λ of --heads")
     cal.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     cal.add_argument(
         "--results-dir",
@@ -300,6 +304,17 @@ def _calibrate(args: argparse.Namespace) -> int:
         "calibrated %d blocks in %.1f s, peak RSS %.0f MB -> %s",
         len(record["blocks"]), record["wall_seconds"], record["peak_rss_bytes"] / 1e6, args.out,
     )  # fmt: skip
+    if args.heads:
+        from pathlib import Path
+
+        from featcal_core.head_calibration import refit_expert_heads
+
+        heads = refit_expert_heads(
+            args.out, _pairs("--expert", args.expert), _pairs("--calib", args.calib),
+            Path(args.out) / "heads", num_per_task=args.num_per_task, seed=args.seed,
+            lam=args.head_lam, batch_size=args.batch_size, device=args.device,
+        )  # fmt: skip
+        logging.getLogger("featcal").info("refit heads: %s", ", ".join(heads.values()))
     return 0
 
 

@@ -125,3 +125,37 @@ def calibrate_head(
         float((weight - expert_linear.weight.double().cpu()).norm() / expert_linear.weight.norm()),
     )
     return weight.float(), new_bias.float()
+
+
+def refit_expert_heads(
+    student_dir: str | Path,
+    experts: dict[str, str | Path],
+    calib: dict[str, str | Path],
+    out_dir: str | Path,
+    *,
+    num_per_task: int = 256,
+    seed: int = 0,
+    lam: float = 0.05,
+    batch_size: int = 32,
+    device: str = "cpu",
+) -> dict[str, str]:
+    """Head calibration of every expert's own head for the tower in `student_dir`, on the same
+    seeded calibration sample FeatCal draws; writes `<out_dir>/<task>/classifier.{safetensors,json}`
+    (featcal_core.linear_head format). Returns {task: folder}."""
+    from featcal_core.calibration_data import load_calibration_set
+    from featcal_core.evaluation import ExpertHead
+    from featcal_core.linear_head import save_linear_head
+
+    written = {}
+    for task, expert in experts.items():
+        if task not in calib:
+            raise FeatCalError(f"head calibration: task {task!r} has no calibration set; add one")
+        head = ExpertHead(expert)
+        rows = load_calibration_set(task, calib[task], head.modality, num_per_task, seed).rows
+        weight, bias = calibrate_head(
+            head, expert, student_dir, rows, lam=lam, batch_size=batch_size, device=device
+        )
+        target = Path(out_dir) / task
+        save_linear_head(target, weight, bias, [str(i) for i in range(weight.shape[0])])
+        written[task] = str(target)
+    return written

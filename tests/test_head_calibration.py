@@ -125,3 +125,26 @@ def test_with_linear_checks_shapes(bert):  # noqa: F811
         head.with_linear(torch.zeros(head.num_classes + 1, 8), torch.zeros(head.num_classes + 1))
     with pytest.raises(FeatCalError, match="weight"):
         head.with_linear(torch.zeros(head.num_classes, 8), torch.zeros(2, 2))
+
+
+def test_featcal_calibrate_heads_writes_refit_heads(tmp_path):
+    from test_pipeline import _bert_with_heads, _labelled_texts
+
+    from featcal_cli.main import main
+    from featcal_core.linear_head import load_linear_head
+    from featcal_core.merging.run import merge_checkpoints
+
+    base, experts = _bert_with_heads(tmp_path)
+    merged = tmp_path / "merged"
+    merge_checkpoints(base, experts, merged, "task_arithmetic", {"scale": 0.5}, progress=False)
+    argv = ["calibrate", "--base", str(base), "--merged", str(merged), "--out", str(tmp_path / "out"),
+            "--num-per-task", "10", "--heads", "--head-lam", "0.2", "--no-progress"]  # fmt: skip
+    for i, (task, path) in enumerate(experts.items()):
+        data = _labelled_texts(tmp_path / f"text_{task}", seed=i)
+        argv += ["--expert", f"{task}={path}", "--calib", f"{task}={data}"]
+    assert main(argv) == 0
+    for task, path in experts.items():
+        head = load_linear_head(tmp_path / "out" / "heads" / task)
+        original = ExpertHead(path).parts(path, torch.device("cpu"))[1]
+        assert head.weight.shape == original.weight.shape
+        assert not torch.equal(head.weight, original.weight.detach())

@@ -83,6 +83,18 @@ def test_processor_settings():
         vision_config(image_size=30, patch_size=4)
 
 
+def test_stored_pixels_match_the_processor(toys):
+    from featcal_core.zoo.training import _PixelStore
+
+    processor = image_processor(16)
+    mixed = datasets.concatenate_datasets([toys["gray"]["test"], toys["color"]["test"]])
+    store = _PixelStore(processor)
+    stored = store.encode(mixed, "toy", "test")
+    assert stored.dtype == torch.uint8 and stored.shape == (32, 3, 16, 16)
+    expected = processor(images=list(mixed["image"]), return_tensors="pt")["pixel_values"]
+    assert torch.allclose(store.pixels(stored), expected, atol=1e-5)
+
+
 def test_pretrain_writes_loadable_base(base):
     from transformers import AutoImageProcessor, CLIPVisionModel
 
@@ -253,6 +265,11 @@ def test_text_expert(tmp_path):
     inputs = tokenizer(["the book was good", "the book was bad"], return_tensors="pt", padding=True)
     with torch.no_grad():
         assert model(**inputs).logits.argmax(-1).tolist() == [1, 0]
+
+    again = tmp_path / "text_expert_again"
+    finetune_text_expert(base_dir, data, again, **options)
+    files = ("model.safetensors",)
+    assert [(out / f).read_bytes() for f in files] == [(again / f).read_bytes() for f in files]
 
     with pytest.raises(FeatCalError, match="already exists"):
         finetune_text_expert(base_dir, data, out, **options)

@@ -78,3 +78,22 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path):
 
     changed = _sh(["dvc", "repro", "--dry"], repo, env)  # nothing to do after the pull
     assert "Running stage" not in changed
+
+    # compare runs: commit this one, change an evaluation-only value, re-run; only the
+    # evaluation stages run again, and `dvc params diff` / `dvc metrics diff` show the change
+    _sh(["git", "add", "-A"], repo, env)
+    _sh(["git", "commit", "-qm", "first run"], repo, env)
+    text = (repo / "params.yaml").read_text()
+    assert "max_examples_per_task: null" in text
+    (repo / "params.yaml").write_text(
+        text.replace("max_examples_per_task: null", "max_examples_per_task: 4")
+    )
+    params_diff = _sh(["dvc", "params", "diff"], repo, env)
+    assert "evaluation.max_examples_per_task" in params_diff and "4" in params_diff
+    rerun = _sh(["dvc", "repro"], repo, env)
+    assert "Running stage 'evaluate'" in rerun and "Running stage 'report'" in rerun
+    for stage in ("zoo", "download", "calib-set", "merge", "calibrate"):
+        assert f"Running stage '{stage}'" not in rerun
+    metrics_diff = _sh(["dvc", "metrics", "diff", "--all"], repo, env)
+    assert "alpha.expert.examples" in metrics_diff, metrics_diff
+    assert "10" in metrics_diff and "4" in metrics_diff

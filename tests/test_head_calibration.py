@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_evaluation import bert  # noqa: F401  (module fixture: tiny BERT expert + towers)
+from test_evaluation import (  # noqa: F401  (module fixtures: tiny BERT expert, tiny CLIP)
+    CLASS_NAMES,
+    TEMPLATES,
+    bert,
+    clip,
+)
 from transformers import AutoTokenizer, BertForSequenceClassification
 
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation import ExpertHead, evaluate
+from featcal_core.evaluation import ExpertHead, ZeroShotHead, evaluate
 from featcal_core.head_calibration import HeadStatistics, calibrate_head, fit_linear_head
 
 DTYPE = torch.float64
@@ -148,3 +153,27 @@ def test_featcal_calibrate_heads_writes_refit_heads(tmp_path):
         original = ExpertHead(path).parts(path, torch.device("cpu"))[1]
         assert head.weight.shape == original.weight.shape
         assert not torch.equal(head.weight, original.weight.detach())
+
+
+def test_zero_shot_class_embeddings_are_refit(clip, tmp_path):  # noqa: F811
+    """CLIP: the head is exp(logit_scale) · class embeddings on the normalised image embedding;
+    refit for a perturbed tower toward the base tower's logits."""
+    head = ZeroShotHead(clip["base"], CLASS_NAMES, TEMPLATES, cache_dir=tmp_path)
+    images = clip["images"]
+    weight, bias = calibrate_head(head, clip["base"], clip["vision5"], images, lam=0.1)
+    cpu = torch.device("cpu")
+    expert_features, linear = head.parts(clip["base"], cpu)
+    student_features, _ = head.parts(clip["vision5"], cpu)
+    inputs = head.preprocess(images)
+    with torch.no_grad():
+        z_e, z_s = expert_features(**inputs).double(), student_features(**inputs).double()
+    w_e = linear.weight.double().detach()
+    want_w, want_b = _brute_force(z_s, z_e, w_e, torch.zeros(w_e.shape[0], dtype=DTYPE), 0.1)
+    torch.testing.assert_close(weight.double(), want_w, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(bias.double(), want_b, rtol=1e-4, atol=1e-5)
+    refit = head.with_linear(weight, bias)
+    with torch.no_grad():
+        before = head.classifier(clip["vision5"], cpu)(**inputs).double()
+        after = refit.classifier(clip["vision5"], cpu)(**inputs).double()
+    target = z_e @ w_e.T
+    assert (after - target).pow(2).mean() < (before - target).pow(2).mean()

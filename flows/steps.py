@@ -199,6 +199,16 @@ class Steps:
                 f"{root}: no refit head for {missing[0]}; run the head calibration "
                 "(`featcal heads --params FILE` or `featcal run`) or set featcal.heads: false"
             )
+        from tasks.heads import FITTED_ON, weight_digests
+
+        for name, directory in self._evaluated_models().items():
+            record = root / name / FITTED_ON
+            fitted = json.loads(record.read_text()).get("weights") if record.is_file() else None
+            if fitted != weight_digests(directory):
+                raise FeatCalError(
+                    f"{root / name}: the refit heads were fit on other {name} weights than "
+                    f"{directory} holds now; run `featcal heads --params FILE` again"
+                )
         return found
 
     def evaluate(self) -> dict:

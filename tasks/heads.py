@@ -8,6 +8,7 @@ reproduces the expert's logits. Written as `<results>/refit_heads/<model>/<task>
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -53,4 +54,18 @@ def calibrate_heads(
             save_linear_head(target, weight, bias, labels, features=features)
             out[name][task_name] = str(target)
         log.info("calibrate-heads %s: %d inputs, models %s", task_name, len(rows), list(models))
+    for name, directory in models.items():  # what the heads were fit on (stale-head check)
+        record = {"model": directory, "weights": weight_digests(directory)}
+        path = root / "refit_heads" / name / FITTED_ON
+        path.write_text(json.dumps(record, indent=2) + "\n")
     return out
+
+
+FITTED_ON = "fitted_on.json"
+
+
+def weight_digests(directory: str | Path) -> dict[str, str]:
+    """{weight file name: sha256} of a checkpoint."""
+    from featcal_core.checkpoint import Checkpoint, sha256_file
+
+    return {p.name: sha256_file(p) for p in Checkpoint(directory, "checkpoint").weight_paths()}

@@ -191,6 +191,18 @@ def test_flow_builds_the_zoo_and_runs_with_head_calibration(toy_data, tmp_path):
     report = (tmp_path / "reports" / "toy" / "report.md").read_text()
     assert "Head calibration (beyond the paper)" in report
 
+    # heads fit on other weights than the model now holds are refused, not used
+    from flows.steps import Steps
+
+    steps = Steps(load_params(path))
+    assert set(steps.refit_heads()) == {"merged", "calibrated"}
+    fitted = tmp_path / "results" / "refit_heads" / "calibrated" / "fitted_on.json"
+    record = json.loads(fitted.read_text())
+    record["weights"] = {name: "0" * 64 for name in record["weights"]}
+    fitted.write_text(json.dumps(record))
+    with pytest.raises(FeatCalError, match="fit on other calibrated weights"):
+        steps.refit_heads()
+
 
 def test_default_params_use_the_vision_zoo_and_dvc_builds_it():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

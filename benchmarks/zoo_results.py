@@ -122,6 +122,10 @@ def mean(scores: dict[str, float]) -> float:
     return sum(scores.values()) / len(scores)
 
 
+#: every FeatCal grid point's validation accuracy (written to zoo_grid.json: the sensitivity)
+grid: list[dict] = []
+
+
 def run_preset(preset: str, ns: list[int], methods: list[str], work: Path) -> list[dict]:
     bench = Bench(preset, ROOT / "data" / "zoo" / preset, work / preset, batch_size=32)
     results = []
@@ -170,6 +174,9 @@ def run_preset(preset: str, ns: list[int], methods: list[str], work: Path) -> li
                 for lam in LAMS:
                     model = bench.calibrated(merged, n, alpha, lam, tag)
                     val_scores[(alpha, lam)] = (model, bench.score(model, "validation"))
+                    grid.append({"preset": preset, "method": method, "n": n, "alpha": alpha,
+                                 "lam": lam, "val_acc": round(mean(val_scores[(alpha, lam)][1]), 4),
+                                 "val_per_task": val_scores[(alpha, lam)][1]})  # fmt: skip
             paper_model, paper_val = val_scores[PAPER]
             record(method, n, "featcal (paper defaults)", {**hp, "alpha": PAPER[0],
                    "lam": PAPER[1], "rho": 2.2}, paper_val, bench.score(paper_model, "test"))  # fmt: skip
@@ -225,6 +232,11 @@ def write(results: list[dict], out: Path) -> None:
             f"{100 * r['expert_test_acc']:.1f} | {gap} | `{r['settings']}` |"
         )
     (out / "zoo_results.md").write_text("\n".join(lines) + "\n")
+    presets = {r["preset"] for r in grid}
+    grid_file = out / "zoo_grid.json"
+    kept = [r for r in json.loads(grid_file.read_text()) if r["preset"] not in presets] if (
+        grid_file.is_file()) else []  # fmt: skip
+    grid_file.write_text(json.dumps(kept + grid, indent=1) + "\n")
     plot(rows, out / "accuracy_vs_n.png")
     print("\n".join(lines))
 

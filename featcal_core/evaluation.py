@@ -40,6 +40,7 @@ from featcal_core.architectures import detect
 from featcal_core.architectures.base import Architecture
 from featcal_core.checkpoint import Checkpoint, sha256_file
 from featcal_core.errors import FeatCalError
+from featcal_core.safetensors_io import DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -564,6 +565,7 @@ def _load_tower(
         if key.startswith(prefix)
         and arch.owns(key[len(prefix) :])
         and key[len(prefix) :] not in targets
+        and DTYPES[checkpoint.tensors[key].dtype].is_floating_point  # not buffers (position_ids)
     )
     if extra:
         raise FeatCalError(

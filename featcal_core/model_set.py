@@ -50,11 +50,13 @@ class ModelSet:
         return self.prefixes[id(checkpoint)]
 
     def tower(self, checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
-        """Canonical name → shape of every stem and block tensor of `checkpoint`."""
+        """Canonical name → shape of every floating-point stem and block tensor of `checkpoint`."""
         prefix = self.prefix(checkpoint)
         out = {}
         for key, info in checkpoint.tensors.items():
             if key.startswith(prefix) and self.arch.owns(key[len(prefix) :]):
+                if not DTYPES[info.dtype].is_floating_point:
+                    continue  # buffers (e.g. BERT's position_ids in older checkpoints): not weights
                 out[key[len(prefix) :]] = info.shape
         return out
 

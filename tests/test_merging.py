@@ -587,3 +587,30 @@ def test_cli_rejects_unknown_method_and_bad_expert_argument(zoos, tmp_path, caps
         _parser().parse_args(["merge", "--base", "b", "--expert", "nodir", "--method", "ties",
                               "--out", str(tmp_path / "out")])  # fmt: skip
     assert "TASK=DIR" in capsys.readouterr().err
+
+
+def test_old_bert_base_with_position_ids_buffer(tmp_path):
+    """Older BERT checkpoints (e.g. all-MiniLM-L6-v2) store the int64 `embeddings.position_ids`
+    buffer; experts saved by transformers 5 do not. Merging copies it from the base, the pool
+    check and the calibration accept it, and evaluation ignores it."""
+    from featcal_core import calibrate
+    from featcal_core.resolve import check_pool, resolve_model
+
+    pool = factories.bert_zoo(tmp_path / "pool", tasks=("alpha", "beta"), delta=0.02)
+    weights = pool.base / "model.safetensors"
+    tensors = load_file(str(weights))
+    width = next(v.shape[0] for k, v in tensors.items() if "position_embeddings" in k)
+    tensors["embeddings.position_ids"] = torch.arange(width, dtype=torch.int64)[None]
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+
+    out = tmp_path / "merged"
+    merge_checkpoints(pool.base, pool.experts, out, "task_arithmetic", {"scale": 0.5},
+                      progress=False)  # fmt: skip
+    merged = load_file(str(out / "model.safetensors"))
+    assert torch.equal(merged["embeddings.position_ids"], tensors["embeddings.position_ids"])
+    base = resolve_model({"kind": "local", "path": pool.base}, "models.base")
+    experts = {t: resolve_model({"kind": "local", "path": p}, t) for t, p in pool.experts.items()}
+    assert check_pool(base, experts) == "hf-bert"
+    record = calibrate(pool.base, out, pool.experts, pool.calib, tmp_path / "cal",
+                       num_per_task=4, progress=False)  # fmt: skip
+    assert len(record["blocks"]) >= 1

@@ -109,7 +109,9 @@ def _key_map(base: Checkpoint, expert: Checkpoint) -> dict[str, str | None]:
     with CLIPVisionModel experts (transformers 4.x or 5.x layout) and a BertModel base with
     BertForSequenceClassification experts; base tensors outside the tower that the expert lacks
     (a text tower, a pooler) are copied from the base, and expert tensors outside the base's layout
-    (task heads) are ignored. Otherwise the names must agree exactly.
+    (task heads) are ignored, and so are non-float buffers the expert lacks (e.g. BERT's
+    `position_ids`, which older checkpoints store and newer ones do not): copied from the base.
+    Otherwise the names must agree exactly.
     """
     try:
         arch = detect(base.config, str(base.directory / "config.json"))
@@ -128,7 +130,7 @@ def _key_map(base: Checkpoint, expert: Checkpoint) -> dict[str, str | None]:
         other = expert_prefix + canonical
         if other in expert.tensors:
             mapping[name] = other
-        elif arch.owns(canonical):
+        elif arch.owns(canonical) and _is_float(base.tensors[name].dtype):
             raise FeatCalError(
                 f"tensor {other!r} (the base's {name!r}) is missing from {expert.role} "
                 f"{expert.directory}; an expert must be a fine-tune of the base with the same "

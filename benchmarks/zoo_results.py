@@ -70,6 +70,7 @@ class Bench:
         self.heads = {t: ExpertHead(p) for t, p in self.experts.items()}
         self.work = work
         self.batch = batch_size
+        self.max_val: int | None = None  # validation rows scored per task (None: all)
         self._cache: dict = {}
 
     def score(self, model: Path, split: str, heads: dict | None = None) -> dict[str, float]:
@@ -78,7 +79,9 @@ class Bench:
         for task, head in self.heads.items():
             if heads is not None:
                 head = head.with_linear(*heads[task])
-            result = evaluate(model, head, self.data[task], split, batch_size=128, progress=False)
+            cap = self.max_val if split == "validation" else None
+            result = evaluate(model, head, self.data[task], split, batch_size=128,
+                              max_examples=cap, progress=False)  # fmt: skip
             out[task] = result["accuracy"]
         return out
 
@@ -126,10 +129,14 @@ def mean(scores: dict[str, float]) -> float:
 grid: list[dict] = []
 
 
-def run_preset(preset: str, ns: list[int], methods: list[str], work: Path) -> list[dict]:
+def run_preset(
+    preset: str, ns: list[int], methods: list[str], work: Path, max_val: int | None = None
+) -> list[dict]:
     bench = Bench(preset, ROOT / "data" / "zoo" / preset, work / preset, batch_size=32)
+    bench.max_val = max_val
     results = []
     expert = {s: {t: evaluate(p, bench.heads[t], bench.data[t], s, batch_size=128,
+                              max_examples=max_val if s == "validation" else None,
                               progress=False)["accuracy"] for t, p in bench.experts.items()}
               for s in ("validation", "test")}  # fmt: skip
     log.info("%s experts: val %.4f test %.4f", preset, mean(expert["validation"]),
@@ -274,6 +281,9 @@ def main() -> None:
     parser.add_argument("--work", default=str(ROOT / "runs" / "benchmark"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    parser.add_argument("--max-val", type=int, default=None,
+                        help="score only the first N validation rows per task (speed; the "
+                        "validation rows are a seeded random sample, so this is a subsample)")  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     for noisy in ("featcal_core", "transformers", "datasets", "httpx"):
@@ -282,7 +292,7 @@ def main() -> None:
     work = Path(args.work)
     results = []
     for preset in args.presets:
-        results += run_preset(preset, args.n, args.methods, work)
+        results += run_preset(preset, args.n, args.methods, work, args.max_val)
         write(results, Path(args.out))
     if not args.keep:
         shutil.rmtree(work, ignore_errors=True)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 from featcal_core import FeatCalParams, calibrate  # noqa: E402
 from featcal_core.calibration_data import load_calibration_set  # noqa: E402
 from featcal_core.evaluation import ExpertHead, evaluate  # noqa: E402
-from featcal_core.head_calibration import HeadStatistics, fit_linear_head  # noqa: E402
+from featcal_core.head_calibration import fit_linear_head, head_statistics  # noqa: E402
 from featcal_core.merging.run import merge_checkpoints  # noqa: E402
 from featcal_core.report import gap_closed  # noqa: E402
 from featcal_core.zoo.build import PRESETS, build_zoo  # noqa: E402
@@ -96,15 +96,10 @@ class Bench:
     def refit_heads(self, model: Path, n: int) -> dict[float, dict]:
         """{λ_h: {task: (weight, bias)}}: head calibration of `model` on n inputs per task."""
         fits: dict[float, dict] = {lam: {} for lam in HEAD_LAMS}
-        device = torch.device("cpu")
         for task, head in self.heads.items():
-            expert_features, linear = head.parts(self.experts[task], device)
-            student_features, _ = head.parts(model, device)
-            stats = HeadStatistics(linear.in_features)
-            rows = self.rows(task, n)
-            for start in range(0, len(rows), 64):
-                inputs = head.preprocess(rows[start : start + 64])
-                stats.add(student_features(**inputs), expert_features(**inputs))
+            stats, linear = head_statistics(
+                head, self.experts[task], model, self.rows(task, n), batch_size=64
+            )
             for lam in HEAD_LAMS:
                 weight, bias = fit_linear_head(stats, linear.weight, linear.bias, lam)
                 fits[lam][task] = (weight.float(), bias.float())

@@ -29,7 +29,7 @@ from featcal_core.solvers import DTYPE, ridge_system, solve_linear_bias, solve_l
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HeadStatistics", "calibrate_head", "fit_linear_head"]
+__all__ = ["HeadStatistics", "calibrate_head", "fit_linear_head", "head_statistics"]
 
 
 class HeadStatistics:
@@ -88,6 +88,32 @@ def fit_linear_head(
 
 
 @torch.no_grad()
+def head_statistics(
+    head: Head,
+    expert_dir: str | Path,
+    student_dir: str | Path,
+    rows: list[Any],
+    *,
+    batch_size: int = 32,
+    device: str | torch.device = "cpu",
+) -> tuple[HeadStatistics, torch.nn.Linear]:
+    """One pass over `rows`: the statistics of the student's and the expert's head inputs, and
+    the expert's own head Linear (target and anchor of `fit_linear_head`)."""
+    if not rows:
+        raise FeatCalError("head calibration: no calibration inputs; give at least one row")
+    target = _device(device)
+    expert_features, expert_linear = head.parts(expert_dir, target)
+    student_features, _ = head.parts(student_dir, target)
+    stats = HeadStatistics(expert_linear.in_features)
+    for start in range(0, len(rows), batch_size):
+        inputs = {
+            k: v.to(target) for k, v in head.preprocess(rows[start : start + batch_size]).items()
+        }
+        stats.add(student_features(**inputs), expert_features(**inputs))
+    return stats, expert_linear
+
+
+@torch.no_grad()
 def calibrate_head(
     head: Head,
     expert_dir: str | Path,
@@ -104,17 +130,9 @@ def calibrate_head(
 
     Returns (weight (classes, d), bias (classes)) in float32, ready for `head.with_linear`.
     """
-    if not rows:
-        raise FeatCalError("head calibration: no calibration inputs; give at least one row")
-    target = _device(device)
-    expert_features, expert_linear = head.parts(expert_dir, target)
-    student_features, _ = head.parts(student_dir, target)
-    stats = HeadStatistics(expert_linear.in_features)
-    for start in range(0, len(rows), batch_size):
-        inputs = {
-            k: v.to(target) for k, v in head.preprocess(rows[start : start + batch_size]).items()
-        }
-        stats.add(student_features(**inputs), expert_features(**inputs))
+    stats, expert_linear = head_statistics(
+        head, expert_dir, student_dir, rows, batch_size=batch_size, device=device
+    )
     bias = expert_linear.bias.detach().cpu() if expert_linear.bias is not None else None
     weight, new_bias = fit_linear_head(stats, expert_linear.weight.detach().cpu(), bias, lam, eps)
     logger.info(

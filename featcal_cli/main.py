@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run as the resumable Prefect flow, persisting each block's result here",
     )
+    cal.add_argument("--runner", choices=["local", "dask"], default="local",
+                     help="with --results-dir: where each block's per-task statistics run "
+                     "(dask: a local Dask cluster, or --dask-address)")  # fmt: skip
+    cal.add_argument("--dask-address", default=None, help="a Dask scheduler, e.g. tcp://host:8786")
+    cal.add_argument(
+        "--dask-workers", type=int, default=2, help="workers of the local Dask cluster"
+    )
     cal.add_argument("--no-progress", action="store_true", help="no progress bar")
     from featcal_cli import lineage_command, merge_command
 
@@ -283,6 +290,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise FeatCalError(f"featcal calibrate needs {', '.join(missing)} (or --params FILE)")
     if args.results_dir is not None:
         return _calibrate_flow(args)
+    if args.runner != "local" or args.dask_address is not None:
+        raise FeatCalError("--runner dask / --dask-address need --results-dir (the Prefect flow)")
     record = calibrate(
         base=args.base,
         merged=args.merged,
@@ -335,6 +344,7 @@ def _calibrate_flow(args: argparse.Namespace) -> int:
         FeatCalParams(alpha=args.alpha, rho=args.rho, lam=args.lam, eps=args.eps),
         Settings(args.num_per_task, args.batch_size, args.seed, args.device, args.max_length,
                  args.pooling),
+        args.runner, args.dask_address, args.dask_workers,
     )  # fmt: skip
     record = calibration_flow(spec, args.out, args.overwrite)
     computed = sum(not block["restored"] for block in record["blocks"])

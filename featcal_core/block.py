@@ -8,15 +8,20 @@ Only one block of the base, the merged model and one expert is in memory at a ti
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from featcal_core.errors import FeatCalError
 from featcal_core.model_set import ModelSet
+from featcal_core.safetensors_io import Reader, read_header, save_tensors
 from featcal_core.solvers import anchor
 from featcal_core.statistics import LinearInputStats, NormStats, Scratch
 from featcal_core.streams import EXPERT, STUDENT, HiddenStreams
@@ -42,6 +47,49 @@ class BlockResult:
     drift_before: dict[str, float] = field(default_factory=dict)
     drift_after: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+
+
+@dataclass
+class TaskStatistics:
+    """Task t's contribution to block i's statistics (float64 tensors, see statistics.py), as
+    `BlockRunner.task_statistics` computes it; `save`/`load` carry it between processes."""
+
+    task: str
+    index: int
+    linear: dict[str, dict[str, torch.Tensor]]  # group label → `LinearInputStats` contribution
+    layout: dict[str, dict]  # group label → {"d_in", "tokens", "modules": {name: (d_out, bias)}}
+    norms: dict[str, dict[str, torch.Tensor]]  # norm module → `NormStats` contribution
+    drift_before: float  # mean ‖merged − expert‖² of the block output (see BlockResult)
+
+    _META = "featcal_task_statistics"
+
+    def save(self, path: Path) -> None:
+        """One safetensors file, written to a temporary name and renamed."""
+        tensors = {f"linear/{g}/{k}": v.contiguous() for g, c in self.linear.items()
+                   for k, v in c.items()}  # fmt: skip
+        tensors.update({f"norm/{n}/{k}": v.contiguous() for n, c in self.norms.items()
+                        for k, v in c.items()})  # fmt: skip
+        meta = {"task": self.task, "index": self.index, "layout": self.layout,
+                "drift_before": self.drift_before}  # fmt: skip
+        tmp = path.with_name(path.name + ".tmp")
+        save_tensors(tmp, tensors, {self._META: json.dumps(meta)})
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: Path) -> TaskStatistics:
+        entries, metadata = read_header(path)
+        if cls._META not in metadata:
+            raise FeatCalError(f"{path} holds no FeatCal task statistics; recompute the block")
+        meta = json.loads(metadata[cls._META])
+        linear: dict[str, dict[str, torch.Tensor]] = {}
+        norms: dict[str, dict[str, torch.Tensor]] = {}
+        with Reader(path, entries) as reader:
+            for key in entries:
+                kind, owner, name = key.split("/", 2)
+                (linear if kind == "linear" else norms).setdefault(owner, {})[name] = reader[key]
+        layout = {g: {**v, "modules": {m: tuple(d) for m, d in v["modules"].items()}}
+                  for g, v in meta["layout"].items()}  # fmt: skip
+        return cls(meta["task"], meta["index"], linear, layout, norms, meta["drift_before"])
 
 
 class _Capture:
@@ -104,6 +152,85 @@ class BlockRunner:
         with torch.no_grad():
             return self.arch.run_block(module, hidden, mask)
 
+    def _load_merged(self, index: int) -> dict[str, torch.Tensor]:
+        """Load block `index` of the (uncalibrated) merged model; returns its tensors."""
+        merged_sd = self.read_block(self.models.merged, index)
+        self.load(self.merged_block, merged_sd)
+        self._merged_index = index
+        return merged_sd
+
+    @torch.no_grad()
+    def task_statistics(
+        self,
+        index: int,
+        task: str,
+        source: HiddenStreams,
+        target: HiddenStreams,
+        masks: dict[str, torch.Tensor],
+        params: FeatCalParams,
+        batch_size: int,
+    ) -> TaskStatistics:
+        """One task's pass over block `index`: the uncalibrated merged block on the task's student
+        stream and expert t's block on its expert stream (both read from `source`). Writes the
+        expert's block output to `target` and returns the task's contribution to the block's
+        statistics. Independent of the other tasks: it can run in another process."""
+        last = index == self.arch.num_blocks - 1
+        if getattr(self, "_merged_index", None) != index:
+            self._load_merged(index)
+        expert_sd = self.read_block(self.models.experts[task], index)
+        self.load(self.expert_block, expert_sd)
+        del expert_sd
+        expert_params = {
+            name: (mod.weight, mod.bias)
+            for name in self.linears
+            for mod in [self.expert_block.get_submodule(name)]
+        }
+        linear_stats: dict[str, LinearInputStats] | None = None
+        groups: dict[str, str] = {}
+        norm_stats: dict[str, NormStats] = {}
+        new_expert, sq_sum, tok_sum = [], 0.0, 0.0
+        batches = zip(
+            source.batches(STUDENT, task, batch_size),
+            source.batches(EXPERT, task, batch_size),
+            masks[task].split(batch_size),
+            strict=True,
+        )
+        for student, expert_hidden, mask in batches:
+            student = student.to(self.device)
+            expert_hidden = expert_hidden.to(self.device)
+            mask = mask.to(self.device)
+            out_m, x_s = self.merged_capture.run(self.merged_block, student, mask)
+            out_e, x_e = self.expert_capture.run(self.expert_block, expert_hidden, mask)
+            _check_finite(out_e, f"expert {task!r} output of block {index}")
+            _check_finite(out_m, f"merged output of block {index} on task {task!r}")
+            if linear_stats is None:
+                tokens = min(int(m.sum()) for m in masks.values())
+                linear_stats, groups = self._linear_groups(x_s, last, tokens)
+                norm_stats = self._norm_stats()
+            self._accumulate(x_s, x_e, mask, last, params.alpha, groups, linear_stats,
+                             norm_stats, expert_params)  # fmt: skip
+            del x_s, x_e
+            sq, tok = _drift_sums(out_m, out_e, self._drift_mask(mask, last))
+            sq_sum, tok_sum = sq_sum + sq, tok_sum + tok
+            new_expert.append(out_e.to("cpu"))
+        if linear_stats is None:
+            raise FeatCalError(f"task {task!r} has no calibration inputs for block {index}")
+        target.put(EXPERT, task, torch.cat(new_expert))
+        del new_expert
+        linear = {}
+        for label, stats in linear_stats.items():
+            members = {name: expert_params[name] for name in stats.targets}
+            linear[label] = stats.task_contribution(params.eps, params.alpha, members)
+        norms = {}
+        for name, stats in norm_stats.items():
+            module = self.expert_block.get_submodule(name)
+            norms[name] = stats.task_contribution(module.weight, getattr(module, "bias", None))
+        layout = {
+            label: {"d_in": stats.d_in, "tokens": tokens, "modules": stats.modules}
+            for label, stats in linear_stats.items()
+        }
+        return TaskStatistics(task, index, linear, layout, norms, sq_sum / max(tok_sum, 1.0))
+
     @torch.no_grad()
     def calibrate(
         self,
@@ -113,70 +240,50 @@ class BlockRunner:
         masks: dict[str, torch.Tensor],
         params: FeatCalParams,
         batch_size: int,
+        precomputed: Callable[[str], TaskStatistics] | None = None,
     ) -> BlockResult:
         """Calibrate block `index`: reads both streams of every task from `source` (block inputs)
-        and writes the block outputs to `target` (may be the same object)."""
-        start = time.perf_counter()
-        arch = self.arch
-        last = index == arch.num_blocks - 1
-        merged_sd = self.read_block(self.models.merged, index)
-        self.load(self.merged_block, merged_sd)
-        result = BlockResult(index, {})
-        linear_stats: dict[tuple[int, bool], LinearInputStats] | None = None
-        groups: dict[str, tuple[int, bool]] = {}
-        norm_stats: dict[str, NormStats] = {}
+        and writes the block outputs to `target` (may be the same object).
 
-        for task, expert in self.models.experts.items():
-            expert_sd = self.read_block(expert, index)
-            self.load(self.expert_block, expert_sd)
-            del expert_sd
-            expert_params = {
-                name: (mod.weight, mod.bias)
-                for name in self.linears
-                for mod in [self.expert_block.get_submodule(name)]
-            }
-            new_expert, sq_sum, tok_sum = [], 0.0, 0.0
-            batches = zip(
-                source.batches(STUDENT, task, batch_size),
-                source.batches(EXPERT, task, batch_size),
-                masks[task].split(batch_size),
-                strict=True,
-            )
-            for student, expert_hidden, mask in batches:
-                student = student.to(self.device)
-                expert_hidden = expert_hidden.to(self.device)
-                mask = mask.to(self.device)
-                out_m, x_s = self.merged_capture.run(self.merged_block, student, mask)
-                out_e, x_e = self.expert_capture.run(self.expert_block, expert_hidden, mask)
-                _check_finite(out_e, f"expert {task!r} output of block {index}")
-                _check_finite(out_m, f"merged output of block {index} on task {task!r}")
-                if linear_stats is None:
-                    tokens = min(int(m.sum()) for m in masks.values())
-                    linear_stats, groups = self._linear_groups(x_s, last, tokens)
-                    norm_stats = self._norm_stats()
-                self._accumulate(x_s, x_e, mask, last, params.alpha, groups, linear_stats,
-                                 norm_stats, expert_params)  # fmt: skip
-                del x_s, x_e
-                sq, tok = _drift_sums(out_m, out_e, self._drift_mask(mask, last))
-                sq_sum, tok_sum = sq_sum + sq, tok_sum + tok
-                new_expert.append(out_e.to("cpu"))
-            result.drift_before[task] = sq_sum / max(tok_sum, 1.0)
-            for stats in linear_stats.values():
-                members = {name: expert_params[name] for name in stats.targets}
-                stats.end_task(params.eps, params.alpha, members)
-            for name, stats in norm_stats.items():
-                module = self.expert_block.get_submodule(name)
-                stats.end_task(module.weight, getattr(module, "bias", None))
-            target.put(EXPERT, task, torch.cat(new_expert))
-            del new_expert
+        precomputed: task → its `TaskStatistics`, computed elsewhere (whose expert outputs are
+        already in `target`); None computes them here, one task after another. Either way the
+        contributions are folded in task order, so both give the same block, bit for bit."""
+        start = time.perf_counter()
+        last = index == self.arch.num_blocks - 1
+        merged_sd = self._load_merged(index)
+        result = BlockResult(index, {})
+        linear_sums: dict[str, LinearInputStats] = {}
+        norm_sums = self._norm_stats()
+        for task in self.models.experts:
+            if precomputed is None:
+                stats = self.task_statistics(index, task, source, target, masks, params, batch_size)
+            else:
+                stats = precomputed(task)
+                if stats.task != task or stats.index != index:
+                    raise FeatCalError(
+                        f"statistics of task {stats.task!r}, block {stats.index} were given for "
+                        f"task {task!r}, block {index}; recompute the block"
+                    )
+            for label, contribution in stats.linear.items():
+                if label not in linear_sums:
+                    layout = stats.layout[label]
+                    linear_sums[label] = LinearInputStats(
+                        layout["d_in"], layout["modules"], self.device, layout["tokens"]
+                    )
+                linear_sums[label].merge(contribution)
+            for name, contribution in stats.norms.items():
+                norm_sums[name].merge(contribution)
+            result.drift_before[task] = stats.drift_before
+            del stats
 
         base_sd = self.read_block(self.models.base, index)
-        solved = self._solve(linear_stats, norm_stats, merged_sd, base_sd, params)
-        del linear_stats, norm_stats
+        solved = self._solve(linear_sums, norm_sums, merged_sd, base_sd, params)
+        del linear_sums, norm_sums
         del base_sd
         result.tensors = {name: solved[name].to(merged_sd[name].dtype) for name in solved}
         merged_sd.update(result.tensors)
         self.load(self.merged_block, merged_sd)
+        self._merged_index = None  # the merged block now holds calibrated weights
 
         for task in self.models.experts:
             outputs, sq_sum, tok_sum = [], 0.0, 0.0
@@ -212,19 +319,21 @@ class BlockRunner:
         return last and self.arch.pooled_position is not None and self.arch.is_pooled_module(name)
 
     def _linear_groups(self, captured: dict[str, torch.Tensor], last: bool, tokens: int):
-        """Group Linear modules that read the same tensor with the same token weights."""
-        groups: dict[str, tuple[int, bool]] = {}
-        members: dict[tuple[int, bool], dict[str, tuple[int, bool]]] = {}
+        """Group Linear modules that read the same tensor with the same token weights; each group
+        is labelled by its first module's name (stable across processes)."""
+        labels: dict[tuple[int, bool], str] = {}
+        groups: dict[str, str] = {}
+        members: dict[str, dict[str, tuple[int, bool]]] = {}
         for name in self.linears:
-            key = (id(captured[name]), self._pooled(name, last))
-            groups[name] = key
+            label = labels.setdefault((id(captured[name]), self._pooled(name, last)), name)
+            groups[name] = label
             module = self.merged_block.get_submodule(name)
-            members.setdefault(key, {})[name] = (module.out_features, module.bias is not None)
+            members.setdefault(label, {})[name] = (module.out_features, module.bias is not None)
         stats = {}
         scratch = Scratch(self.device)
-        for key, modules in members.items():
-            d_in = self.merged_block.get_submodule(next(iter(modules))).in_features
-            stats[key] = LinearInputStats(d_in, modules, self.device, tokens, scratch)
+        for label, modules in members.items():
+            d_in = self.merged_block.get_submodule(label).in_features
+            stats[label] = LinearInputStats(d_in, modules, self.device, tokens, scratch)
         return stats, groups
 
     def _norm_stats(self) -> dict[str, NormStats]:
@@ -240,7 +349,7 @@ class BlockRunner:
     def _accumulate(
         self, x_s, x_e, mask, last, alpha, groups, linear_stats, norm_stats, expert_params
     ):
-        done: set[tuple[int, bool]] = set()
+        done: set[str] = set()
         for name in self.linears:
             key = groups[name]
             if key in done:

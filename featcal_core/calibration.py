@@ -7,6 +7,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from featcal_core.atomic import atomic_directory, check_output
-from featcal_core.block import BlockResult, BlockRunner, FeatCalParams
+from featcal_core.block import BlockResult, BlockRunner, FeatCalParams, TaskStatistics
 from featcal_core.calibration_data import CalibrationSet, load_calibration_set
 from featcal_core.checkpoint import Checkpoint, sha256_file, sha256_tree
 from featcal_core.errors import FeatCalError
@@ -110,18 +111,37 @@ class Calibration:
             self.settings.batch_size, self.settings.max_length,
         )  # fmt: skip
 
+    def _block_runner(self) -> BlockRunner:
+        if self._runner is None:
+            self._runner = BlockRunner(self.models, self.dtype, self.device)
+        return self._runner
+
+    def task_statistics(
+        self,
+        index: int,
+        task: str,
+        source: HiddenStreams,
+        target: HiddenStreams,
+        masks: dict[str, torch.Tensor],
+    ) -> TaskStatistics:
+        """One task's statistics of block `index` (see BlockRunner.task_statistics)."""
+        if task not in self.models.experts:
+            raise FeatCalError(f"task {task!r} is not one of {sorted(self.models.experts)}")
+        return self._block_runner().task_statistics(
+            index, task, source, target, masks, self.params, self.settings.batch_size
+        )
+
     def block(
         self,
         index: int,
         source: HiddenStreams,
         target: HiddenStreams,
         masks: dict[str, torch.Tensor],
+        precomputed: Callable[[str], TaskStatistics] | None = None,
     ) -> BlockResult:
         """Calibrate block `index` (see BlockRunner.calibrate)."""
-        if self._runner is None:
-            self._runner = BlockRunner(self.models, self.dtype, self.device)
-        return self._runner.calibrate(
-            index, source, target, masks, self.params, self.settings.batch_size
+        return self._block_runner().calibrate(
+            index, source, target, masks, self.params, self.settings.batch_size, precomputed
         )
 
     def checkpoint_keys(self, result: BlockResult) -> dict[str, torch.Tensor]:

@@ -3,14 +3,16 @@
 One accumulator per *input* of a block: the Linear modules that read the same tensor with the same
 token weights (q, k and v, say) share one Gram matrix. Per-task sums live only while that task's
 pass over the block runs; `end_task` folds them, scaled by s_t = 1 / max(‖C_t‖_F, ε), into running
-sums, so memory is O(d_in²) per input whatever the number of tasks T.
+sums, so memory is O(d_in²) per input whatever the number of tasks T. The two stages
+(`task_contribution`, `merge`) can also run apart: one task's pass in another process, its
+contribution folded here (same sums, bit for bit, as folding in place in the same task order).
 
 Shapes: x_s, x_e are (N, d_in) token vectors (student / expert inputs); w is (N,) token weights.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -84,13 +86,19 @@ class LinearTarget:
 
     d_out: int
     has_bias: bool
-    cross: torch.Tensor = field(init=False)  # Σ_t s_t X_t W_tᵀ, (d_in × d_out)
-    target_sum: torch.Tensor = field(init=False)  # Σ_t s_t (b_t + W_t μt_t), (d_out)
+    cross: torch.Tensor | None = None  # Σ_t s_t X_t W_tᵀ, (d_in × d_out)
+    target_sum: torch.Tensor | None = None  # Σ_t s_t (b_t + W_t μt_t), (d_out)
     task_cross: torch.Tensor | None = None  # direct mode: Σ ω x_s (W_t x_t)ᵀ of the current task
 
 
 class LinearInputStats:
-    """Running sums for the Linear modules sharing one input (width d_in).
+    """Sums for the Linear modules sharing one input (width d_in), in two stages.
+
+    Per task: `add` accumulates that task's batches; `task_contribution` turns them into the task's
+    scaled terms (s_t C_t, s_t μs_t, s_t, s_t X_t W_tᵀ, s_t(b_t + W_t μt_t)). Across tasks:
+    `merge` adds contributions in the order given, so contributions computed in other processes
+    (a Dask worker per task) fold to the same sums as `end_task` (= both stages in place). Buffers
+    are allocated on first use: an accumulator that only merges holds the running sums only.
 
     Two exact ways to get Σ ω x_s x_tᵀ W_tᵀ, chosen by cost (N tokens per task, D = Σ d_out):
     - *direct*: per batch, y = x_t W_tᵀ and Σ ω x_s yᵀ (≈ 4·N·d_in·D flops);
@@ -108,31 +116,23 @@ class LinearInputStats:
     ):
         self.d_in = d_in
         self.device = device
+        self.modules = dict(modules)
         self.scratch = scratch or Scratch(device)
         self._expert_weights: dict[str, torch.Tensor] = {}
-        self.gram = torch.zeros(d_in, d_in, dtype=DTYPE, device=device)  # Σ s_t C_t
-        self.student_mean_sum = torch.zeros(d_in, dtype=DTYPE, device=device)  # Σ s_t μs_t
+        self.gram: torch.Tensor | None = None  # Σ s_t C_t (after the first merge)
+        self.student_mean_sum: torch.Tensor | None = None  # Σ s_t μs_t
         self.scale_sum = 0.0  # Σ s_t
         self.num_tasks = 0
-        self.targets: dict[str, LinearTarget] = {}
-        for name, (d_out, has_bias) in modules.items():
-            target = LinearTarget(d_out, has_bias)
-            target.cross = torch.zeros(d_in, d_out, dtype=DTYPE, device=device)
-            target.target_sum = torch.zeros(d_out, dtype=DTYPE, device=device)
-            self.targets[name] = target
+        self.targets = {name: LinearTarget(d_out, bias) for name, (d_out, bias) in modules.items()}
         total_out = sum(d_out for d_out, _ in modules.values())
         tokens = tokens_hint or 0
         self.via_x = tokens > 0 and d_in * (tokens + total_out) < 2 * tokens * total_out
         self._task_weight = 0.0
         self._task_open = False
-        # per-task sums, allocated once and zeroed for each task
-        self._task_gram = self._zeros(d_in, d_in)  # Σ ω x_s x_sᵀ
-        self._task_mixed = self._zeros(d_in, d_in) if self.via_x else None  # Σ ω x_s x_eᵀ
-        self._task_student = self._zeros(d_in)  # Σ ω x_s
-        self._task_expert = self._zeros(d_in)  # Σ ω x_e
-        for target in self.targets.values():
-            if not self.via_x:
-                target.task_cross = self._zeros(d_in, target.d_out)
+        self._task_gram: torch.Tensor | None = None  # Σ ω x_s x_sᵀ
+        self._task_mixed: torch.Tensor | None = None  # via X_t: Σ ω x_s x_eᵀ
+        self._task_student: torch.Tensor | None = None  # Σ ω x_s
+        self._task_expert: torch.Tensor | None = None  # Σ ω x_e
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=DTYPE, device=self.device)
@@ -144,10 +144,22 @@ class LinearInputStats:
             cached = self._expert_weights[name] = weight.to(DTYPE)
         return cached
 
-    def _task_buffers(self) -> list[torch.Tensor]:
+    def _open_task(self) -> None:
+        """Zero the per-task sums (allocated once, on the first task)."""
+        if self._task_gram is None:
+            d = self.d_in
+            self._task_gram = self._zeros(d, d)
+            self._task_mixed = self._zeros(d, d) if self.via_x else None
+            self._task_student, self._task_expert = self._zeros(d), self._zeros(d)
+            for target in self.targets.values():
+                if not self.via_x:
+                    target.task_cross = self._zeros(d, target.d_out)
         buffers = [self._task_gram, self._task_mixed, self._task_student, self._task_expert]
         buffers += [t.task_cross for t in self.targets.values()]
-        return [b for b in buffers if b is not None]
+        for buffer in buffers:
+            if buffer is not None:
+                buffer.zero_()
+        self._task_open = True
 
     def add(
         self,
@@ -162,9 +174,7 @@ class LinearInputStats:
         expert_params: name → (W_t (d_out × d_in), b_t or None).
         """
         if not self._task_open:
-            for buffer in self._task_buffers():
-                buffer.zero_()
-            self._task_open = True
+            self._open_task()
         tokens = x_s.shape[0]
         x_s = self.scratch.take("x_s", tokens, self.d_in).copy_(x_s)
         x_e = self.scratch.take("x_e", tokens, self.d_in).copy_(x_e)
@@ -190,6 +200,62 @@ class LinearInputStats:
             y = torch.matmul(x_t, weight_t.T, out=self.scratch.take("y", tokens, target.d_out))
             target.task_cross.addmm_(xw.T, y)
 
+    def task_contribution(
+        self,
+        eps: float,
+        alpha: float,
+        expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+    ) -> dict[str, torch.Tensor]:
+        """Close the current task: its scaled terms, s_t = 1 / max(‖C_t‖_F, ε), as float64 tensors
+        keyed `gram`, `student_mean`, `scale` (1,), `cross:<module>`, `target:<module>`.
+
+        The tensors may share memory with the per-task buffers: `merge` (or save) them before
+        the next task's first `add`."""
+        total = self._task_weight
+        if total <= 0 or not self._task_open:
+            raise ValueError("a task contributed no weighted tokens to a Linear input")
+        gram = self._task_gram  # upper block rows only when wide: linear in the sums below
+        s_t = 1.0 / max(gram_norm(gram) / total, eps)
+        scale = s_t / total
+        teacher_mean = (alpha * self._task_expert + (1.0 - alpha) * self._task_student) / total
+        if self.via_x:
+            mixed = alpha * self._task_mixed + (1.0 - alpha) * symmetrize_(gram)  # Σ ω x_s x_tᵀ
+        out = {
+            "scale": torch.tensor([s_t], dtype=DTYPE),
+            "student_mean": self._task_student.mul_(scale),
+        }
+        for name, target in self.targets.items():
+            weight_t, bias_t = expert_params[name]
+            weight_t = weight_t.to(DTYPE)
+            if self.via_x:
+                out[f"cross:{name}"] = torch.mm(mixed, weight_t.T).mul_(scale)
+            else:
+                out[f"cross:{name}"] = target.task_cross.mul_(scale)
+            mean_out = weight_t @ teacher_mean
+            if bias_t is not None:
+                mean_out = mean_out + bias_t.to(DTYPE)
+            out[f"target:{name}"] = mean_out.mul_(s_t)
+        out["gram"] = gram.mul_(scale)
+        self._task_weight = 0.0
+        self._task_open = False
+        self._expert_weights = {}
+        return out
+
+    def merge(self, contribution: dict[str, torch.Tensor]) -> None:
+        """Add one task's contribution (from `task_contribution`, here or in another process)."""
+
+        def accumulate(current: torch.Tensor | None, key: str) -> torch.Tensor:
+            term = contribution[key].to(self.device, DTYPE)
+            return term.clone() if current is None else current.add_(term)
+
+        self.gram = accumulate(self.gram, "gram")
+        self.student_mean_sum = accumulate(self.student_mean_sum, "student_mean")
+        for name, target in self.targets.items():
+            target.cross = accumulate(target.cross, f"cross:{name}")
+            target.target_sum = accumulate(target.target_sum, f"target:{name}")
+        self.scale_sum += float(contribution["scale"][0])
+        self.num_tasks += 1
+
     def end_task(
         self,
         eps: float,
@@ -197,33 +263,9 @@ class LinearInputStats:
         expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
     ) -> float:
         """Fold the current task into the running sums; returns its scale s_t."""
-        total = self._task_weight
-        if total <= 0 or not self._task_open:
-            raise ValueError("a task contributed no weighted tokens to a Linear input")
-        gram = self._task_gram  # upper block rows only when wide: linear in the sums below
-        s_t = 1.0 / max(gram_norm(gram) / total, eps)
-        self.gram.add_(gram, alpha=s_t / total)
-        self.student_mean_sum += (s_t / total) * self._task_student
-        self.scale_sum += s_t
-        self.num_tasks += 1
-        teacher_mean = (alpha * self._task_expert + (1.0 - alpha) * self._task_student) / total
-        if self.via_x:
-            mixed = alpha * self._task_mixed + (1.0 - alpha) * symmetrize_(gram)  # Σ ω x_s x_tᵀ
-        for name, target in self.targets.items():
-            weight_t, bias_t = expert_params[name]
-            weight_t = weight_t.to(DTYPE)
-            if self.via_x:
-                target.cross.addmm_(mixed, weight_t.T, alpha=s_t / total)
-            else:
-                target.cross.add_(target.task_cross, alpha=s_t / total)
-            mean_out = weight_t @ teacher_mean
-            if bias_t is not None:
-                mean_out = mean_out + bias_t.to(DTYPE)
-            target.target_sum += s_t * mean_out
-        self._task_weight = 0.0
-        self._task_open = False
-        self._expert_weights = {}
-        return s_t
+        contribution = self.task_contribution(eps, alpha, expert_params)
+        self.merge(contribution)
+        return float(contribution["scale"][0])
 
     def solve(
         self,
@@ -236,6 +278,8 @@ class LinearInputStats:
         anchors: name → (a(W), a(b)), unused when λ = 0. The shared left-hand side is factored
         once, in place: the running sums are consumed.
         """
+        if self.gram is None:
+            raise ValueError("no task was merged into this Linear input's statistics")
         for target in self.targets.values():
             target.task_cross = None
         self._task_gram = self._task_mixed = None
@@ -298,8 +342,11 @@ class NormStats:
         self._task_z2 = z2_sum if self._task_z2 is None else self._task_z2 + z2_sum
         self._task_weight += float(w.sum())
 
-    def end_task(self, gamma_t: torch.Tensor, beta_t: torch.Tensor | None) -> None:
-        """Fold the current task with expert t's affine parameters (γ_t, β_t)."""
+    def task_contribution(
+        self, gamma_t: torch.Tensor, beta_t: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """Close the current task with expert t's affine parameters (γ_t, β_t): its terms
+        `e` (E_t[z²]), `m` (E_t[z]), `rhs_gamma`, `rhs_beta`, float64 (d,)."""
         total = self._task_weight
         if total <= 0 or self._task_z is None:
             raise ValueError("a task contributed no weighted tokens to a norm")
@@ -307,15 +354,25 @@ class NormStats:
         e_t = self._task_z2 / total
         gamma_t = gamma_t.to(DTYPE)
         beta_t = torch.zeros_like(gamma_t) if beta_t is None else beta_t.to(DTYPE)
-        self.e_sum += e_t
-        self.m_sum += m_t
         if self.rms:
-            self.rhs_gamma += e_t * gamma_t
+            rhs_gamma, rhs_beta = e_t * gamma_t, torch.zeros_like(gamma_t)
         else:
-            self.rhs_gamma += e_t * gamma_t + m_t * beta_t
-            self.rhs_beta += m_t * gamma_t + beta_t
-        self.num_tasks += 1
+            rhs_gamma, rhs_beta = e_t * gamma_t + m_t * beta_t, m_t * gamma_t + beta_t
         self._reset_task()
+        return {"e": e_t, "m": m_t, "rhs_gamma": rhs_gamma, "rhs_beta": rhs_beta}
+
+    def merge(self, contribution: dict[str, torch.Tensor]) -> None:
+        """Add one task's terms (from `task_contribution`, here or in another process)."""
+        device = self.e_sum.device
+        self.e_sum += contribution["e"].to(device, DTYPE)
+        self.m_sum += contribution["m"].to(device, DTYPE)
+        self.rhs_gamma += contribution["rhs_gamma"].to(device, DTYPE)
+        self.rhs_beta += contribution["rhs_beta"].to(device, DTYPE)
+        self.num_tasks += 1
+
+    def end_task(self, gamma_t: torch.Tensor, beta_t: torch.Tensor | None) -> None:
+        """Fold the current task with expert t's affine parameters (γ_t, β_t)."""
+        self.merge(self.task_contribution(gamma_t, beta_t))
 
     def solve(
         self,

@@ -5,6 +5,11 @@ from their persisted states (Prefect cache hits, or valid state directories) and
 the final checkpoint is bitwise identical to an uninterrupted run's. The record (featcal.json) says
 per block whether it was computed or restored.
 
+The per-task statistics of a block run one task after another in the block's task (`runner:
+local`), or as one Prefect task per task on a Dask cluster (`runner: dask`, prefect-dask: a local
+cluster by default, a scheduler address for a real one; the results directory must be on a
+filesystem every worker can reach). Both give the same checkpoint, bit for bit.
+
 `featcal calibrate ... --results-dir DIR` runs it.
 """
 
@@ -17,7 +22,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -39,9 +44,19 @@ def make_spec(
     results_dir: str | Path,
     params: FeatCalParams = FeatCalParams(),
     settings: Settings = Settings(),
+    runner: str = "local",
+    dask_address: str | None = None,
+    dask_workers: int = 2,
 ) -> dict:
-    """A JSON-able description of one calibration (what the tasks receive)."""
+    """A JSON-able description of one calibration (what the tasks receive). The runner settings
+    change only where the per-task statistics run, never the result (not in any cache key)."""
     check_tasks(experts, calib)
+    if runner not in RUNNERS:
+        raise FeatCalError(f"runner {runner!r} is not one of {', '.join(RUNNERS)}")
+    if dask_address is not None and runner != "dask":
+        raise FeatCalError("a Dask scheduler address is only used with runner dask")
+    if dask_workers < 1:
+        raise FeatCalError(f"dask workers must be at least 1 (got {dask_workers})")
     return {
         "base": str(Path(base).resolve()),
         "merged": str(Path(merged).resolve()),
@@ -50,7 +65,29 @@ def make_spec(
         "results_dir": str(Path(results_dir).resolve()),
         "params": asdict(params),
         "settings": asdict(settings),
+        "runner": {"kind": runner, "address": dask_address, "workers": dask_workers},
     }
+
+
+RUNNERS = ("local", "dask")
+
+
+def task_runner(spec: dict):
+    """A started-on-enter Prefect task runner for the per-task statistics, or None (local)."""
+    runner = spec.get("runner") or {"kind": "local"}
+    if runner["kind"] != "dask":
+        return None
+    try:
+        from prefect_dask import DaskTaskRunner
+    except ImportError as exc:  # pragma: no cover - a dependency of the project
+        raise FeatCalError(
+            "runner dask needs prefect-dask (pip install prefect-dask); or use runner local"
+        ) from exc
+    if runner.get("address"):
+        return DaskTaskRunner(address=runner["address"])
+    cluster = {"n_workers": runner.get("workers", 2), "threads_per_worker": 1,
+               "processes": True, "dashboard_address": None}  # fmt: skip
+    return DaskTaskRunner(cluster_kwargs=cluster)
 
 
 @contextmanager
@@ -79,14 +116,27 @@ def results_lock(results_dir: Path) -> Iterator[None]:
 
 
 def _remove_partial_states(results_dir: Path) -> None:
-    """Temporary state directories left by a killed run (only called while holding the lock)."""
+    """Temporary state and work directories left by a killed run (only called while holding the
+    lock)."""
     for partial in (results_dir / "states").glob(".*.tmp-*"):
         shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(results_dir / WORK, ignore_errors=True)
+
+
+#: per-block folders of the distributed runner's per-task results (removed once the block is done)
+WORK = "work"
 
 
 def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
     """Body of the flow (see `calibration_flow`)."""
-    from tasks.calibration import block_task, inputs_digest, spec_calibration, state_key, stems_task
+    from tasks.calibration import (
+        block_task,
+        inputs_digest,
+        spec_calibration,
+        state_key,
+        stems_task,
+        task_statistics_task,
+    )
 
     started = time.perf_counter()
     out_path = Path(out)
@@ -94,18 +144,43 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
     results_dir = Path(spec["results_dir"])
     storage = results_dir / "prefect-results"
     storage.mkdir(parents=True, exist_ok=True)
-    with results_lock(results_dir):
+    with results_lock(results_dir), ExitStack() as stack:
         _remove_partial_states(results_dir)
         cal = spec_calibration(spec)  # validates everything before heavy work
         digest = inputs_digest(spec)
+        runner = task_runner(spec)  # started when a block first needs it (not on a full restore)
+        started_runner = []
+
+        workers: dict[int, list[str]] = {}
+
+        def distributed_statistics(key: str, index: int, previous: Path) -> str:
+            """Every task's statistics of block `index` on the task runner → their folder."""
+            if not started_runner:
+                started_runner.append(stack.enter_context(runner))
+            work = results_dir / WORK / key
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True)
+            futures = [
+                runner.submit(task_statistics_task, parameters={
+                    "spec": spec, "index": index, "task_name": name,
+                    "previous": str(previous), "work": str(work)})
+                for name in cal.models.experts
+            ]  # fmt: skip
+            done = [future.result() for future in futures]  # raises the task's own error
+            workers[index] = sorted({result["worker"] for result in done})
+            return str(work)
 
         def run(task_fn, index: int, **kwargs) -> tuple[Path, bool]:
             key = state_key(kwargs["stage"], index, digest, kwargs.get("previous_digest", ""))
             valid = verify(results_dir / "states" / key) is not None
+            if not valid and runner is not None and kwargs["stage"] == "block":
+                kwargs["work"] = distributed_statistics(key, index, Path(kwargs["previous"]))
             state = task_fn.with_options(refresh_cache=not valid, result_storage=storage)(
                 spec=spec, index=index, digest=digest, return_state=True, **kwargs
             )
             result = state.result()
+            if "work" in kwargs:
+                shutil.rmtree(kwargs["work"], ignore_errors=True)
             return Path(result["path"]), state.name == "Cached" or result["reused"]
 
         previous, _ = run(stems_task, -1, stage="stems")
@@ -119,6 +194,8 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
             if manifest is None:
                 raise FeatCalError(f"state {path} of block {index} failed verification; rerun")
             summary = dict(manifest["summary"], restored=restored)
+            if index in workers:
+                summary["statistics_workers"] = workers[index]
             blocks.append(summary)
             if restored:
                 log.info("block %d/%d: restored from %s", index + 1, cal.num_blocks, path)
@@ -130,6 +207,7 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
             record = cal.record(blocks, started)
             record["results_dir"] = str(results_dir)
             record["inputs_digest"] = digest
+            record["runner"] = spec.get("runner", {"kind": "local"})
             (tmp / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
     return record
 

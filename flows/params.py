@@ -328,6 +328,7 @@ class FeatCalSettings(_Section):
     dask_address: str | None = Field(
         None, description="scheduler address for runner dask; null: a local Dask cluster"
     )
+    dask_workers: int = Field(2, ge=1, description="workers of the local Dask cluster")
 
     @model_validator(mode="after")
     def _dask_only(self) -> FeatCalSettings:
@@ -489,7 +490,7 @@ class Params(_Section):
         merge method and hyperparameters, each task's calibration source with its input columns,
         and FeatCal's alpha, rho, lam, eps, num_per_task, max_length and pooling.
         Left out, since they change only speed or where things run: featcal.device, batch_size,
-        runner, dask_address, enabled and trust_remote_code; also all of run (except seed),
+        runner, dask_address, dask_workers, enabled and trust_remote_code; also all of run (except seed),
         evaluation, tracking, the evaluation sources, class names, templates and label columns.
         Local model or data directories enter by path only: their contents are not hashed here.
         """

@@ -150,6 +150,7 @@ class Steps:
             FeatCalParams(featcal.alpha, featcal.rho, featcal.lam, featcal.eps),
             Settings(featcal.num_per_task, featcal.batch_size, seed, featcal.device,
                      featcal.max_length, featcal.pooling),
+            featcal.runner, featcal.dask_address, featcal.dask_workers,
         )  # fmt: skip
 
     def calibrate(self) -> dict:

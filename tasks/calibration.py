@@ -13,18 +13,21 @@ import functools
 import hashlib
 import json
 import logging
+import os
+import socket
 from pathlib import Path
 
 from prefect import task
-from prefect.cache_policies import CachePolicy
+from prefect.cache_policies import NO_CACHE, CachePolicy
 
 import featcal_core
-from featcal_core.block import FeatCalParams
+from featcal_core.block import FeatCalParams, TaskStatistics
 from featcal_core.calibration import Calibration, Settings, block_summary, log_block
 from featcal_core.checkpoint import sha256_file, sha256_tree
 from featcal_core.safetensors_io import save_tensors
 from featcal_core.state import (
     BLOCK,
+    STREAMS,
     commit_state,
     load_masks,
     new_state_dir,
@@ -32,6 +35,7 @@ from featcal_core.state import (
     streams_of,
     verify,
 )
+from featcal_core.streams import EXPERT, HiddenStreams, stream_file_name
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +118,36 @@ def stems_task(spec: dict, stage: str, index: int, digest: str) -> dict:
     return {"path": str(final), "reused": False}
 
 
+def statistics_file(work: str | Path, task_name: str) -> Path:
+    """Where `task_statistics_task` leaves one task's statistics of a block."""
+    return Path(work) / stream_file_name("statistics", task_name)
+
+
+@task(
+    name="block-task-statistics",
+    cache_policy=NO_CACHE,
+    persist_result=False,
+    task_run_name="block-{index}-{task_name}",
+)
+def task_statistics_task(spec: dict, index: int, task_name: str, previous: str, work: str) -> dict:
+    """One task's pass over block `index` (runs on the flow's task runner: a Dask worker with
+    `runner: dask`). Reads the block inputs from the state `previous`, writes the expert's block
+    output stream and the task's statistics into `work` (a folder every worker can reach).
+    Returns {"path": the statistics file, "worker": "host:pid" of the process that ran it}."""
+    cal = spec_calibration(spec)
+    source = Path(previous)
+    stats = cal.task_statistics(
+        index,
+        task_name,
+        streams_of(source),
+        HiddenStreams(Path(work) / STREAMS),
+        load_masks(source),
+    )
+    path = statistics_file(work, task_name)
+    stats.save(path)
+    return {"path": str(path), "worker": f"{socket.gethostname()}:{os.getpid()}"}
+
+
 @task(
     name="calibrate-block",
     cache_policy=StateCachePolicy(),
@@ -121,9 +155,19 @@ def stems_task(spec: dict, stage: str, index: int, digest: str) -> dict:
     task_run_name="block-{index}",
 )
 def block_task(
-    spec: dict, stage: str, index: int, digest: str, previous: str, previous_digest: str
+    spec: dict,
+    stage: str,
+    index: int,
+    digest: str,
+    previous: str,
+    previous_digest: str,
+    work: str | None = None,
 ) -> dict:
-    """Calibrate block `index` from the state `previous` → its own state directory."""
+    """Calibrate block `index` from the state `previous` → its own state directory.
+
+    work: a folder where `task_statistics_task` left every task's statistics and expert outputs
+    (distributed runner); None computes them here. Not part of the cache key: both give the same
+    state, bit for bit."""
     final = state_dir(spec["results_dir"], state_key(stage, index, digest, previous_digest))
     if verify(final) is not None:
         return {"path": str(final), "reused": True}
@@ -131,7 +175,17 @@ def block_task(
     source = Path(previous)
     masks = load_masks(source)
     tmp = new_state_dir(final.parent, final.name)
-    result = cal.block(index, streams_of(source), streams_of(tmp), masks)
+    target = streams_of(tmp)
+    precomputed = None
+    if work is not None:
+        for task_name in cal.models.experts:  # the experts' block outputs, already computed
+            done = HiddenStreams(Path(work) / STREAMS).path(EXPERT, task_name)
+            done.replace(target.path(EXPERT, task_name))
+
+        def precomputed(task_name: str) -> TaskStatistics:
+            return TaskStatistics.load(statistics_file(work, task_name))
+
+    result = cal.block(index, streams_of(source), target, masks, precomputed)
     save_tensors(tmp / BLOCK, cal.checkpoint_keys(result))
     save_masks(tmp, masks)
     commit_state(tmp, final, index, block_summary(result))

@@ -137,3 +137,31 @@ def test_two_runs_at_once_on_one_results_dir(zoo, tmp_path):
     done = [out for (code, _), out in zip(finished, outs, strict=True) if code == 0]
     first = (done[0] / "model.safetensors").read_bytes()
     assert all((out / "model.safetensors").read_bytes() == first for out in done)
+
+
+def test_dask_runner_gives_the_local_checkpoint(zoo, tmp_path):
+    """runner dask: every block's per-task statistics run as Prefect tasks on a local 2-worker
+    Dask cluster (other processes); the checkpoint equals the local runner's, bit for bit."""
+    home = tmp_path / "prefect"
+    local, distributed = tmp_path / "local", tmp_path / "dask"
+    subprocess.run(_command(zoo, local, tmp_path / "results_local"), env=_env(home), check=True,
+                   capture_output=True, timeout=600)  # fmt: skip
+    proc = subprocess.Popen(
+        _command(zoo, distributed, tmp_path / "results_dask", "--runner", "dask",
+                 "--dask-workers", "2"),
+        env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    record = _record(distributed)
+    assert record["runner"] == {"kind": "dask", "address": None, "workers": 2}
+    workers = {w for b in record["blocks"] for w in b["statistics_workers"]}
+    pids = {int(w.rsplit(":", 1)[1]) for w in workers}
+    assert 1 <= len(pids) <= 2 and proc.pid not in pids  # worker processes, not the flow's
+    assert all(not b["restored"] for b in record["blocks"])
+    assert (distributed / "model.safetensors").read_bytes() == (
+        local / "model.safetensors"
+    ).read_bytes()
+    assert not (tmp_path / "results_dask" / "work").exists() or not any(
+        (tmp_path / "results_dask" / "work").iterdir()
+    )

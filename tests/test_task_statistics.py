@@ -1,0 +1,127 @@
+"""Per-task statistics computed apart (another Calibration object, saved and loaded as a file, the
+way a Dask worker hands them back) fold to the same block, bit for bit, as computing them in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import factories
+from featcal_core.block import TaskStatistics
+from featcal_core.calibration import Calibration
+from featcal_core.errors import FeatCalError
+from featcal_core.statistics import LinearInputStats, NormStats
+from featcal_core.streams import EXPERT, STUDENT, HiddenStreams
+
+CPU = torch.device("cpu")
+
+
+def _batches(seed: int, tasks: int, d_in: int, d_out: int):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(tasks):
+        x_s, x_e = torch.randn(30, d_in, generator=g), torch.randn(30, d_in, generator=g)
+        w = torch.rand(30, generator=g)
+        params = {"q": (torch.randn(d_out, d_in, generator=g), torch.randn(d_out, generator=g))}
+        out.append((x_s, x_e, w, params))
+    return out
+
+
+@pytest.mark.parametrize("via_x", [False, True])
+def test_linear_contributions_merged_elsewhere_equal_end_task(via_x):
+    hint = 30 if via_x else None
+    tasks = _batches(0, 3, 6, 4)
+    in_place = LinearInputStats(6, {"q": (4, True)}, CPU, hint)
+    merged_only = LinearInputStats(6, {"q": (4, True)}, CPU, hint)
+    for x_s, x_e, w, params in tasks:
+        in_place.add(x_s, x_e, w, 0.3, params)
+        in_place.end_task(1e-8, 0.3, params)
+        apart = LinearInputStats(6, {"q": (4, True)}, CPU, hint)  # a fresh one per task
+        apart.add(x_s, x_e, w, 0.3, params)
+        merged_only.merge(
+            {k: v.clone() for k, v in apart.task_contribution(1e-8, 0.3, params).items()}
+        )
+    assert merged_only._task_gram is None  # an accumulator that only merges has no task buffers
+    assert torch.equal(in_place.gram, merged_only.gram)
+    assert in_place.scale_sum == merged_only.scale_sum
+    anchors = {"q": (torch.ones(4, 6, dtype=torch.float64), torch.ones(4, dtype=torch.float64))}
+    a = in_place.solve(0.05, 1e-8, anchors)["q"]
+    b = merged_only.solve(0.05, 1e-8, anchors)["q"]
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_norm_contributions_merged_elsewhere_equal_end_task():
+    g = torch.Generator().manual_seed(1)
+    in_place = NormStats(5, 1e-5, rms=False, has_bias=True, device=CPU)
+    merged_only = NormStats(5, 1e-5, rms=False, has_bias=True, device=CPU)
+    for _ in range(3):
+        x, gamma, beta = (
+            torch.randn(20, 5, generator=g),
+            torch.randn(5, generator=g),
+            torch.randn(5, generator=g),
+        )
+        in_place.add(x, None)
+        in_place.end_task(gamma, beta)
+        apart = NormStats(5, 1e-5, rms=False, has_bias=True, device=CPU)
+        apart.add(x, None)
+        merged_only.merge(apart.task_contribution(gamma, beta))
+    a = in_place.solve(0.0, 1e-8, None, None)
+    b = merged_only.solve(0.0, 1e-8, None, None)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("family", ["clip", "bert"])
+def test_block_from_saved_task_statistics_is_bitwise_identical(tmp_path, family):
+    zoo = (factories.clip_zoo if family == "clip" else factories.bert_zoo)(
+        tmp_path / "zoo", tasks=("a", "b", "c")
+    )
+    make = lambda: Calibration(zoo.base, zoo.merged, zoo.experts, zoo.calib)  # noqa: E731
+    local = make()
+    streams = HiddenStreams(tmp_path / "local")
+    masks = local.stems(streams)
+    start = HiddenStreams(tmp_path / "start")
+    for kind in (STUDENT, EXPERT):
+        for task in zoo.experts:
+            start.put(kind, task, torch.cat(list(streams.batches(kind, task, 1000))))
+
+    for index in range(local.num_blocks):
+        worker = make()  # "another process": its own models, blocks and buffers
+        target = HiddenStreams(tmp_path / f"apart{index}")
+        for task in zoo.experts:
+            stats = worker.task_statistics(index, task, start, target, masks)
+            stats.save(tmp_path / f"stats-{index}-{task}.safetensors")
+        apart = make().block(
+            index, start, target, masks,
+            lambda t, i=index: TaskStatistics.load(tmp_path / f"stats-{i}-{t}.safetensors"),
+        )  # fmt: skip
+        here = local.block(index, streams, streams, masks)
+        assert apart.tensors.keys() == here.tensors.keys()
+        for name, tensor in here.tensors.items():
+            assert torch.equal(apart.tensors[name], tensor), name
+        assert apart.drift_before == here.drift_before and apart.drift_after == here.drift_after
+        for kind in (STUDENT, EXPERT):
+            for task in zoo.experts:
+                assert torch.equal(next(target.batches(kind, task, 1000)),
+                                   next(streams.batches(kind, task, 1000)))  # fmt: skip
+        start = target
+
+
+def test_statistics_of_another_task_or_block_are_refused(tmp_path):
+    zoo = factories.clip_zoo(tmp_path / "zoo")
+    cal = Calibration(zoo.base, zoo.merged, zoo.experts, zoo.calib)
+    streams = HiddenStreams(None)
+    masks = cal.stems(streams)
+    other = HiddenStreams(None)
+    alpha = cal.task_statistics(0, "alpha", streams, other, masks)
+    with pytest.raises(
+        FeatCalError, match="statistics of task 'alpha', block 0 were given for task 'beta'"
+    ):
+        cal.block(0, streams, other, masks, lambda t: alpha)
+    with pytest.raises(FeatCalError, match="not one of"):
+        cal.task_statistics(0, "gamma", streams, other, masks)
+    not_stats = tmp_path / "x.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.zeros(1)}, str(not_stats))
+    with pytest.raises(FeatCalError, match="holds no FeatCal task statistics"):
+        TaskStatistics.load(not_stats)

@@ -96,7 +96,44 @@ def _bert(config: dict, base_dir: Path):
     return model
 
 
-FAMILIES = {"clip": (_clip, image_set), "bert": (_bert, text_set)}
+def word_tokenizer(pad: bool = True):
+    """A whitespace word-level tokenizer over WORDS (bos prepended), built offline."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(["<pad>", "<unk>", "<s>", "</s>", *WORDS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    special = dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    if pad:
+        special["pad_token"] = "<pad>"
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, **special)
+
+
+def _llama(config: dict, base_dir: Path):
+    """A Llama-layout causal LM (`model_type` in config selects llama / mistral / qwen2)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = word_tokenizer()
+    settings = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = AutoConfig.for_model(
+        config.get("model_type", "llama"),
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **settings,
+    )
+    model = AutoModelForCausalLM.from_config(hf_config).eval()
+    model.config.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    return model
+
+
+FAMILIES = {"clip": (_clip, image_set), "bert": (_bert, text_set), "llama": (_llama, text_set)}
 
 
 def build_pool(

@@ -7,6 +7,7 @@ code with featcal_core: the library's streaming implementation must reproduce it
 from __future__ import annotations
 
 import copy
+import sys
 
 import torch
 from torch import nn
@@ -15,34 +16,60 @@ D64 = torch.float64
 
 
 class Family:
-    """How the reference reaches into a full HF model (CLIPVisionModel or BertModel)."""
+    """How the reference reaches into a full HF model (CLIPVisionModel, BertModel, or a Llama-layout
+    *ForCausalLM: kind "llama", also for Mistral and Qwen2)."""
 
     def __init__(self, kind: str):
         self.kind = kind
         self.exempt = {"clip": ("self_attn.k_proj", "self_attn.v_proj"),
-                       "bert": ("attention.self.key", "attention.self.value")}[kind]  # fmt: skip
+                       "bert": ("attention.self.key", "attention.self.value"),
+                       "llama": ()}[kind]  # fmt: skip
+        self.pooled = kind != "llama"  # causal LMs: no pooled-token down-weighting
 
     def layers(self, model):
+        if self.kind == "llama":
+            return model.model.layers
         return model.encoder.layers if self.kind == "clip" else model.encoder.layer
 
     def stem(self, model, inputs):
         if self.kind == "clip":
             return model.pre_layrnorm(model.embeddings(inputs["pixel_values"].to(D64)))
         ids = inputs["input_ids"]
+        if self.kind == "llama":
+            return model.model.embed_tokens(ids)
         return model.embeddings(input_ids=ids, token_type_ids=torch.zeros_like(ids))
 
     def run(self, layer, hidden, mask):
         if self.kind == "clip":
             out = layer(hidden, None)
+        elif self.kind == "llama":
+            out = _run_decoder_layer(layer, hidden, mask)
         else:
             add = (1.0 - mask.to(D64))[:, None, None, :] * torch.finfo(D64).min
             out = layer(hidden, attention_mask=add)
         return out[0] if isinstance(out, tuple) else out
 
 
+def _run_decoder_layer(layer, hidden, mask):
+    """A Llama-layout decoder layer on right-padded tokens: rotary embeddings of positions
+    0..S-1 from the family's own rotary module, causal mask with padded keys masked."""
+    batch, seq = mask.shape
+    module = sys.modules[type(layer).__module__]
+    rotary_cls = next(getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding"))
+    positions = torch.arange(seq)[None].expand(batch, -1)
+    cos_sin = rotary_cls(config=layer.self_attn.config)(hidden, positions)
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril()[None, None] & mask.bool()[:, None, None]
+    add = torch.zeros(allowed.shape, dtype=D64).masked_fill(~allowed, torch.finfo(D64).min)
+    return layer(hidden, attention_mask=add, position_ids=positions, position_embeddings=cos_sin)
+
+
+def _is_rms_norm(module) -> bool:
+    return type(module).__name__.endswith("RMSNorm")
+
+
 def _weights(name: str, last: bool, mask: torch.Tensor, family: Family) -> torch.Tensor:
     w = mask.to(D64).clone()
-    if last and name not in family.exempt:
+    if last and family.pooled and name not in family.exempt:
         w[:, 1:] *= 0.01
     return w.reshape(-1)
 
@@ -50,7 +77,7 @@ def _weights(name: str, last: bool, mask: torch.Tensor, family: Family) -> torch
 def _capture(family, layer, hidden, mask):
     seen, hooks = {}, []
     for name, module in layer.named_modules():
-        if isinstance(module, (nn.Linear, nn.LayerNorm)):
+        if isinstance(module, (nn.Linear, nn.LayerNorm)) or _is_rms_norm(module):
             hooks.append(module.register_forward_pre_hook(
                 lambda m, a, name=name: seen.__setitem__(name, a[0].detach())))  # fmt: skip
     out = family.run(layer, hidden, mask)
@@ -102,12 +129,28 @@ def reference_featcal(family, base, merged, experts, inputs, alpha, rho, lam, ep
                     mu_s = (x_s * w[:, None]).sum(0) / total
                     mu_t = (x_t * w[:, None]).sum(0) / total
                     s_sum += s
-                    bias_terms = bias_terms + s * (expert_mod.bias + expert_mod.weight @ mu_t)
+                    if module.bias is not None:
+                        bias_terms = bias_terms + s * (expert_mod.bias + expert_mod.weight @ mu_t)
                     mus_terms = mus_terms + s * mu_s
                 weight = torch.linalg.solve(lhs, rhs).T
-                a_b = rho * module.bias + (1 - rho) * base_mod.bias
-                bias = (bias_terms - weight @ mus_terms + lam * a_b) / (s_sum + lam)
-                new[f"{name}.weight"], new[f"{name}.bias"] = weight, bias
+                new[f"{name}.weight"] = weight
+                if module.bias is not None:
+                    a_b = rho * module.bias + (1 - rho) * base_mod.bias
+                    bias = (bias_terms - weight @ mus_terms + lam * a_b) / (s_sum + lam)
+                    new[f"{name}.bias"] = bias
+            elif _is_rms_norm(module):
+                # scale only: γ = (Σ e_t γ_t + λ a(γ)) / (Σ e_t + λ), z = x / sqrt(mean(x²) + eps)
+                d = module.weight.shape[0]
+                num = lam * (rho * module.weight + (1 - rho) * base_mod.weight)
+                den = torch.full((d,), lam, dtype=D64)
+                for t in tasks:
+                    w = _weights(name, last, inputs[t]["attention_mask"], family)
+                    x = xs[t][name].reshape(-1, d)
+                    z = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+                    e_t = (z * z * w[:, None]).sum(0) / w.sum()
+                    expert_mod = family.layers(experts[t])[index].get_submodule(name)
+                    num, den = num + e_t * expert_mod.weight, den + e_t
+                new[f"{name}.weight"] = num / den
             elif isinstance(module, nn.LayerNorm):
                 d = module.normalized_shape[0]
                 a11 = torch.full((d,), lam, dtype=D64)

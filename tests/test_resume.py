@@ -1,6 +1,9 @@
-"""The resumable calibration flow (real Prefect, embedded server): SIGKILL during a block, then
-the same command again restores the finished blocks and ends bitwise identical to an uninterrupted
-run; content-based cache keys decide what is recomputed."""
+"""The resumable calibration flow (real Prefect): SIGKILL during a block, then the same command
+again restores the finished blocks and ends bitwise identical to an uninterrupted run;
+content-based cache keys decide what is recomputed; the Dask runner gives the local checkpoint.
+
+The SIGKILL and concurrency tests run on Prefect's embedded server (killed with the flow); the
+others share one local `prefect server` (as a team would), which saves its start-up per run."""
 
 from __future__ import annotations
 
@@ -17,8 +20,8 @@ import pytest
 from featcal_core.synthetic import build_pool
 
 RESUME_CLIP = dict(
-    hidden_size=128, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-    image_size=64, patch_size=8,
+    hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+    image_size=32, patch_size=8,
 )  # fmt: skip
 
 
@@ -27,8 +30,12 @@ def _command(zoo, out: Path, results: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "featcal_cli.main", *args]
 
 
-def _env(home: Path) -> dict[str, str]:
-    return {**os.environ, "PREFECT_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+def _env(home: Path, api_url: str | None = None) -> dict[str, str]:
+    env = {**os.environ, "PREFECT_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+    env.pop("PREFECT_API_URL", None)
+    if api_url is not None:
+        env["PREFECT_API_URL"] = api_url
+    return env
 
 
 def _record(out: Path) -> dict:
@@ -47,15 +54,39 @@ def _committed(results: Path) -> int:
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
-    return build_pool(root / "zoo", "clip", RESUME_CLIP, ("a", "b", "c"), rows=48)
+    return build_pool(root / "zoo", "clip", RESUME_CLIP, ("a", "b", "c"), rows=32)
 
 
-def test_sigkill_then_resume_is_bitwise_identical(zoo, tmp_path):
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    """A local `prefect server` (its own database) for the module's runs; yields its API URL."""
+    from flows.serve import local_server
+
+    saved = os.environ.get("PREFECT_HOME")
+    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-server"))
+    try:
+        with local_server() as api_url:
+            yield api_url
+    finally:
+        if saved is None:
+            os.environ.pop("PREFECT_HOME", None)
+        else:
+            os.environ["PREFECT_HOME"] = saved
+
+
+@pytest.fixture(scope="module")
+def reference(zoo, prefect_api, tmp_path_factory) -> Path:
+    """An uninterrupted calibration with the local runner: the checkpoint the others must equal."""
+    root = tmp_path_factory.mktemp("reference")
+    out = root / "out"
+    subprocess.run(_command(zoo, out, root / "results"), env=_env(root / "home", prefect_api),
+                   check=True, capture_output=True, timeout=600)  # fmt: skip
+    assert all(not b["restored"] for b in _record(out)["blocks"])
+    return out
+
+
+def test_sigkill_then_resume_is_bitwise_identical(zoo, tmp_path, reference):
     home = tmp_path / "prefect"
-    reference = tmp_path / "reference"
-    subprocess.run(_command(zoo, reference, tmp_path / "results_ref"), env=_env(home), check=True,
-                   capture_output=True, timeout=600)  # fmt: skip
-    assert all(not b["restored"] for b in _record(reference)["blocks"])
 
     results, out = tmp_path / "results", tmp_path / "out"
     proc = subprocess.Popen(_command(zoo, out, results), env=_env(home), start_new_session=True,
@@ -79,11 +110,11 @@ def test_sigkill_then_resume_is_bitwise_identical(zoo, tmp_path):
     assert not list((results / "states").glob(".*.tmp-*"))
 
 
-def test_cache_keys_follow_content(zoo, tmp_path):
+def test_cache_keys_follow_content(zoo, tmp_path, prefect_api):
     home, results = tmp_path / "prefect", tmp_path / "results"
 
     def run(out: Path, *extra: str) -> list[bool]:
-        subprocess.run(_command(zoo, out, results, *extra), env=_env(home), check=True,
+        subprocess.run(_command(zoo, out, results, *extra), env=_env(home, prefect_api), check=True,
                        capture_output=True, timeout=600)  # fmt: skip
         return [b["restored"] for b in _record(out)["blocks"]]
 
@@ -106,7 +137,7 @@ def test_cache_keys_follow_content(zoo, tmp_path):
     assert not any(run(tmp_path / "three", "--alpha", "0.5"))  # α changed: all recomputed
 
 
-def test_two_runs_at_once_on_one_results_dir(zoo, tmp_path):
+def test_two_runs_at_once_on_one_results_dir(zoo, tmp_path, reference):
     """Both start together: the second either waits its turn (the first finished) or stops at
     once with a clear message; neither corrupts the shared states, and every output is complete."""
     home, results = tmp_path / "prefect", tmp_path / "results"
@@ -135,21 +166,19 @@ def test_two_runs_at_once_on_one_results_dir(zoo, tmp_path):
     states = [p for p in (results / "states").iterdir() if not p.name.startswith(".")]
     assert states and all(verify(p) is not None for p in states)
     done = [out for (code, _), out in zip(finished, outs, strict=True) if code == 0]
-    first = (done[0] / "model.safetensors").read_bytes()
+    first = (reference / "model.safetensors").read_bytes()
     assert all((out / "model.safetensors").read_bytes() == first for out in done)
 
 
-def test_dask_runner_gives_the_local_checkpoint(zoo, tmp_path):
+def test_dask_runner_gives_the_local_checkpoint(zoo, tmp_path, prefect_api, reference):
     """runner dask: every block's per-task statistics run as Prefect tasks on a local 2-worker
     Dask cluster (other processes); the checkpoint equals the local runner's, bit for bit."""
     home = tmp_path / "prefect"
-    local, distributed = tmp_path / "local", tmp_path / "dask"
-    subprocess.run(_command(zoo, local, tmp_path / "results_local"), env=_env(home), check=True,
-                   capture_output=True, timeout=600)  # fmt: skip
+    local, distributed = reference, tmp_path / "dask"
     proc = subprocess.Popen(
         _command(zoo, distributed, tmp_path / "results_dask", "--runner", "dask",
                  "--dask-workers", "2"),
-        env=_env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=_env(home, prefect_api), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]

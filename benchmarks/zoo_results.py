@@ -210,16 +210,18 @@ def write(results: list[dict], out: Path) -> None:
                          r["expert_test_acc"])  # fmt: skip
         r["gap_closed_pct"] = None if gap is None else round(gap, 1)
     rows = [r for r in results if r["n"] != 0]
-    presets = {r["preset"] for r in rows}
-    if (out / "zoo_results.csv").is_file():  # keep other presets' rows from an earlier run
+    cells = {(r["preset"], r["method"], str(r["n"])) for r in rows}
+    if (out / "zoo_results.csv").is_file():  # keep other (preset, method, n) rows of earlier runs
         with (out / "zoo_results.csv").open(newline="") as handle:
-            kept = [r for r in csv.DictReader(handle) if r["preset"] not in presets]
+            kept = [r for r in csv.DictReader(handle)
+                    if (r["preset"], r["method"], r["n"]) not in cells]  # fmt: skip
         for r in kept:
             r["n"] = int(r["n"])
             for key in ("val_acc", "test_acc", "expert_test_acc"):
                 r[key] = float(r[key])
             r["gap_closed_pct"] = float(r["gap_closed_pct"]) if r["gap_closed_pct"] else None
-        rows = kept + rows
+        rows = sorted(kept + rows, key=lambda r: (r["preset"] != "vision", r["preset"],
+                                                  r["method"], r["n"]))  # fmt: skip
     with (out / "zoo_results.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=fields)
         writer.writeheader()
@@ -234,9 +236,10 @@ def write(results: list[dict], out: Path) -> None:
             f"{100 * r['expert_test_acc']:.1f} | {gap} | `{r['settings']}` |"
         )
     (out / "zoo_results.md").write_text("\n".join(lines) + "\n")
-    presets = {r["preset"] for r in grid}
+    grid_cells = {(r["preset"], r["method"], r["n"]) for r in grid}
     grid_file = out / "zoo_grid.json"
-    kept = [r for r in json.loads(grid_file.read_text()) if r["preset"] not in presets] if (
+    kept = [r for r in json.loads(grid_file.read_text())
+            if (r["preset"], r["method"], r["n"]) not in grid_cells] if (
         grid_file.is_file()) else []  # fmt: skip
     grid_file.write_text(json.dumps(kept + grid, indent=1) + "\n")
     plot(rows, out / "accuracy_vs_n.png")

@@ -19,10 +19,11 @@ from flows.params import dump, load_params
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
+def _env(tmp_path: Path, api_url: str) -> dict[str, str]:
     bin_dir = str(Path(sys.executable).parent)
     return {
         **os.environ,
+        "PREFECT_API_URL": api_url,
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "PREFECT_HOME": str(tmp_path / "prefect"),
         "DVC_NO_ANALYTICS": "1",
@@ -40,10 +41,10 @@ def _sh(args: list[str], cwd: Path, env: dict[str, str]) -> str:
     return proc.stdout + proc.stderr
 
 
-def test_dvc_repro_then_nothing_then_push_pull(tmp_path):
+def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api):
     repo = tmp_path / "repo"
     repo.mkdir()
-    env = _env(tmp_path)
+    env = _env(tmp_path, prefect_api)
     draft = write_params(tmp_path)  # the tiny zero-shot CLIP setting of test_pipeline
     params = yaml.safe_load(draft.read_text())
     params["run"].update(name="dvc-test", results_dir="data/results")

@@ -58,23 +58,6 @@ def zoo(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
-    """A local `prefect server` (its own database) for the module's runs; yields its API URL."""
-    from flows.serve import local_server
-
-    saved = os.environ.get("PREFECT_HOME")
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-server"))
-    try:
-        with local_server() as api_url:
-            yield api_url
-    finally:
-        if saved is None:
-            os.environ.pop("PREFECT_HOME", None)
-        else:
-            os.environ["PREFECT_HOME"] = saved
-
-
-@pytest.fixture(scope="module")
 def reference(zoo, prefect_api, tmp_path_factory) -> Path:
     """An uninterrupted calibration with the local runner: the checkpoint the others must equal."""
     root = tmp_path_factory.mktemp("reference")

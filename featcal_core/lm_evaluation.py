@@ -1,0 +1,168 @@
+"""Evaluation of causal language models (hf-llama family): label-continuation accuracy on
+classification sets and perplexity on held-out text.
+
+Label continuation: for each example the prompt `template.format(text=...)` is scored with every
+class's label words appended; the prediction is the class whose continuation has the highest total
+log-probability (sum over the label's tokens, so no length normalisation); the loss is the mean
+negative log-likelihood of the true label's tokens. Perplexity: exp of the mean next-token
+negative log-likelihood over every real (non-padding) token after the first, in float64.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from featcal_core.errors import FeatCalError
+from featcal_core.evaluation import _check_labels, _device, _load_split, _tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TEMPLATE = "{text} ->"
+
+
+def load_causal_lm(model_dir: str | Path, device: torch.device) -> torch.nn.Module:
+    """A `*ForCausalLM` from a save_pretrained directory (float32 on CPU), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    except Exception as exc:
+        raise FeatCalError(
+            f"{model_dir}: cannot load a causal language model ({exc}); pass a save_pretrained "
+            "directory of a *ForCausalLM (config.json with its weights)"
+        ) from exc
+    return model.to(device).eval().requires_grad_(False)
+
+
+def _token_log_probs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log p(ids[:, j] | ids[:, :j]) for j ≥ 1, float64 (B, S-1); 0 where the token is padding."""
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].to(torch.float64)
+    picked = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+    return picked * mask[:, 1:].to(torch.float64)
+
+
+def _right_padded(tokenizer) -> Any:
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise FeatCalError("the tokenizer has neither a pad nor an eos token; set pad_token")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+@torch.no_grad()
+def label_continuation(
+    model_dir: str | Path,
+    tokenizer_dir: str | Path,
+    texts: list[str],
+    labels: list[int],
+    label_words: list[str],
+    template: str = DEFAULT_TEMPLATE,
+    batch_size: int = 16,
+    device: str | torch.device = "cpu",
+    progress: bool = False,
+) -> dict[str, float]:
+    """{"accuracy", "loss", "examples"} of the likeliest label continuation (see module doc)."""
+    if "{text}" not in template:
+        raise FeatCalError(f"prompt template {template!r} has no {{text}} placeholder")
+    if len(label_words) < 2:
+        raise FeatCalError("label continuation needs at least two label words (one per class)")
+    target = _check_labels(labels, len(label_words), "evaluation set", "label")
+    dev = _device(device)
+    tokenizer = _right_padded(_tokenizer(Path(tokenizer_dir), "base model"))
+    model = load_causal_lm(model_dir, dev)
+    prompts = [tokenizer(template.format(text=t))["input_ids"] for t in texts]
+    words = [tokenizer(" " + w, add_special_tokens=False)["input_ids"] for w in label_words]
+    empty = [w for w, ids in zip(label_words, words, strict=True) if not ids]
+    if empty:
+        raise FeatCalError(f"label word {empty[0]!r} has no tokens; choose other label words")
+    scores = torch.zeros(len(prompts), len(label_words), dtype=torch.float64)
+    pairs = [(i, c) for i in range(len(prompts)) for c in range(len(label_words))]
+    for start in tqdm(range(0, len(pairs), batch_size), desc="label continuation",
+                      disable=not progress):  # fmt: skip
+        chunk = pairs[start : start + batch_size]
+        sequences = [prompts[i] + words[c] for i, c in chunk]
+        width = max(len(seq) for seq in sequences)
+        ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for row, seq in enumerate(sequences):
+            ids[row, : len(seq)] = torch.tensor(seq)
+            mask[row, : len(seq)] = 1
+        log_probs = _token_log_probs(model, ids.to(dev), mask.to(dev)).cpu()
+        for row, (i, c) in enumerate(chunk):
+            # the label's tokens: positions len(prompt) … len(prompt)+len(word)-1 (shifted by one)
+            scores[i, c] = log_probs[
+                row, len(prompts[i]) - 1 : len(prompts[i]) - 1 + len(words[c])
+            ].sum()
+    lengths = torch.tensor([len(w) for w in words], dtype=torch.float64)
+    predicted = scores.argmax(-1)
+    true_scores = scores.gather(-1, target[:, None])[:, 0]
+    token_counts = lengths[target]
+    return {
+        "accuracy": float((predicted == target).to(torch.float64).mean()),
+        "loss": float((-true_scores / token_counts).mean()),
+        "examples": len(prompts),
+    }
+
+
+@torch.no_grad()
+def perplexity(
+    model_dir: str | Path,
+    tokenizer_dir: str | Path,
+    texts: list[str],
+    max_length: int = 512,
+    batch_size: int = 8,
+    device: str | torch.device = "cpu",
+) -> dict[str, float]:
+    """{"perplexity", "nll", "tokens"} of `texts` under the model (see module doc)."""
+    dev = _device(device)
+    tokenizer = _right_padded(_tokenizer(Path(tokenizer_dir), "base model"))
+    model = load_causal_lm(model_dir, dev)
+    total, count = 0.0, 0
+    for start in range(0, len(texts), batch_size):
+        encoded = tokenizer([str(t) for t in texts[start : start + batch_size]], padding=True,
+                            truncation=True, max_length=max_length, return_tensors="pt")  # fmt: skip
+        ids, mask = encoded["input_ids"].to(dev), encoded["attention_mask"].to(dev)
+        total -= float(_token_log_probs(model, ids, mask).sum())
+        count += int(mask[:, 1:].sum())
+    if count == 0:
+        raise FeatCalError("perplexity: the texts hold no tokens to predict")
+    nll = total / count
+    return {"perplexity": math.exp(nll), "nll": nll, "tokens": count}
+
+
+def evaluate_lm_dataset(
+    model_dir: str | Path,
+    tokenizer_dir: str | Path,
+    dataset_dir: str | Path,
+    split: str | None,
+    label_words: list[str],
+    template: str = DEFAULT_TEMPLATE,
+    text_column: str = "text",
+    label_column: str = "label",
+    max_examples: int | None = None,
+    batch_size: int = 16,
+    device: str | torch.device = "cpu",
+) -> dict[str, float]:
+    """Label-continuation accuracy and loss on a save_to_disk classification set, plus the
+    perplexity of its texts."""
+    data = _load_split(dataset_dir, split)
+    for column in (text_column, label_column):
+        if column not in data.column_names:
+            raise FeatCalError(
+                f"evaluation set {dataset_dir}: no column {column!r} (has {data.column_names})"
+            )
+    if max_examples is not None:
+        data = data.select(range(min(max_examples, len(data))))
+    texts, labels = [str(t) for t in data[text_column]], list(data[label_column])
+    result = label_continuation(model_dir, tokenizer_dir, texts, labels, label_words, template,
+                                batch_size, device)  # fmt: skip
+    result.update(perplexity(model_dir, tokenizer_dir, texts, batch_size=batch_size,
+                             device=device))  # fmt: skip
+    return result

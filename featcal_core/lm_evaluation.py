@@ -10,6 +10,7 @@ negative log-likelihood over every real (non-padding) token after the first, in 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from pathlib import Path
@@ -24,6 +25,20 @@ from featcal_core.evaluation import _check_labels, _device, _load_split, _tokeni
 log = logging.getLogger(__name__)
 
 DEFAULT_TEMPLATE = "{text} ->"
+
+
+def is_causal_lm(model_dir: str | Path) -> bool:
+    """True when the checkpoint's config.json is a causal-LM family (the hf-llama adapter)."""
+    from featcal_core.architectures import detect
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    try:
+        return bool(getattr(detect(config, str(model_dir)), "causal", False))
+    except FeatCalError:
+        return False
 
 
 def load_causal_lm(model_dir: str | Path, device: torch.device) -> torch.nn.Module:

@@ -246,6 +246,21 @@ def _check_template(template: str) -> str:
 Template = Annotated[str, AfterValidator(_check_template)]
 
 
+def _check_prompt(prompt: str) -> str:
+    try:
+        filled = prompt.format(text="\0")
+    except (IndexError, KeyError, ValueError) as exc:
+        raise _error(
+            f"prompt {prompt!r} must format with {{text}} only (double other braces): {exc}"
+        ) from None
+    if "\0" not in filled:
+        raise _error(f"prompt {prompt!r} has no {{text}} where the input goes")
+    return prompt
+
+
+Prompt = Annotated[str, AfterValidator(_check_prompt)]
+
+
 class TaskSpec(_Section):
     """One task: where its calibration and evaluation data come from, and its zero-shot head."""
 
@@ -256,6 +271,16 @@ class TaskSpec(_Section):
     )
     templates: list[Template] | None = Field(
         None, min_length=1, description='CLIP zero-shot prompts, each with "{}" for the class name'
+    )
+    label_words: list[str] | None = Field(
+        None,
+        min_length=2,
+        description="causal LMs: the continuation scored for each class, in label order "
+        "(default: the label feature's names)",
+    )
+    prompt: Prompt | None = Field(
+        None,
+        description='causal LMs: the prompt, with "{text}" for the input (default "{text} ->")',
     )
 
     @model_validator(mode="after")
@@ -491,7 +516,8 @@ class Params(_Section):
         and FeatCal's alpha, rho, lam, eps, num_per_task, max_length and pooling.
         Left out, since they change only speed or where things run: featcal.device, batch_size,
         runner, dask_address, dask_workers, enabled and trust_remote_code; also all of run (except seed),
-        evaluation, tracking, the evaluation sources, class names, templates and label columns.
+        evaluation, tracking, the evaluation sources, class names, templates, label words,
+        prompts and label columns.
         Local model or data directories enter by path only: their contents are not hashed here.
         """
         featcal = self.featcal.model_dump(

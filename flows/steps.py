@@ -179,6 +179,13 @@ class Steps:
         if not self.params.featcal.heads:
             return {}
         base, experts = self.models()
+        from featcal_core.lm_evaluation import is_causal_lm
+
+        if is_causal_lm(base):
+            raise FeatCalError(
+                "featcal.heads: head calibration refits classification heads; causal LMs are "
+                "evaluated by label continuation and have none; set featcal.heads: false"
+            )
         return self._call(
             calibrate_heads, self.params, base, experts, self._evaluated_models(),
             self.calibration_set_dirs(), str(self.paths["root"]),

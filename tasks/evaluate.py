@@ -3,7 +3,9 @@ the task's expert, the merged and the calibrated model, and normalized accuracy 
 
 A task with `class_names` or `templates` in params is evaluated with a CLIP zero-shot head built
 from the base CLIPModel's text tower (class embeddings cached under `<results>/heads`); any other
-task with its expert's own classification head. Evaluation data never feeds calibration: the
+task with its expert's own classification head. Causal LMs (hf-llama) are scored by the likeliest
+label continuation (`label_words` after `prompt`, featcal_core.lm_evaluation), with the base as a
+row too, plus the perplexity of the evaluation texts. Evaluation data never feeds calibration: the
 params refuse a task whose evaluation source is its calibration source.
 """
 
@@ -17,8 +19,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from featcal_core.calibration_sets import open_source
+from featcal_core.errors import FeatCalError
 from featcal_core.evaluation import ExpertHead, ZeroShotHead, evaluate, normalized_accuracy
 from featcal_core.linear_head import load_linear_head
+from featcal_core.lm_evaluation import DEFAULT_TEMPLATE, evaluate_lm_dataset, is_causal_lm
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +73,14 @@ def evaluate_models(
     settings = params.evaluation
     root = Path(results_dir)
     table: dict[str, dict[str, dict[str, float]]] = {}
+    causal = is_causal_lm(base)
     for task_name, spec in params.tasks.items():
         source = spec.evaluation
         data, split = _evaluation_data(task_name, source, root / "evaluation_data")
+        if causal:
+            table[task_name] = _evaluate_lm(params, task_name, spec, data, split, base,
+                                            {"expert": experts[task_name], **models})  # fmt: skip
+            continue
         head, zero_shot = task_head(task_name, spec, Path(base), Path(experts[task_name]), root)
         candidates = {name: (directory, head) for name, directory in
                       {"expert": experts[task_name], **models}.items()}  # fmt: skip
@@ -92,16 +101,46 @@ def evaluate_models(
                 image_column=source.image_column, text_column=source.text_column,
                 label_column=source.label_column, device=params.featcal.device, progress=False,
             )  # fmt: skip
-        expert_accuracy = row["expert"]["accuracy"]
-        for result in row.values():
-            result["normalized"] = (
-                normalized_accuracy(result["accuracy"], expert_accuracy)
-                if expert_accuracy > 0
-                else float("nan")
-            )
-        table[task_name] = row
-        log.info(
-            "evaluate %s: %s", task_name,
-            ", ".join(f"{n} {r['accuracy']:.4f}" for n, r in row.items()),
-        )  # fmt: skip
+        table[task_name] = _normalize(task_name, row)
     return table
+
+
+def _normalize(task_name: str, row: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Add normalized accuracy (÷ the expert's) to every model's result; log the row."""
+    expert_accuracy = row["expert"]["accuracy"]
+    for result in row.values():
+        result["normalized"] = (
+            normalized_accuracy(result["accuracy"], expert_accuracy)
+            if expert_accuracy > 0
+            else float("nan")
+        )
+    log.info(
+        "evaluate %s: %s", task_name,
+        ", ".join(f"{n} {r['accuracy']:.4f}" for n, r in row.items()),
+    )  # fmt: skip
+    return row
+
+
+def _evaluate_lm(params, task_name, spec, data: Path, split, base: str, models: dict[str, str]):
+    """One task of a causal LM: label-continuation accuracy/loss and perplexity per model."""
+    source = spec.evaluation
+    words = spec.label_words
+    if words is None:
+        rows = open_source({"path": str(data), "split": split}, key=f"tasks.{task_name}.evaluation")
+        label = source.label_column or "label"
+        names = getattr(rows.features[label], "names", None)
+        if not names:
+            raise FeatCalError(
+                f"tasks.{task_name}.label_words: the evaluation set's {label!r} column has no "
+                "class names; set label_words (the continuation scored for each class)"
+            )
+        words = list(names)
+    row = {}
+    for name, directory in {"base": base, **models}.items():
+        row[name] = evaluate_lm_dataset(
+            directory, base, data, split, words, spec.prompt or DEFAULT_TEMPLATE,
+            text_column=source.text_column or "text", label_column=source.label_column or "label",
+            max_examples=params.evaluation.max_examples_per_task,
+            batch_size=params.evaluation.batch_size, device=params.featcal.device,
+        )  # fmt: skip
+    return _normalize(task_name, row)

@@ -203,6 +203,10 @@ def test_import_light():
         (lambda d: d["tasks"]["mnist"]["evaluation"].pop("split"), "tasks.mnist.evaluation.split", "needs a split"),
         (lambda d: d["tasks"]["mnist"].update(templates=["a photo of {}", "no slot"]), "tasks.mnist.templates[1]", "has no {}"),
         (lambda d: d.update(featcal={"dask_address": "tcp://h:8786"}), "featcal.dask_address", "runner: dask"),
+        (lambda d: d.update(featcal={"runner": "dask", "dask_workers": 0}), "featcal.dask_workers", "greater than or equal to 1"),
+        (lambda d: d["tasks"]["mnist"].update(prompt="no slot"), "tasks.mnist.prompt", "has no {text}"),
+        (lambda d: d["tasks"]["mnist"].update(prompt="{text} {label}"), "tasks.mnist.prompt", "must format with {text} only"),
+        (lambda d: d["tasks"]["mnist"].update(label_words=["yes"]), "tasks.mnist.label_words", "at least 2 items"),
     ],
 )  # fmt: skip
 def test_invalid(tmp_path, change, key, words):

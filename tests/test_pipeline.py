@@ -233,3 +233,52 @@ def test_featcal_run_bert_with_task_heads(tmp_path):
         assert not torch.equal(refit["weight"], expert_head["classifier.weight"])
     report = (tmp_path / "reports" / "bert" / "report.md").read_text()
     assert "Head calibration (beyond the paper)" in report
+
+
+def test_featcal_run_llama_scores_label_continuations(tmp_path):
+    """A Llama-layout causal LM through the whole flow: calibrated by hf-llama, evaluated by the
+    likeliest label continuation (base, experts, merged, calibrated) plus perplexity."""
+    from featcal_core.lm_evaluation import evaluate_lm_dataset
+    from featcal_core.synthetic import build_pool
+
+    llama = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+    pool = build_pool(tmp_path / "pool", "llama", llama, ("alpha", "beta"))
+    words, prompt = ["good", "bad", "fun"], "review: {text} verdict:"
+    params = {
+        "run": {"name": "llama", "results_dir": str(tmp_path / "results")},
+        "models": {"base": str(pool.base), "experts": {t: str(p) for t, p in pool.experts.items()}},
+        "tasks": {
+            task: {
+                "calibration": {"path": str(data), "split": "train"},
+                "evaluation": {"path": str(data), "split": "test"},
+                "label_words": words,
+                "prompt": prompt,
+            }
+            for i, task in enumerate(pool.experts)
+            for data in [_labelled_texts(tmp_path / f"text_{task}", seed=i)]
+        },
+        "featcal": {"num_per_task": 12, "batch_size": 4},
+    }
+    params_path = tmp_path / "params.yaml"
+    params_path.write_text(yaml.safe_dump(params))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # fmt: skip
+    cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = tmp_path / "results"
+    record = json.loads((results / "calibrated" / "featcal.json").read_text())
+    assert record["architecture"] == "hf-llama" and len(record["blocks"]) == 2
+    evaluation = json.loads((results / "evaluation.json").read_text())
+    for task in pool.experts:
+        row = evaluation[task]
+        assert set(row) == {"base", "expert", "merged", "calibrated"}
+        assert all(r["examples"] == 12 and r["perplexity"] > 1.0 for r in row.values())
+        assert row["expert"]["normalized"] == 1.0
+        # the step's numbers are the library's on the same checkpoint and rows
+        again = evaluate_lm_dataset(results / "calibrated", pool.base,
+                                    tmp_path / f"text_{task}", "test", words, prompt)  # fmt: skip
+        assert row["calibrated"]["accuracy"] == again["accuracy"]
+        assert row["calibrated"]["perplexity"] == again["perplexity"]
+    assert (tmp_path / "reports" / "llama" / "report.md").is_file()

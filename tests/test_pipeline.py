@@ -1,6 +1,6 @@
-"""`featcal run` end to end on tiny local checkpoints: real Prefect flow (embedded server), real
-MLflow SQLite store; download (local references) → calibration sets → merge → calibrate →
-evaluate."""
+"""`featcal run` end to end on tiny local checkpoints: real Prefect flow (the CLIP run on the
+embedded server, the others on the tests' shared local Prefect server), real MLflow SQLite store;
+download (local references) → calibration sets → merge → calibrate → evaluate → report."""
 
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def _labelled_texts(path, seed, rows=(24, 12)):
     return path
 
 
-def test_featcal_run_bert_with_task_heads(tmp_path):
+def test_featcal_run_bert_with_task_heads(tmp_path, prefect_api):
     """BERT experts with their own classification heads: the merge takes the encoders (heads
     ignored), calibration runs on the encoder, evaluation uses each expert's head."""
     base, experts = _bert_with_heads(tmp_path)
@@ -207,7 +207,7 @@ def test_featcal_run_bert_with_task_heads(tmp_path):
     }
     params_path = tmp_path / "params.yaml"
     params_path.write_text(yaml.safe_dump(params))
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": prefect_api,
            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # fmt: skip
     cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -235,7 +235,7 @@ def test_featcal_run_bert_with_task_heads(tmp_path):
     assert "Head calibration (beyond the paper)" in report
 
 
-def test_featcal_run_llama_scores_label_continuations(tmp_path):
+def test_featcal_run_llama_scores_label_continuations(tmp_path, prefect_api):
     """A Llama-layout causal LM through the whole flow: calibrated by hf-llama, evaluated by the
     likeliest label continuation (base, experts, merged, calibrated) plus perplexity."""
     from featcal_core.lm_evaluation import evaluate_lm_dataset
@@ -262,7 +262,7 @@ def test_featcal_run_llama_scores_label_continuations(tmp_path):
     }
     params_path = tmp_path / "params.yaml"
     params_path.write_text(yaml.safe_dump(params))
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": prefect_api,
            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # fmt: skip
     cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)

@@ -160,7 +160,7 @@ def test_zoo_params_validation(tmp_path):
 # ------------------------------------------------------------------------- the whole flow
 
 
-def test_flow_builds_the_zoo_and_runs_with_head_calibration(toy_data, tmp_path):
+def test_flow_builds_the_zoo_and_runs_with_head_calibration(toy_data, tmp_path, prefect_api):
     params = {
         "run": {"name": "toy", "results_dir": str(tmp_path / "results")},
         "zoo": {"preset": "vision", "name": "toy", "dir": str(tmp_path / "zoo"),
@@ -170,7 +170,7 @@ def test_flow_builds_the_zoo_and_runs_with_head_calibration(toy_data, tmp_path):
     }  # fmt: skip
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": prefect_api,
            "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # fmt: skip
     cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)

@@ -29,7 +29,23 @@ TINY_BERT = dict(
     max_position_embeddings=64,
 )
 
-__all__ = ["Zoo", "bert_zoo", "clip_zoo"]
+__all__ = ["Zoo", "bert_zoo", "clip_zoo", "run_featcal"]
+
+
+def run_featcal(tmp_path: Path, params_path: Path, api_url: str | None = None, *extra: str):
+    """`featcal run --params params_path` in a subprocess with its own Prefect home and MLflow
+    store below tmp_path (api_url: a Prefect server; None: Prefect's embedded one)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # fmt: skip
+    env.pop("PREFECT_API_URL", None)
+    if api_url is not None:
+        env["PREFECT_API_URL"] = api_url
+    cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
 
 
 def clip_zoo(root: Path, tasks=("alpha", "beta"), dtype=torch.float32, **kwargs) -> Zoo:

@@ -207,10 +207,7 @@ def test_featcal_run_bert_with_task_heads(tmp_path, prefect_api):
     }
     params_path = tmp_path / "params.yaml"
     params_path.write_text(yaml.safe_dump(params))
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": prefect_api,
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # fmt: skip
-    cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = factories.run_featcal(tmp_path, params_path, prefect_api)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = tmp_path / "results"
     merged = load_file(str(results / "merged" / "model.safetensors"))
@@ -262,10 +259,7 @@ def test_featcal_run_llama_scores_label_continuations(tmp_path, prefect_api):
     }
     params_path = tmp_path / "params.yaml"
     params_path.write_text(yaml.safe_dump(params))
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": prefect_api,
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # fmt: skip
-    cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = factories.run_featcal(tmp_path, params_path, prefect_api)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = tmp_path / "results"
     record = json.loads((results / "calibrated" / "featcal.json").read_text())

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import datasets
 import numpy as np
@@ -16,6 +14,7 @@ import yaml
 from huggingface_hub import snapshot_download
 from PIL import Image
 
+import factories
 from featcal_cli.main import main
 from featcal_core.errors import FeatCalError
 from featcal_core.zoo import hub_cache
@@ -170,10 +169,7 @@ def test_flow_builds_the_zoo_and_runs_with_head_calibration(toy_data, tmp_path, 
     }  # fmt: skip
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": prefect_api,
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # fmt: skip
-    cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    proc = factories.run_featcal(tmp_path, path, prefect_api)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     manifest = load_manifest(tmp_path / "zoo")

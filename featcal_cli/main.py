@@ -112,9 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--dask-workers", type=int, default=2, help="workers of the local Dask cluster"
     )
     cal.add_argument("--no-progress", action="store_true", help="no progress bar")
-    from featcal_cli import lineage_command, merge_command
+    from featcal_cli import lineage_command, merge_command, open_clip_command
 
     lineage_command.add_parser(sub)
+    open_clip_command.add_parser(sub, COMMANDS)
     merge = merge_command.add_parser(sub)
     merge.add_argument("--params", help="run the pipeline's merge step from this params.yaml")
     merge.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",

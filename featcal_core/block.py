@@ -145,8 +145,9 @@ class BlockRunner:
 
     def read_block(self, checkpoint, index: int) -> dict[str, torch.Tensor]:
         prefix = self.arch.block_prefix(index)
-        tensors = self.models.read(checkpoint, [prefix + name for name in self.local_names])
-        return {name: tensors[prefix + name] for name in self.local_names}
+        keys = {name: prefix + self.arch.checkpoint_name(name) for name in self.local_names}
+        tensors = self.models.read(checkpoint, list(keys.values()))
+        return {name: tensors[key] for name, key in keys.items()}
 
     def forward(self, module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():

@@ -147,7 +147,10 @@ class Calibration:
     def checkpoint_keys(self, result: BlockResult) -> dict[str, torch.Tensor]:
         """The block's calibrated tensors under the merged checkpoint's own key names."""
         prefix = self.models.prefix(self.models.merged) + self.arch.block_prefix(result.index)
-        return {prefix + name: tensor.contiguous() for name, tensor in result.tensors.items()}
+        return {
+            prefix + self.arch.checkpoint_name(name): tensor.contiguous()
+            for name, tensor in result.tensors.items()
+        }
 
     def export(self, replaced: dict[str, Path], out_dir: Path) -> None:
         """Write the calibrated checkpoint: merged layout, `replaced` keys read from their files."""

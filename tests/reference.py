@@ -7,6 +7,7 @@ code with featcal_core: the library's streaming implementation must reproduce it
 from __future__ import annotations
 
 import copy
+import math
 import sys
 
 import torch
@@ -17,21 +18,26 @@ D64 = torch.float64
 
 class Family:
     """How the reference reaches into a full HF model (CLIPVisionModel, BertModel, or a Llama-layout
-    *ForCausalLM: kind "llama", also for Mistral and Qwen2)."""
+    *ForCausalLM: kind "llama", also for Mistral and Qwen2) or an open_clip VisionTransformer
+    (kind "open_clip")."""
 
     def __init__(self, kind: str):
         self.kind = kind
         self.exempt = {"clip": ("self_attn.k_proj", "self_attn.v_proj"),
                        "bert": ("attention.self.key", "attention.self.value"),
-                       "llama": ()}[kind]  # fmt: skip
+                       "llama": (), "open_clip": ("attn.in_proj",)}[kind]  # fmt: skip
         self.pooled = kind != "llama"  # causal LMs: no pooled-token down-weighting
 
     def layers(self, model):
+        if self.kind == "open_clip":
+            return [_OpenCLIPBlockView(block) for block in model.transformer.resblocks]
         if self.kind == "llama":
             return model.model.layers
         return model.encoder.layers if self.kind == "clip" else model.encoder.layer
 
     def stem(self, model, inputs):
+        if self.kind == "open_clip":
+            return _open_clip_stem(model, inputs["pixel_values"].to(D64))
         if self.kind == "clip":
             return model.pre_layrnorm(model.embeddings(inputs["pixel_values"].to(D64)))
         ids = inputs["input_ids"]
@@ -40,6 +46,8 @@ class Family:
         return model.embeddings(input_ids=ids, token_type_ids=torch.zeros_like(ids))
 
     def run(self, layer, hidden, mask):
+        if self.kind == "open_clip":
+            return layer(hidden, mask)
         if self.kind == "clip":
             out = layer(hidden, None)
         elif self.kind == "llama":
@@ -48,6 +56,49 @@ class Family:
             add = (1.0 - mask.to(D64))[:, None, None, :] * torch.finfo(D64).min
             out = layer(hidden, attention_mask=add)
         return out[0] if isinstance(out, tuple) else out
+
+
+def _open_clip_stem(model, pixels):
+    """open_clip VisionTransformer tokens: conv patches, class token first, positions, ln_pre."""
+    patches = nn.functional.conv2d(pixels, model.conv1.weight, stride=model.conv1.stride)
+    patches = patches.flatten(2).transpose(1, 2)
+    cls = model.class_embedding.reshape(1, 1, -1).expand(patches.shape[0], 1, -1)
+    return model.ln_pre(torch.cat([cls, patches], dim=1) + model.positional_embedding)
+
+
+class _OpenCLIPBlockView(nn.Module):
+    """An open_clip ResidualAttentionBlock seen with its packed q/k/v projection as a Linear,
+    `attn.in_proj`, that shares the block's `attn.in_proj_weight` / `in_proj_bias` (loading this
+    view's state dict writes into the block). nn.MultiheadAttention calls neither in_proj nor
+    out_proj as a module, so the forward is written out here: every Linear and LayerNorm is called
+    as a module and the capture hooks see its input."""
+
+    def __init__(self, block):
+        super().__init__()
+        mha = block.attn
+        self.heads = mha.num_heads
+        self.ln_1, self.ln_2, self.mlp = block.ln_1, block.ln_2, block.mlp
+        self.ls_1, self.ls_2 = block.ls_1, block.ls_2
+        self.attn = nn.Module()
+        self.attn.in_proj = nn.Linear(mha.embed_dim, 3 * mha.embed_dim, device="meta")
+        self.attn.in_proj.weight, self.attn.in_proj.bias = mha.in_proj_weight, mha.in_proj_bias
+        self.attn.out_proj = mha.out_proj
+
+    def forward(self, hidden, mask):
+        batch, seq, width = hidden.shape
+        head = width // self.heads
+        qkv = self.attn.in_proj(self.ln_1(hidden))
+        q, k, v = (
+            qkv[..., i * width : (i + 1) * width]
+            .reshape(batch, seq, self.heads, head)
+            .transpose(1, 2)
+            for i in range(3)
+        )
+        scores = q @ k.transpose(-1, -2) / math.sqrt(head)
+        scores = scores.masked_fill(~mask.bool()[:, None, None, :], float("-inf"))
+        context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, width)
+        hidden = hidden + self.ls_1(self.attn.out_proj(context))
+        return hidden + self.ls_2(self.mlp(self.ln_2(hidden)))
 
 
 def _run_decoder_layer(layer, hidden, mask):
@@ -170,7 +221,7 @@ def reference_featcal(family, base, merged, experts, inputs, alpha, rho, lam, ep
                 mats = torch.stack([torch.stack([a11, a12], -1), torch.stack([a12, a22], -1)], -2)
                 sol = torch.linalg.solve(mats, torch.stack([r1, r2], -1))
                 new[f"{name}.weight"], new[f"{name}.bias"] = sol[:, 0], sol[:, 1]
-        layer.load_state_dict(new)
+        layer.load_state_dict({**layer.state_dict(), **new})  # others (layer scale): as merged
         for t in tasks:
             hs[t] = family.run(layer, hs[t], inputs[t]["attention_mask"])
     return cal.state_dict()

@@ -63,6 +63,13 @@ class Architecture(ABC):
     def block_prefix(self, index: int) -> str:
         """Canonical prefix of block `index`, e.g. "encoder.layers.3."."""
 
+    def checkpoint_name(self, local: str) -> str:
+        """The checkpoint's local name (relative to `block_prefix(i)`) of the block module's
+        tensor `local` (a key of `build_block(...).state_dict()`). Identity by default; an adapter
+        whose block module holds a tensor under another name overrides it (e.g. open_clip's packed
+        `attn.in_proj_weight`, held by an `attn.in_proj` Linear so that it is calibrated)."""
+        return local
+
     def resolve_prefix(self, checkpoint: Checkpoint) -> str:
         """The key prefix of the tower inside `checkpoint`."""
         return self.find_prefix(checkpoint, f"{checkpoint.role} {checkpoint.directory}")

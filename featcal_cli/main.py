@@ -290,6 +290,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     if missing:
         raise FeatCalError(f"featcal calibrate needs {', '.join(missing)} (or --params FILE)")
     if args.results_dir is not None:
+        if args.spill_dir is not None:
+            raise FeatCalError(
+                "--spill-dir has no effect with --results-dir: the flow keeps every hidden-state "
+                "stream on disk in the results directory already; drop --spill-dir"
+            )
         return _calibrate_flow(args)
     if args.runner != "local" or args.dask_address is not None:
         raise FeatCalError("--runner dask / --dask-address need --results-dir (the Prefect flow)")

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from featcal_core.architectures import detect
-from featcal_core.architectures.base import Architecture
+from featcal_core.architectures.base import Architecture, load_tokenizer
 from featcal_core.checkpoint import Checkpoint, sha256_file
 from featcal_core.errors import FeatCalError
 from featcal_core.safetensors_io import DTYPES
@@ -596,15 +596,7 @@ def _image_processor(directory: Path, role: str) -> Any:
 
 
 def _tokenizer(directory: Path, role: str) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(directory)
-    except Exception as exc:
-        raise FeatCalError(
-            f"{role} {directory}: cannot load the tokenizer ({exc}); save it there with "
-            "tokenizer.save_pretrained"
-        ) from exc
+    return load_tokenizer(directory, role)
 
 
 def _image_inputs(processor: Any, rows: list[Any]) -> dict[str, torch.Tensor]:

@@ -14,13 +14,13 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
+from featcal_core.architectures.base import load_tokenizer
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation import _check_labels, _device, _load_split, _tokenizer
+from featcal_core.evaluation import _check_labels, _device, _load_split
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +62,6 @@ def _token_log_probs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tens
     return picked * mask[:, 1:].to(torch.float64)
 
 
-def _right_padded(tokenizer) -> Any:
-    if tokenizer.pad_token is None:
-        if tokenizer.eos_token is None:
-            raise FeatCalError("the tokenizer has neither a pad nor an eos token; set pad_token")
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "right"
-    return tokenizer
-
-
 @torch.no_grad()
 def label_continuation(
     model_dir: str | Path,
@@ -90,7 +81,7 @@ def label_continuation(
         raise FeatCalError("label continuation needs at least two label words (one per class)")
     target = _check_labels(labels, len(label_words), "evaluation set", "label")
     dev = _device(device)
-    tokenizer = _right_padded(_tokenizer(Path(tokenizer_dir), "base model"))
+    tokenizer = load_tokenizer(tokenizer_dir, "base model", right_padded=True)
     model = load_causal_lm(model_dir, dev)
     prompts = [tokenizer(template.format(text=t))["input_ids"] for t in texts]
     words = [tokenizer(" " + w, add_special_tokens=False)["input_ids"] for w in label_words]
@@ -137,7 +128,7 @@ def perplexity(
 ) -> dict[str, float]:
     """{"perplexity", "nll", "tokens"} of `texts` under the model (see module doc)."""
     dev = _device(device)
-    tokenizer = _right_padded(_tokenizer(Path(tokenizer_dir), "base model"))
+    tokenizer = load_tokenizer(tokenizer_dir, "base model", right_padded=True)
     model = load_causal_lm(model_dir, dev)
     total, count = 0.0, 0
     for start in range(0, len(texts), batch_size):

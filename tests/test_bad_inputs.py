@@ -154,6 +154,13 @@ def test_expert_without_calib(zoo, tmp_path, capsys):
     _fails(zoo.cli_args(tmp_path / "out"), capsys, "--expert beta", "--calib beta")
 
 
+def test_runner_options_need_the_flow_and_spill_dir_does_not_go_with_it(zoo, tmp_path, capsys):
+    args = zoo.cli_args(tmp_path / "out")
+    _fails(args + ["--runner", "dask"], capsys, "--runner dask", "--results-dir")
+    _fails(args + ["--results-dir", str(tmp_path / "r"), "--spill-dir", str(tmp_path / "s")],
+           capsys, "--spill-dir has no effect with --results-dir")  # fmt: skip
+
+
 def test_unsupported_architecture(zoo, tmp_path, capsys):
     config_path = zoo.base / "config.json"
     config = json.loads(config_path.read_text())

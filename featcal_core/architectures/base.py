@@ -11,6 +11,7 @@ Names: a *canonical* tensor name is the checkpoint key with the tower prefix rem
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -133,3 +134,29 @@ class Architecture(ABC):
 
     def is_pooled_module(self, module: str) -> bool:
         return not any(module == name for name in self.pooled_exempt)
+
+
+def load_tokenizer(directory: str | Path, what: str = "base model", right_padded: bool = False):
+    """The tokenizer saved in `directory` (a clear FeatCalError when there is none).
+
+    right_padded: pad on the right, with eos as the pad token when the tokenizer has none
+    (causal LMs)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    except Exception as exc:
+        raise FeatCalError(
+            f"{what} {directory}: cannot load the tokenizer ({exc}); save it there with "
+            "tokenizer.save_pretrained"
+        ) from exc
+    if right_padded:
+        if tokenizer.pad_token is None:
+            if tokenizer.eos_token is None:
+                raise FeatCalError(
+                    f"{what} {directory}: the tokenizer has neither a pad nor an eos token; set "
+                    "tokenizer.pad_token and save it there"
+                )
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "right"
+    return tokenizer

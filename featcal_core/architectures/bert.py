@@ -13,12 +13,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoTokenizer, BertConfig
+from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
 
 from featcal_core.architectures import register
-from featcal_core.architectures.base import Architecture
-from featcal_core.errors import FeatCalError
+from featcal_core.architectures.base import Architecture, load_tokenizer
 
 
 class _Stem(nn.Module):
@@ -74,13 +73,7 @@ class HFBert(Architecture):
     def prepare_inputs(
         self, base_dir: str, rows: list[Any], max_length: int
     ) -> dict[str, torch.Tensor]:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(base_dir)
-        except Exception as exc:
-            raise FeatCalError(
-                f"{base_dir}: cannot load the tokenizer ({exc}); save the base model's tokenizer "
-                "with tokenizer.save_pretrained into the base directory"
-            ) from exc
+        tokenizer = load_tokenizer(base_dir)
         limit = min(max_length, int(self.hf_config.max_position_embeddings))
         encoded = tokenizer(
             [str(row) for row in rows],

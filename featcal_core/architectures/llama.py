@@ -19,10 +19,9 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
-from transformers import AutoTokenizer
 
 from featcal_core.architectures import register
-from featcal_core.architectures.base import Architecture
+from featcal_core.architectures.base import Architecture, load_tokenizer
 from featcal_core.errors import FeatCalError
 
 log = logging.getLogger(__name__)
@@ -140,22 +139,7 @@ class HFLlama(Architecture):
     def prepare_inputs(
         self, base_dir: str, rows: list[Any], max_length: int
     ) -> dict[str, torch.Tensor]:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(base_dir)
-        except Exception as exc:
-            raise FeatCalError(
-                f"{base_dir}: cannot load the tokenizer ({exc}); save the base model's tokenizer "
-                "with tokenizer.save_pretrained into the base directory"
-            ) from exc
-        if tokenizer.pad_token is None:
-            if tokenizer.eos_token is None:
-                raise FeatCalError(
-                    f"{base_dir}: the tokenizer has neither a pad nor an eos token; set "
-                    "tokenizer.pad_token and save it into the base directory"
-                )
-            log.info("%s: the tokenizer has no pad token; padding with eos", base_dir)
-            tokenizer.pad_token = tokenizer.eos_token
-        tokenizer.padding_side = "right"
+        tokenizer = load_tokenizer(base_dir, right_padded=True)
         limit = min(max_length, int(self.hf_config.max_position_embeddings))
         encoded = tokenizer(
             [str(row) for row in rows],

@@ -25,6 +25,10 @@ from featcal_core.merging.base import MergeMethod
 from featcal_core.merging.run import merge_checkpoints
 from featcal_core.merging.ties import Ties, kept_count
 from featcal_core.safetensors_io import Reader
+from featcal_core.synthetic import build_pool
+
+TINY_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
 
 TASKS = ("alpha", "beta", "gamma")
 
@@ -37,6 +41,9 @@ def zoos(tmp_path_factory):
         "clip": factories.clip_zoo(root / "clip", tasks=TASKS, rows=2),
         "bert": factories.bert_zoo(root / "bert", tasks=TASKS[:2], rows=2),
         "clip_bf16": factories.clip_zoo(root / "bf16", tasks=TASKS[:2], dtype=torch.bfloat16, rows=2),
+        "llama": build_pool(root / "llama", "llama", TINY_LLAMA, TASKS, rows=2),
+        "llama_bf16": build_pool(root / "llama16", "llama", TINY_LLAMA, TASKS[:2],
+                                 dtype=torch.bfloat16, rows=2),
     }  # fmt: skip
 
 
@@ -130,7 +137,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("family", ["clip", "bert"])
+@pytest.mark.parametrize("family", ["clip", "bert", "llama"])
 @pytest.mark.parametrize(("method", "given", "filled"), CASES)
 def test_method_matches_in_memory_computation(zoos, tmp_path, family, method, given, filled):
     zoo = zoos[family]
@@ -282,6 +289,35 @@ def test_sharded_base_keeps_its_shard_layout_and_index(zoos, zoo, tmp_path):
     assert merged.keys() == unsharded.keys()
     for name, tensor in merged.items():
         torch.testing.assert_close(tensor, expected[name].float(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties"])
+def test_sharded_bf16_llama_gives_sharded_output_with_index_config_and_tokenizer(
+    zoos, tmp_path, method
+):
+    """A Llama-layout causal LM in bf16, base and experts in shards of different counts: the output
+    keeps the base's shards and index, is bf16, equals the unsharded merge, and carries the base's
+    config and tokenizer files."""
+    src = zoos["llama_bf16"]
+    base = shutil.copytree(src.base, tmp_path / "base")
+    experts = {t: shutil.copytree(p, tmp_path / p.name) for t, p in src.experts.items()}
+    factories.reshard(base, shards=3)
+    for count, path in enumerate(experts.values(), start=2):
+        factories.reshard(path, shards=count)
+    out, flat = tmp_path / "merged", tmp_path / "flat"
+    merge_checkpoints(base, experts, out, method, progress=False)
+    merge_checkpoints(src.base, src.experts, flat, method, progress=False)
+    shards = sorted(p.name for p in base.glob("*.safetensors"))
+    assert len(shards) == 3 and sorted(p.name for p in out.glob("*.safetensors")) == shards
+    index = "model.safetensors.index.json"
+    assert (out / index).read_bytes() == (base / index).read_bytes()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (out / name).read_bytes() == (base / name).read_bytes(), name
+    merged, expected = _state(out), _state(flat)
+    assert merged.keys() == expected.keys()
+    assert all(t.dtype == torch.bfloat16 for t in merged.values())
+    for key, tensor in merged.items():
+        assert torch.equal(tensor, expected[key]), key
 
 
 @pytest.mark.parametrize("method", ["task_arithmetic", "ties", "average"])

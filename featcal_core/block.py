@@ -24,7 +24,16 @@ from featcal_core.model_set import ModelSet
 from featcal_core.safetensors_io import Reader, read_header, save_tensors
 from featcal_core.solvers import anchor
 from featcal_core.statistics import LinearInputStats, NormStats, Scratch
-from featcal_core.streams import EXPERT, STUDENT, HiddenStreams
+from featcal_core.streams import (
+    EXPERT,
+    EXPERT_CONTEXT,
+    EXPERT_DECODER,
+    STUDENT,
+    STUDENT_CONTEXT,
+    STUDENT_DECODER,
+    HiddenStreams,
+    decoder_mask_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +118,13 @@ class _Capture:
 
         return hook
 
-    def run(self, block: nn.Module, hidden: torch.Tensor, mask: torch.Tensor):
+    def run(self, block: nn.Module, hidden: torch.Tensor, mask: torch.Tensor, context=None):
         """(block output, {module name: its input}) for one batch; the caller owns the dict."""
         self.inputs = {}
         self._active = True
         try:
             with torch.no_grad():
-                out = self.arch.run_block(block, hidden, mask)
+                out = _run(self.arch, block, hidden, mask, context)
         finally:
             self._active = False
         inputs, self.inputs = self.inputs, {}
@@ -130,28 +139,83 @@ class BlockRunner:
         self.arch = models.arch
         self.dtype = dtype
         self.device = device
-        self.merged_block = self.arch.build_block(dtype).to(device).requires_grad_(False)
-        self.expert_block = self.arch.build_block(dtype).to(device).requires_grad_(False)
-        norm_types = self.arch.norm_types + self.arch.rms_norm_types
-        self.linears = [n for n, m in self.merged_block.named_modules() if isinstance(m, nn.Linear)]
-        self.norms = [n for n, m in self.merged_block.named_modules() if isinstance(m, norm_types)]
-        self.local_names = list(self.merged_block.state_dict().keys())
-        self.merged_capture = _Capture(self.arch, self.merged_block, self.linears + self.norms)
-        self.expert_capture = _Capture(self.arch, self.expert_block, self.linears + self.norms)
+        self._kinds: dict[str | None, tuple] = {}
+        self._kind: object = object()  # none selected yet
+        self._use(0)
+
+    def _use(self, index: int) -> None:
+        """Select the block modules of block `index`'s kind (encoder or decoder for T5)."""
+        kind = self.arch.block_kind(index)
+        if kind == self._kind:
+            return
+        if kind not in self._kinds:
+            build = (lambda: self.arch.build_block(self.dtype)) if kind is None else (
+                lambda: self.arch.build_block(self.dtype, kind))  # fmt: skip
+            merged = build().to(self.device).requires_grad_(False)
+            expert = build().to(self.device).requires_grad_(False)
+            norm_types = self.arch.norm_types + self.arch.rms_norm_types
+            linears = [n for n, m in merged.named_modules() if isinstance(m, nn.Linear)]
+            norms = [n for n, m in merged.named_modules() if isinstance(m, norm_types)]
+            self._kinds[kind] = (merged, expert, linears, norms, list(merged.state_dict()),
+                                 _Capture(self.arch, merged, linears + norms),
+                                 _Capture(self.arch, expert, linears + norms))  # fmt: skip
+        (self.merged_block, self.expert_block, self.linears, self.norms, self.local_names,
+         self.merged_capture, self.expert_capture) = self._kinds[kind]  # fmt: skip
+        self._kind = kind
+        self._merged_index = None
 
     def load(self, module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         state = {name: tensors[name].to(self.device, self.dtype) for name in self.local_names}
         module.load_state_dict(state, strict=True)
 
     def read_block(self, checkpoint, index: int) -> dict[str, torch.Tensor]:
-        prefix = self.arch.block_prefix(index)
-        keys = {name: prefix + self.arch.checkpoint_name(name) for name in self.local_names}
+        keys = {name: self.arch.checkpoint_key(index, name) for name in self.local_names}
         tensors = self.models.read(checkpoint, list(keys.values()))
         return {name: tensors[key] for name, key in keys.items()}
 
-    def forward(self, module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor, context=None):
         with torch.no_grad():
-            return self.arch.run_block(module, hidden, mask)
+            return _run(self.arch, module, hidden, mask, context)
+
+    # ----- the streams a block reads (one stack; or T5's encoder, bridge, decoder) --------------
+    def _phase(self, index: int) -> str:
+        """ "single" (no decoder), "encoder", "bridge" (first decoder block) or "decoder"."""
+        start = self.arch.decoder_start
+        if start is None:
+            return "single"
+        return "encoder" if index < start else "bridge" if index == start else "decoder"
+
+    def _input_kinds(self, phase: str) -> tuple[str, str]:
+        return (STUDENT_DECODER, EXPERT_DECODER) if phase == "bridge" else (STUDENT, EXPERT)
+
+    def _mask(self, masks: dict[str, torch.Tensor], task: str, phase: str) -> torch.Tensor:
+        return masks[decoder_mask_key(task)] if phase in ("bridge", "decoder") else masks[task]
+
+    def _contexts(self, phase, kind, task, source, target, batch_size, checkpoint, masks):
+        """Batches of (context (B, Sc, d), encoder mask (B, Sc)) for decoder blocks, else Nones.
+        At the bridge the context is computed from the encoder output in `source` with
+        `checkpoint`'s bridge tensors (final norm) and written to `target` for later blocks."""
+        encoder_mask = masks[task].split(batch_size)
+        context_kind = {STUDENT: STUDENT_CONTEXT, EXPERT: EXPERT_CONTEXT}[kind]
+        if phase in ("single", "encoder"):
+            yield from (None for _ in encoder_mask)
+            return
+        if phase == "decoder":
+            for hidden, mask in zip(source.batches(context_kind, task, batch_size), encoder_mask,
+                                    strict=True):  # fmt: skip
+                yield hidden.to(self.device), mask.to(self.device)
+            return
+        tensors = {
+            k: v.to(self.device, self.dtype)
+            for k, v in self.models.read(checkpoint, list(self.arch.bridge_names)).items()
+        }
+        done = []
+        for hidden, mask in zip(source.batches(kind, task, batch_size), encoder_mask, strict=True):
+            with torch.no_grad():
+                context = self.arch.run_bridge(tensors, hidden.to(self.device))
+            done.append(context.to("cpu"))
+            yield context, mask.to(self.device)
+        target.put(context_kind, task, torch.cat(done))
 
     def _load_merged(self, index: int) -> dict[str, torch.Tensor]:
         """Load block `index` of the (uncalibrated) merged model; returns its tensors."""
@@ -176,8 +240,11 @@ class BlockRunner:
         expert's block output to `target` and returns the task's contribution to the block's
         statistics. Independent of the other tasks: it can run in another process."""
         last = index == self.arch.num_blocks - 1
-        if getattr(self, "_merged_index", None) != index:
+        self._use(index)
+        if self._merged_index != index:
             self._load_merged(index)
+        phase = self._phase(index)
+        student_kind, expert_kind = self._input_kinds(phase)
         expert_sd = self.read_block(self.models.experts[task], index)
         self.load(self.expert_block, expert_sd)
         del expert_sd
@@ -190,26 +257,31 @@ class BlockRunner:
         groups: dict[str, str] = {}
         norm_stats: dict[str, NormStats] = {}
         new_expert, sq_sum, tok_sum = [], 0.0, 0.0
+        expert = self.models.experts[task]
         batches = zip(
-            source.batches(STUDENT, task, batch_size),
-            source.batches(EXPERT, task, batch_size),
-            masks[task].split(batch_size),
+            source.batches(student_kind, task, batch_size),
+            source.batches(expert_kind, task, batch_size),
+            self._mask(masks, task, phase).split(batch_size),
+            self._contexts(phase, STUDENT, task, source, target, batch_size, self.models.merged,
+                           masks),
+            self._contexts(phase, EXPERT, task, source, target, batch_size, expert, masks),
             strict=True,
-        )
-        for student, expert_hidden, mask in batches:
+        )  # fmt: skip
+        for student, expert_hidden, mask, context_s, context_e in batches:
             student = student.to(self.device)
             expert_hidden = expert_hidden.to(self.device)
             mask = mask.to(self.device)
-            out_m, x_s = self.merged_capture.run(self.merged_block, student, mask)
-            out_e, x_e = self.expert_capture.run(self.expert_block, expert_hidden, mask)
+            out_m, x_s = self.merged_capture.run(self.merged_block, student, mask, context_s)
+            out_e, x_e = self.expert_capture.run(self.expert_block, expert_hidden, mask, context_e)
             _check_finite(out_e, f"expert {task!r} output of block {index}")
             _check_finite(out_m, f"merged output of block {index} on task {task!r}")
             if linear_stats is None:
-                tokens = min(int(m.sum()) for m in masks.values())
+                tokens = min(int(m.sum()) for m in masks.values())  # a hint for the cost
                 linear_stats, groups = self._linear_groups(x_s, last, tokens)
                 norm_stats = self._norm_stats()
-            self._accumulate(x_s, x_e, mask, last, params.alpha, groups, linear_stats,
-                             norm_stats, expert_params)  # fmt: skip
+            context_mask = None if context_s is None else context_s[1]
+            self._accumulate(x_s, x_e, mask, context_mask, last, params.alpha, groups,
+                             linear_stats, norm_stats, expert_params)  # fmt: skip
             del x_s, x_e
             sq, tok = _drift_sums(out_m, out_e, self._drift_mask(mask, last))
             sq_sum, tok_sum = sq_sum + sq, tok_sum + tok
@@ -251,6 +323,9 @@ class BlockRunner:
         contributions are folded in task order, so both give the same block, bit for bit."""
         start = time.perf_counter()
         last = index == self.arch.num_blocks - 1
+        self._use(index)
+        phase = self._phase(index)
+        student_kind, _ = self._input_kinds(phase)
         merged_sd = self._load_merged(index)
         result = BlockResult(index, {})
         linear_sums: dict[str, LinearInputStats] = {}
@@ -288,14 +363,18 @@ class BlockRunner:
 
         for task in self.models.experts:
             outputs, sq_sum, tok_sum = [], 0.0, 0.0
+            context_source = target if phase == "bridge" else source  # the bridge wrote it there
             batches = zip(
-                source.batches(STUDENT, task, batch_size),
+                source.batches(student_kind, task, batch_size),
                 target.batches(EXPERT, task, batch_size),
-                masks[task].split(batch_size),
+                self._mask(masks, task, phase).split(batch_size),
+                self._contexts("decoder" if phase == "bridge" else phase, STUDENT, task,
+                               context_source, None, batch_size, None, masks),
                 strict=True,
-            )
-            for student, expert_out, mask in batches:
-                out = self.forward(self.merged_block, student.to(self.device), mask.to(self.device))
+            )  # fmt: skip
+            for student, expert_out, mask, context in batches:
+                out = self.forward(self.merged_block, student.to(self.device),
+                                   mask.to(self.device), context)  # fmt: skip
                 _check_finite(out, f"calibrated output of block {index} on task {task!r}")
                 drift_mask = self._drift_mask(mask.to(self.device), last)
                 sq, tok = _drift_sums(out, expert_out.to(self.device), drift_mask)
@@ -348,8 +427,9 @@ class BlockRunner:
         return out
 
     def _accumulate(
-        self, x_s, x_e, mask, last, alpha, groups, linear_stats, norm_stats, expert_params
-    ):
+        self, x_s, x_e, mask, context_mask, last, alpha, groups, linear_stats, norm_stats,
+        expert_params,
+    ):  # fmt: skip
         done: set[str] = set()
         for name in self.linears:
             key = groups[name]
@@ -357,8 +437,9 @@ class BlockRunner:
                 continue
             done.add(key)
             stats = linear_stats[key]
+            tokens = context_mask if self.arch.reads_context(name) else mask
             (xs, xe), w = _weighted_tokens(
-                self.arch.token_weights(name, last, mask), x_s[name], x_e[name]
+                self.arch.token_weights(name, last, tokens), x_s[name], x_e[name]
             )
             params = {member: expert_params[member] for member in stats.targets}
             stats.add(xs, xe, w, alpha, params)
@@ -394,6 +475,13 @@ class BlockRunner:
         for name, tensor in solved.items():
             _check_finite(tensor, f"solved parameter {name}")
         return solved
+
+
+def _run(arch, block, hidden, mask, context):
+    """arch.run_block, with the decoder's context only when there is one."""
+    if context is None:
+        return arch.run_block(block, hidden, mask)
+    return arch.run_block(block, hidden, mask, context=context)
 
 
 def _weighted_tokens(weights: torch.Tensor, *hidden: torch.Tensor):

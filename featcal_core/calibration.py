@@ -23,7 +23,14 @@ from featcal_core.export import export_checkpoint
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.model_set import ModelSet
 from featcal_core.safetensors_io import save_tensors
-from featcal_core.streams import EXPERT, STUDENT, HiddenStreams
+from featcal_core.streams import (
+    EXPERT,
+    EXPERT_DECODER,
+    STUDENT,
+    STUDENT_DECODER,
+    HiddenStreams,
+    decoder_mask_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +153,9 @@ class Calibration:
 
     def checkpoint_keys(self, result: BlockResult) -> dict[str, torch.Tensor]:
         """The block's calibrated tensors under the merged checkpoint's own key names."""
-        prefix = self.models.prefix(self.models.merged) + self.arch.block_prefix(result.index)
+        prefix = self.models.prefix(self.models.merged)
         return {
-            prefix + self.arch.checkpoint_name(name): tensor.contiguous()
+            prefix + self.arch.checkpoint_key(result.index, name): tensor.contiguous()
             for name, tensor in result.tensors.items()
         }
 
@@ -256,7 +263,8 @@ def _run_stems(models, sets, streams, dtype, device, batch_size, max_length):
     stem = arch.build_stem(dtype).to(device).requires_grad_(False)
     masks: dict[str, torch.Tensor] = {}
 
-    def run(checkpoint: Checkpoint, inputs: dict[str, torch.Tensor], what: str) -> torch.Tensor:
+    def run(checkpoint: Checkpoint, inputs: dict[str, torch.Tensor], what: str,
+            decoder: bool = False) -> torch.Tensor:  # fmt: skip
         state = models.read(checkpoint, stem_names)
         stem.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=True)
         outputs = []
@@ -264,17 +272,31 @@ def _run_stems(models, sets, streams, dtype, device, batch_size, max_length):
         with torch.no_grad():
             for start in range(0, count, batch_size):
                 batch = {k: v[start : start + batch_size].to(device) for k, v in inputs.items()}
-                hidden = arch.run_stem(stem, batch)
+                hidden = (arch.run_decoder_stem if decoder else arch.run_stem)(stem, batch)
                 if not bool(torch.isfinite(hidden).all()):
                     raise FeatCalError(f"NaN or Inf in the {what} stem output; check its weights")
                 outputs.append(hidden.to("cpu"))
         return torch.cat(outputs)
 
+    decoder = arch.decoder_start is not None
     for task, calibration in sets.items():
-        inputs = arch.prepare_inputs(str(models.base.directory), calibration.rows, max_length)
+        inputs = arch.prepare_inputs(
+            str(models.base.directory), calibration.rows, max_length, calibration.targets
+        )
         masks[task] = inputs["attention_mask"].to(torch.float32)
         streams.put(STUDENT, task, run(models.merged, inputs, f"merged model's ({task})"))
         streams.put(EXPERT, task, run(models.experts[task], inputs, f"expert {task!r}"))
+        if decoder:  # the decoder's own stem outputs, used from the first decoder block on
+            dec = {"input_ids": inputs["decoder_input_ids"],
+                   "attention_mask": inputs["decoder_attention_mask"]}  # fmt: skip
+            masks[decoder_mask_key(task)] = dec["attention_mask"].to(torch.float32)
+            streams.put(
+                STUDENT_DECODER,
+                task,
+                run(models.merged, dec, f"merged model's decoder ({task})", True),
+            )
+            streams.put(EXPERT_DECODER, task,
+                        run(models.experts[task], dec, f"expert {task!r} decoder", True))  # fmt: skip
     return masks
 
 

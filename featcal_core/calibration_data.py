@@ -12,6 +12,8 @@ import numpy as np
 from featcal_core.errors import FeatCalError
 
 COLUMNS = {"image": "image", "text": "text"}
+#: optional column of text sets: the teacher-forced decoder input of encoder-decoder models (T5)
+TARGET = "target"
 
 
 @dataclass
@@ -21,6 +23,7 @@ class CalibrationSet:
     rows: list[Any]  # PIL images or strings, in the order of `indices`
     indices: list[int]  # row numbers in the saved dataset
     total_rows: int
+    targets: list[str] | None = None  # the `target` column (text sets that have one): decoder input
 
 
 def load_calibration_set(
@@ -64,8 +67,11 @@ def load_calibration_set(
         indices = sorted(int(i) for i in rng.choice(len(data), size=num_per_task, replace=False))
     else:
         indices = list(range(len(data)))
-    rows = data.select(indices)[column]
-    return CalibrationSet(task, path, list(rows), indices, len(data))
+    chosen = data.select(indices)
+    targets = None
+    if modality == "text" and TARGET in data.column_names:
+        targets = [str(t) for t in chosen[TARGET]]
+    return CalibrationSet(task, path, list(chosen[column]), indices, len(data), targets)
 
 
 def _saved_without_rows(path: Path) -> bool:

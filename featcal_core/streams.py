@@ -19,6 +19,19 @@ from featcal_core.safetensors_io import Entry, read_header, read_tensor, save_te
 
 STUDENT = "student"
 EXPERT = "expert"
+# encoder-decoder models (T5): the decoder stems (until the first decoder block) and the decoder's
+# context (each model's encoder output after its final norm, from the first decoder block on)
+STUDENT_DECODER = "student_decoder"
+EXPERT_DECODER = "expert_decoder"
+STUDENT_CONTEXT = "student_context"
+EXPERT_CONTEXT = "expert_context"
+
+
+def decoder_mask_key(task: str) -> str:
+    """Key of a task's decoder token mask beside its (encoder) mask in a masks dict."""
+    return f"decoder:{task}"
+
+
 _KEY = "h"
 
 

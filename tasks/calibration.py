@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -35,7 +36,7 @@ from featcal_core.state import (
     streams_of,
     verify,
 )
-from featcal_core.streams import EXPERT, HiddenStreams, stream_file_name
+from featcal_core.streams import HiddenStreams, stream_file_name
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,18 @@ def stems_task(spec: dict, stage: str, index: int, digest: str) -> dict:
     return {"path": str(final), "reused": False}
 
 
+def carry_forward(source: HiddenStreams, target: HiddenStreams) -> None:
+    """Hard-link (or copy) into `target` every stream of `source` the block did not rewrite (an
+    encoder-decoder's decoder stems and contexts), so each state holds all later blocks need."""
+    for path in sorted(source.directory.glob("*.safetensors")):
+        kept = target.directory / path.name
+        if not kept.exists():
+            try:
+                os.link(path, kept)
+            except OSError:
+                shutil.copy2(path, kept)
+
+
 def statistics_file(work: str | Path, task_name: str) -> Path:
     """Where `task_statistics_task` leaves one task's statistics of a block."""
     return Path(work) / stream_file_name("statistics", task_name)
@@ -177,15 +190,15 @@ def block_task(
     tmp = new_state_dir(final.parent, final.name)
     target = streams_of(tmp)
     precomputed = None
-    if work is not None:
-        for task_name in cal.models.experts:  # the experts' block outputs, already computed
-            done = HiddenStreams(Path(work) / STREAMS).path(EXPERT, task_name)
-            done.replace(target.path(EXPERT, task_name))
+    if work is not None:  # the experts' block outputs (and contexts), already computed there
+        for done in sorted((Path(work) / STREAMS).glob("*.safetensors")):
+            done.replace(target.directory / done.name)
 
         def precomputed(task_name: str) -> TaskStatistics:
             return TaskStatistics.load(statistics_file(work, task_name))
 
     result = cal.block(index, streams_of(source), target, masks, precomputed)
+    carry_forward(streams_of(source), target)
     save_tensors(tmp / BLOCK, cal.checkpoint_keys(result))
     save_masks(tmp, masks)
     commit_state(tmp, final, index, block_summary(result))

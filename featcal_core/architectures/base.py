@@ -64,6 +64,36 @@ class Architecture(ABC):
     def block_prefix(self, index: int) -> str:
         """Canonical prefix of block `index`, e.g. "encoder.layers.3."."""
 
+    # ----- encoder-decoder models (T5): all optional, one stack by default ---------------------
+    #: index of the first decoder block (blocks before it are the encoder's); None: one stack
+    decoder_start: int | None = None
+    #: canonical names the bridge reads from each model (e.g. the encoder's final norm)
+    bridge_names: tuple[str, ...] = ()
+
+    def block_kind(self, index: int) -> str | None:
+        """Which block module `build_block` makes for block `index` (None: the only one)."""
+        return None
+
+    def reads_context(self, module: str) -> bool:
+        """True when `module` of a decoder block reads the encoder output (cross-attention k/v):
+        its token weights come from the encoder tokens' mask."""
+        return False
+
+    def run_bridge(self, tensors: dict[str, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+        """The decoder's context from the encoder's last block output (B, S, d) of one model,
+        given that model's `bridge_names` tensors."""
+        raise NotImplementedError(f"{self.name} has no decoder")
+
+    def run_decoder_stem(self, stem: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The decoder's block-0 input (B, T, d) for a batch of model inputs."""
+        raise NotImplementedError(f"{self.name} has no decoder")
+
+    def checkpoint_key(self, index: int, local: str) -> str:
+        """Canonical name of block `index`'s module tensor `local` (default: the block's prefix
+        and `checkpoint_name`); an adapter whose blocks share a tensor kept in another block
+        (T5's relative position bias, in block 0) overrides it."""
+        return self.block_prefix(index) + self.checkpoint_name(local)
+
     def checkpoint_name(self, local: str) -> str:
         """The checkpoint's local name (relative to `block_prefix(i)`) of the block module's
         tensor `local` (a key of `build_block(...).state_dict()`). Identity by default; an adapter
@@ -112,14 +142,17 @@ class Architecture(ABC):
 
     @abstractmethod
     def run_block(self, block: nn.Module, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Block output (B, S, d) for hidden (B, S, d) and token mask (B, S) of 1/0."""
+        """Block output (B, S, d) for hidden (B, S, d) and token mask (B, S) of 1/0. Decoder
+        blocks of an encoder-decoder model also get `context=(encoder output (B, Sc, d), encoder
+        mask (B, Sc))`."""
 
     # ----- data -------------------------------------------------------------------------------
     @abstractmethod
     def prepare_inputs(
-        self, base_dir: str, rows: list[Any], max_length: int
+        self, base_dir: str, rows: list[Any], max_length: int, targets: list[str] | None = None
     ) -> dict[str, torch.Tensor]:
-        """Model inputs for the calibration rows (PIL images or strings), incl. "attention_mask"."""
+        """Model inputs for the calibration rows (PIL images or strings), incl. "attention_mask";
+        `targets` (the set's `target` column, when it has one) feed encoder-decoder decoders."""
 
     # ----- token weights ----------------------------------------------------------------------
     def token_weights(self, module: str, last_block: bool, mask: torch.Tensor) -> torch.Tensor:

@@ -71,7 +71,7 @@ class HFBert(Architecture):
         return out[0] if isinstance(out, tuple) else out
 
     def prepare_inputs(
-        self, base_dir: str, rows: list[Any], max_length: int
+        self, base_dir: str, rows: list[Any], max_length: int, targets: list[str] | None = None
     ) -> dict[str, torch.Tensor]:
         tokenizer = load_tokenizer(base_dir)
         limit = min(max_length, int(self.hf_config.max_position_embeddings))

@@ -73,7 +73,7 @@ class HFCLIPVision(Architecture):
         return out[0] if isinstance(out, tuple) else out
 
     def prepare_inputs(
-        self, base_dir: str, rows: list[Any], max_length: int
+        self, base_dir: str, rows: list[Any], max_length: int, targets: list[str] | None = None
     ) -> dict[str, torch.Tensor]:
         try:
             processor = AutoImageProcessor.from_pretrained(base_dir)

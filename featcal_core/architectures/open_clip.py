@@ -296,7 +296,7 @@ class OpenCLIPVision(Architecture):
             ) from exc
 
     def prepare_inputs(
-        self, base_dir: str, rows: list[Any], max_length: int
+        self, base_dir: str, rows: list[Any], max_length: int, targets: list[str] | None = None
     ) -> dict[str, torch.Tensor]:
         transform = self.transform()
         pixels = torch.stack([transform(_as_rgb(row)) for row in rows])

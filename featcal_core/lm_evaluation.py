@@ -1,5 +1,6 @@
-"""Evaluation of causal language models (hf-llama family): label-continuation accuracy on
-classification sets and perplexity on held-out text.
+"""Evaluation of language models: label-continuation accuracy on classification sets for causal
+LMs (hf-llama) and text-to-text models (hf-t5, GLUE style: each label's tokens as the decoder's
+output), and, for causal LMs, perplexity on held-out text.
 
 Label continuation: for each example the prompt `template.format(text=...)` is scored with every
 class's label words appended; the prediction is the class whose continuation has the highest total
@@ -27,32 +28,69 @@ log = logging.getLogger(__name__)
 DEFAULT_TEMPLATE = "{text} ->"
 
 
-def is_causal_lm(model_dir: str | Path) -> bool:
-    """True when the checkpoint's config.json is a causal-LM family (the hf-llama adapter)."""
+def generation_kind(model_dir: str | Path) -> str | None:
+    """ "causal" (hf-llama), "seq2seq" (hf-t5 with a decoder) or None (not a generating LM)."""
     from featcal_core.architectures import detect
 
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
-        return False
+        return None
     try:
-        return bool(getattr(detect(config, str(model_dir)), "causal", False))
+        arch = detect(config, str(model_dir))
     except FeatCalError:
-        return False
+        return None
+    if getattr(arch, "causal", False):
+        return "causal"
+    return "seq2seq" if getattr(arch, "decoder_start", None) is not None else None
+
+
+def is_causal_lm(model_dir: str | Path) -> bool:
+    """True when the checkpoint is a language model evaluated by label scoring (causal or
+    text-to-text)."""
+    return generation_kind(model_dir) is not None
 
 
 def load_causal_lm(model_dir: str | Path, device: torch.device) -> torch.nn.Module:
-    """A `*ForCausalLM` from a save_pretrained directory (float32 on CPU), in eval mode."""
-    from transformers import AutoModelForCausalLM
+    """A `*ForCausalLM` (or, for T5, `*ForConditionalGeneration`) from a save_pretrained
+    directory, float32, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+    loader = AutoModelForSeq2SeqLM if generation_kind(model_dir) == "seq2seq" else (
+        AutoModelForCausalLM)  # fmt: skip
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+        model = loader.from_pretrained(str(model_dir), dtype=torch.float32)
     except Exception as exc:
         raise FeatCalError(
             f"{model_dir}: cannot load a causal language model ({exc}); pass a save_pretrained "
-            "directory of a *ForCausalLM (config.json with its weights)"
+            "directory of a *ForCausalLM or T5ForConditionalGeneration (config.json with weights)"
         ) from exc
     return model.to(device).eval().requires_grad_(False)
+
+
+def _seq2seq_scores(model, tokenizer, prompts, words, labels_count, batch_size, dev, progress):
+    """(N, C) total log-probability of each class's label tokens (with eos) as the decoder's
+    output for each prompt (text-to-text, GLUE style)."""
+    targets = [tokenizer(" " + w)["input_ids"] for w in words]
+    scores = torch.zeros(len(prompts), labels_count, dtype=torch.float64)
+    pairs = [(i, c) for i in range(len(prompts)) for c in range(labels_count)]
+    for start in tqdm(range(0, len(pairs), batch_size), desc="label scoring",
+                      disable=not progress):  # fmt: skip
+        chunk = pairs[start : start + batch_size]
+        enc = tokenizer([prompts[i] for i, _ in chunk], padding=True, return_tensors="pt")
+        width = max(len(targets[c]) for _, c in chunk)
+        labels = torch.full((len(chunk), width), -100, dtype=torch.long)
+        for row, (_, c) in enumerate(chunk):
+            labels[row, : len(targets[c])] = torch.tensor(targets[c])
+        logits = model(input_ids=enc["input_ids"].to(dev),
+                       attention_mask=enc["attention_mask"].to(dev),
+                       labels=labels.to(dev)).logits.to(torch.float64).cpu()  # fmt: skip
+        log_probs = torch.log_softmax(logits, -1)
+        keep = labels != -100
+        picked = log_probs.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * keep
+        for row, (i, c) in enumerate(chunk):
+            scores[i, c] = picked[row].sum()
+    return scores, torch.tensor([len(t) for t in targets], dtype=torch.float64)
 
 
 def _token_log_probs(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -83,6 +121,12 @@ def label_continuation(
     dev = _device(device)
     tokenizer = load_tokenizer(tokenizer_dir, "base model", right_padded=True)
     model = load_causal_lm(model_dir, dev)
+    if generation_kind(model_dir) == "seq2seq":
+        scores, lengths = _seq2seq_scores(
+            model, tokenizer, [template.format(text=t) for t in texts], label_words,
+            len(label_words), batch_size, dev, progress,
+        )  # fmt: skip
+        return _summary(scores, lengths, target)
     prompts = [tokenizer(template.format(text=t))["input_ids"] for t in texts]
     words = [tokenizer(" " + w, add_special_tokens=False)["input_ids"] for w in label_words]
     empty = [w for w, ids in zip(label_words, words, strict=True) if not ids]
@@ -107,13 +151,17 @@ def label_continuation(
                 row, len(prompts[i]) - 1 : len(prompts[i]) - 1 + len(words[c])
             ].sum()
     lengths = torch.tensor([len(w) for w in words], dtype=torch.float64)
+    return _summary(scores, lengths, target)
+
+
+def _summary(scores: torch.Tensor, lengths: torch.Tensor, target: torch.Tensor) -> dict:
+    """Accuracy of the best-scoring class and mean per-token NLL of the true label."""
     predicted = scores.argmax(-1)
     true_scores = scores.gather(-1, target[:, None])[:, 0]
-    token_counts = lengths[target]
     return {
         "accuracy": float((predicted == target).to(torch.float64).mean()),
-        "loss": float((-true_scores / token_counts).mean()),
-        "examples": len(prompts),
+        "loss": float((-true_scores / lengths[target]).mean()),
+        "examples": int(target.shape[0]),
     }
 
 
@@ -169,6 +217,7 @@ def evaluate_lm_dataset(
     texts, labels = [str(t) for t in data[text_column]], list(data[label_column])
     result = label_continuation(model_dir, tokenizer_dir, texts, labels, label_words, template,
                                 batch_size, device)  # fmt: skip
-    result.update(perplexity(model_dir, tokenizer_dir, texts, batch_size=batch_size,
-                             device=device))  # fmt: skip
+    if generation_kind(model_dir) == "causal":  # the texts' perplexity (decoder-only models)
+        result.update(perplexity(model_dir, tokenizer_dir, texts, batch_size=batch_size,
+                                 device=device))  # fmt: skip
     return result

@@ -71,6 +71,18 @@ def text_set(path: Path, count: int, seed: int) -> Path:
     return path
 
 
+def text_target_set(path: Path, count: int, seed: int) -> Path:
+    """`count` random word sequences (2–11 words) in a `text` column and a `target` column of one
+    or two random words each (sequence-to-sequence calibration sets)."""
+    import datasets
+
+    rng = np.random.default_rng(seed)
+    texts = [" ".join(rng.choice(WORDS, size=int(rng.integers(2, 12)))) for _ in range(count)]
+    targets = [" ".join(rng.choice(WORDS, size=int(rng.integers(1, 3)))) for _ in range(count)]
+    datasets.Dataset.from_dict({"text": texts, "target": targets}).save_to_disk(str(path))
+    return path
+
+
 def _clip(config: dict, base_dir: Path):
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
@@ -133,7 +145,69 @@ def _llama(config: dict, base_dir: Path):
     return model
 
 
-FAMILIES = {"clip": (_clip, image_set), "bert": (_bert, text_set), "llama": (_llama, text_set)}
+def t5_tokenizer():
+    """A whitespace word-level tokenizer over WORDS with T5's conventions, built offline: <pad> = 0
+    (also the decoder start token), </s> = 1 appended to every encoding, <unk> = 2, no bos."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(["<pad>", "</s>", "<unk>", *WORDS])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", vocab["</s>"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+
+
+#: pool config keys of the "t5" family that choose the pool, not the T5Config
+T5_POOL_KEYS = ("encoder_only", "no_target")
+
+
+def _t5(config: dict, base_dir: Path):
+    """A T5ForConditionalGeneration, or a T5EncoderModel when the pool config says
+    `"encoder_only": true`; the other keys go to T5Config (d_model, d_ff, num_layers,
+    num_decoder_layers, num_heads, d_kv, feed_forward_proj, relative_attention_num_buckets, ...)."""
+    from transformers import T5Config, T5EncoderModel, T5ForConditionalGeneration
+
+    tokenizer = t5_tokenizer()
+    settings = {k: v for k, v in config.items() if k not in T5_POOL_KEYS}
+    hf_config = T5Config(
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+        **settings,
+    )
+    model_cls = T5EncoderModel if config.get("encoder_only") else T5ForConditionalGeneration
+    model = model_cls(hf_config).eval()
+    model.config.architectures = [model_cls.__name__]  # as save_pretrained writes it
+    model.config.save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
+    return model
+
+
+FAMILIES = {
+    "clip": (_clip, image_set),
+    "bert": (_bert, text_set),
+    "llama": (_llama, text_set),
+    "t5": (_t5, text_target_set),
+}
+
+
+def _untied_state(model) -> dict[str, torch.Tensor]:
+    """The model's state dict as save_pretrained writes it: tensors tied to an earlier key (T5's
+    encoder/decoder embed_tokens and lm_head, tied to shared) are left out; copies, detached."""
+    seen, state = set(), {}
+    for key, value in model.state_dict().items():
+        ident = (value.data_ptr(), tuple(value.shape), value.stride())
+        if ident in seen:
+            continue
+        seen.add(ident)
+        state[key] = value.detach().clone()
+    return state
 
 
 def build_pool(
@@ -156,12 +230,12 @@ def build_pool(
     """
     root = Path(root)
     make_model, make_set = FAMILIES[family]
+    if family == "t5" and config.get("no_target"):
+        make_set = text_set  # T5 calibration sets without a `target` column
     base_dir = root / "base"
     base_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    base_state = {
-        k: v.detach().clone() for k, v in make_model(config, base_dir).state_dict().items()
-    }
+    base_state = _untied_state(make_model(config, base_dir))
     delta_sum = {k: torch.zeros_like(v) for k, v in base_state.items()}
     experts = {}
     for i, task in enumerate(tasks):

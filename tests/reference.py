@@ -1,4 +1,5 @@
-"""A plain in-memory float64 FeatCal, written straight from the method page, for the tests.
+"""A plain in-memory float64 FeatCal, written straight from the method page, for the tests
+(`reference_featcal` for single-stack models, `reference_featcal_t5` for T5 encoder-decoders).
 
 It holds every model whole, computes X_t explicitly, solves with torch.linalg.solve and shares no
 code with featcal_core: the library's streaming implementation must reproduce it.
@@ -115,7 +116,9 @@ def _run_decoder_layer(layer, hidden, mask):
 
 
 def _is_rms_norm(module) -> bool:
-    return type(module).__name__.endswith("RMSNorm")
+    """Scale-only RMS norms: the Llama-family *RMSNorm and T5's T5LayerNorm."""
+    name = type(module).__name__
+    return name.endswith("RMSNorm") or name == "T5LayerNorm"
 
 
 def _weights(name: str, last: bool, mask: torch.Tensor, family: Family) -> torch.Tensor:
@@ -125,16 +128,96 @@ def _weights(name: str, last: bool, mask: torch.Tensor, family: Family) -> torch
     return w.reshape(-1)
 
 
-def _capture(family, layer, hidden, mask):
+def _captured(layer, run, *args):
+    """(run(layer, *args), the input of every Linear and norm inside `layer` during that call, by
+    module name)."""
     seen, hooks = {}, []
     for name, module in layer.named_modules():
         if isinstance(module, (nn.Linear, nn.LayerNorm)) or _is_rms_norm(module):
             hooks.append(module.register_forward_pre_hook(
                 lambda m, a, name=name: seen.__setitem__(name, a[0].detach())))  # fmt: skip
-    out = family.run(layer, hidden, mask)
-    for h in hooks:
-        h.remove()
+    try:
+        out = run(layer, *args)
+    finally:
+        for h in hooks:
+            h.remove()
     return out, seen
+
+
+def _capture(family, layer, hidden, mask):
+    return _captured(layer, family.run, hidden, mask)
+
+
+def _solve_block(before, base_layer, expert_layers, xs, xe, weights, alpha, rho, lam, eps):
+    """The closed forms of the method page for every Linear and norm of one block: `before` is the
+    merged block before calibration, xs / xe the captured student / expert inputs by task and
+    module name, weights(task, name) the flattened ω of that module's input tokens. Returns the new
+    tensors by local name."""
+    tasks = list(expert_layers)
+    new = {}
+    for name, module in before.named_modules():
+        base_mod = base_layer.get_submodule(name)
+        if isinstance(module, nn.Linear):
+            d_in = module.in_features
+            lhs = (lam + eps) * torch.eye(d_in, dtype=D64)
+            rhs = lam * (rho * module.weight + (1 - rho) * base_mod.weight).T
+            s_sum, bias_terms, mus_terms = 0.0, 0.0, 0.0
+            for t in tasks:
+                w = weights(t, name)
+                x_s = xs[t][name].reshape(-1, d_in)
+                x_t = alpha * xe[t][name].reshape(-1, d_in) + (1 - alpha) * x_s
+                total = w.sum()
+                c = (x_s * w[:, None]).T @ x_s / total
+                x = (x_s * w[:, None]).T @ x_t / total
+                s = 1.0 / max(float(torch.linalg.matrix_norm(c)), eps)
+                expert_mod = expert_layers[t].get_submodule(name)
+                lhs = lhs + s * c
+                rhs = rhs + s * x @ expert_mod.weight.T
+                mu_s = (x_s * w[:, None]).sum(0) / total
+                mu_t = (x_t * w[:, None]).sum(0) / total
+                s_sum += s
+                if module.bias is not None:
+                    bias_terms = bias_terms + s * (expert_mod.bias + expert_mod.weight @ mu_t)
+                mus_terms = mus_terms + s * mu_s
+            weight = torch.linalg.solve(lhs, rhs).T
+            new[f"{name}.weight"] = weight
+            if module.bias is not None:
+                a_b = rho * module.bias + (1 - rho) * base_mod.bias
+                bias = (bias_terms - weight @ mus_terms + lam * a_b) / (s_sum + lam)
+                new[f"{name}.bias"] = bias
+        elif _is_rms_norm(module):
+            # scale only: γ = (Σ e_t γ_t + λ a(γ)) / (Σ e_t + λ), z = x / sqrt(mean(x²) + eps)
+            d = module.weight.shape[0]
+            num = lam * (rho * module.weight + (1 - rho) * base_mod.weight)
+            den = torch.full((d,), lam, dtype=D64)
+            for t in tasks:
+                w = weights(t, name)
+                x = xs[t][name].reshape(-1, d)
+                z = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+                e_t = (z * z * w[:, None]).sum(0) / w.sum()
+                expert_mod = expert_layers[t].get_submodule(name)
+                num, den = num + e_t * expert_mod.weight, den + e_t
+            new[f"{name}.weight"] = num / den
+        elif isinstance(module, nn.LayerNorm):
+            d = module.normalized_shape[0]
+            a11 = torch.full((d,), lam, dtype=D64)
+            a12 = torch.zeros(d, dtype=D64)
+            r1 = lam * (rho * module.weight + (1 - rho) * base_mod.weight)
+            r2 = lam * (rho * module.bias + (1 - rho) * base_mod.bias)
+            for t in tasks:
+                w = weights(t, name)
+                z = nn.functional.layer_norm(xs[t][name].reshape(-1, d), (d,), eps=module.eps)
+                m_t = (z * w[:, None]).sum(0) / w.sum()
+                e_t = (z * z * w[:, None]).sum(0) / w.sum()
+                expert_mod = expert_layers[t].get_submodule(name)
+                a11, a12 = a11 + e_t, a12 + m_t
+                r1 = r1 + e_t * expert_mod.weight + m_t * expert_mod.bias
+                r2 = r2 + m_t * expert_mod.weight + expert_mod.bias
+            a22 = torch.full((d,), len(tasks) + lam, dtype=D64)
+            mats = torch.stack([torch.stack([a11, a12], -1), torch.stack([a12, a22], -1)], -2)
+            sol = torch.linalg.solve(mats, torch.stack([r1, r2], -1))
+            new[f"{name}.weight"], new[f"{name}.bias"] = sol[:, 0], sol[:, 1]
+    return new
 
 
 @torch.no_grad()
@@ -158,70 +241,165 @@ def reference_featcal(family, base, merged, experts, inputs, alpha, rho, lam, ep
             _, xs[t] = _capture(family, before, hs[t], mask)
             expert_layer = family.layers(experts[t])[index]
             he[t], xe[t] = _capture(family, expert_layer, he[t], mask)
-        new = {}
-        for name, module in before.named_modules():
-            base_mod = base_layer.get_submodule(name)
-            if isinstance(module, nn.Linear):
-                d_in = module.in_features
-                lhs = (lam + eps) * torch.eye(d_in, dtype=D64)
-                rhs = lam * (rho * module.weight + (1 - rho) * base_mod.weight).T
-                s_sum, bias_terms, mus_terms = 0.0, 0.0, 0.0
-                for t in tasks:
-                    w = _weights(name, last, inputs[t]["attention_mask"], family)
-                    x_s = xs[t][name].reshape(-1, d_in)
-                    x_t = alpha * xe[t][name].reshape(-1, d_in) + (1 - alpha) * x_s
-                    total = w.sum()
-                    c = (x_s * w[:, None]).T @ x_s / total
-                    x = (x_s * w[:, None]).T @ x_t / total
-                    s = 1.0 / max(float(torch.linalg.matrix_norm(c)), eps)
-                    expert_mod = family.layers(experts[t])[index].get_submodule(name)
-                    lhs = lhs + s * c
-                    rhs = rhs + s * x @ expert_mod.weight.T
-                    mu_s = (x_s * w[:, None]).sum(0) / total
-                    mu_t = (x_t * w[:, None]).sum(0) / total
-                    s_sum += s
-                    if module.bias is not None:
-                        bias_terms = bias_terms + s * (expert_mod.bias + expert_mod.weight @ mu_t)
-                    mus_terms = mus_terms + s * mu_s
-                weight = torch.linalg.solve(lhs, rhs).T
-                new[f"{name}.weight"] = weight
-                if module.bias is not None:
-                    a_b = rho * module.bias + (1 - rho) * base_mod.bias
-                    bias = (bias_terms - weight @ mus_terms + lam * a_b) / (s_sum + lam)
-                    new[f"{name}.bias"] = bias
-            elif _is_rms_norm(module):
-                # scale only: γ = (Σ e_t γ_t + λ a(γ)) / (Σ e_t + λ), z = x / sqrt(mean(x²) + eps)
-                d = module.weight.shape[0]
-                num = lam * (rho * module.weight + (1 - rho) * base_mod.weight)
-                den = torch.full((d,), lam, dtype=D64)
-                for t in tasks:
-                    w = _weights(name, last, inputs[t]["attention_mask"], family)
-                    x = xs[t][name].reshape(-1, d)
-                    z = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-                    e_t = (z * z * w[:, None]).sum(0) / w.sum()
-                    expert_mod = family.layers(experts[t])[index].get_submodule(name)
-                    num, den = num + e_t * expert_mod.weight, den + e_t
-                new[f"{name}.weight"] = num / den
-            elif isinstance(module, nn.LayerNorm):
-                d = module.normalized_shape[0]
-                a11 = torch.full((d,), lam, dtype=D64)
-                a12 = torch.zeros(d, dtype=D64)
-                r1 = lam * (rho * module.weight + (1 - rho) * base_mod.weight)
-                r2 = lam * (rho * module.bias + (1 - rho) * base_mod.bias)
-                for t in tasks:
-                    w = _weights(name, last, inputs[t]["attention_mask"], family)
-                    z = nn.functional.layer_norm(xs[t][name].reshape(-1, d), (d,), eps=module.eps)
-                    m_t = (z * w[:, None]).sum(0) / w.sum()
-                    e_t = (z * z * w[:, None]).sum(0) / w.sum()
-                    expert_mod = family.layers(experts[t])[index].get_submodule(name)
-                    a11, a12 = a11 + e_t, a12 + m_t
-                    r1 = r1 + e_t * expert_mod.weight + m_t * expert_mod.bias
-                    r2 = r2 + m_t * expert_mod.weight + expert_mod.bias
-                a22 = torch.full((d,), len(tasks) + lam, dtype=D64)
-                mats = torch.stack([torch.stack([a11, a12], -1), torch.stack([a12, a22], -1)], -2)
-                sol = torch.linalg.solve(mats, torch.stack([r1, r2], -1))
-                new[f"{name}.weight"], new[f"{name}.bias"] = sol[:, 0], sol[:, 1]
+        expert_layers = {t: family.layers(experts[t])[index] for t in tasks}
+
+        def weights(t, name, last=last):
+            return _weights(name, last, inputs[t]["attention_mask"], family)
+
+        new = _solve_block(before, base_layer, expert_layers, xs, xe, weights, alpha, rho, lam, eps)
         layer.load_state_dict({**layer.state_dict(), **new})  # others (layer scale): as merged
         for t in tasks:
             hs[t] = family.run(layer, hs[t], inputs[t]["attention_mask"])
+    return cal.state_dict()
+
+
+# ----- T5 (T5ForConditionalGeneration: encoder then decoder; T5EncoderModel: encoder only) -------
+
+#: decoder-block modules whose input is the encoder output (ω: the encoder tokens' mask)
+T5_CROSS_KV = ("layer.1.EncDecAttention.k", "layer.1.EncDecAttention.v")
+
+
+def t5_inputs(tokenizer, texts, targets=None, max_length=128, start_id=0):
+    """Model inputs of a T5 calibration batch: encoder ids/mask from `texts` (right padding,
+    truncation), and teacher-forced decoder ids/mask: labels = tokenizer(targets) (with its eos),
+    decoder ids = [start] + labels[:-1], decoder mask = the labels' mask; without targets
+    the decoder input is the start token alone (mask 1)."""
+    enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length,
+                    return_tensors="pt")  # fmt: skip
+    batch = enc["input_ids"].shape[0]
+    start = torch.full((batch, 1), start_id, dtype=torch.long)
+    one = torch.ones(batch, 1, dtype=torch.long)
+    if targets is None:
+        dec_ids, dec_mask = start, one
+    else:
+        labels = tokenizer(list(targets), padding=True, truncation=True, max_length=max_length,
+                           return_tensors="pt")  # fmt: skip
+        dec_ids = torch.cat([start, labels["input_ids"][:, :-1]], dim=1)
+        dec_mask = labels["attention_mask"]  # position j predicts label j: real label tokens
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
+            "decoder_input_ids": dec_ids, "decoder_attention_mask": dec_mask}  # fmt: skip
+
+
+def _additive(allowed: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=D64).masked_fill(~allowed, torch.finfo(D64).min)
+
+
+def t5_masks(inputs) -> dict[str, torch.Tensor]:
+    """Additive float64 attention masks: "encoder" (B, 1, 1, Se) padded keys; "decoder"
+    (B, 1, Sd, Sd) causal plus padded keys; "cross" (B, 1, 1, Se) padded encoder keys."""
+    enc = inputs["attention_mask"].bool()[:, None, None, :]
+    masks = {"encoder": _additive(enc), "cross": _additive(enc)}
+    if "decoder_attention_mask" in inputs:
+        dec = inputs["decoder_attention_mask"].bool()
+        causal = torch.ones(dec.shape[1], dec.shape[1], dtype=torch.bool).tril()
+        masks["decoder"] = _additive(causal[None, None] & dec[:, None, None, :])
+    return masks
+
+
+def t5_position_bias(stack, length: int) -> torch.Tensor:
+    """(1, heads, length, length) relative position bias of a T5Stack from its block 0's
+    relative_attention_bias table (bidirectional buckets in the encoder, causal in the decoder:
+    compute_bias follows the stack's is_decoder)."""
+    attention = stack.block[0].layer[0].SelfAttention
+    assert attention.has_relative_attention_bias and attention.is_decoder == stack.is_decoder
+    return attention.compute_bias(length, length)
+
+
+def t5_run_block(block, hidden, bias, mask, context=None, context_mask=None):
+    """One HF T5Block with an explicit position bias and additive masks (decoder blocks: with the
+    encoder context for cross-attention)."""
+    out = block(hidden, attention_mask=mask, position_bias=bias, encoder_hidden_states=context,
+                encoder_attention_mask=context_mask)  # fmt: skip
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _t5_eager(model):
+    for module in model.modules():
+        if type(module).__name__ == "T5Attention":
+            module.config._attn_implementation = "eager"
+    return model
+
+
+def _t5_has_decoder(model) -> bool:
+    return getattr(model, "decoder", None) is not None
+
+
+@torch.no_grad()
+def t5_hidden_states(model, inputs):
+    """(encoder output, decoder output), each after its stack's final_layer_norm (decoder: None for
+    a T5EncoderModel), by chaining the stems and t5_run_block as reference_featcal_t5 does."""
+    _t5_eager(model)
+    masks = t5_masks(inputs)
+    hidden = model.shared(inputs["input_ids"])
+    bias = t5_position_bias(model.encoder, hidden.shape[1])
+    for block in model.encoder.block:
+        hidden = t5_run_block(block, hidden, bias, masks["encoder"])
+    context = model.encoder.final_layer_norm(hidden)
+    if not _t5_has_decoder(model):
+        return context, None
+    hidden = model.shared(inputs["decoder_input_ids"])
+    bias = t5_position_bias(model.decoder, hidden.shape[1])
+    for block in model.decoder.block:
+        hidden = t5_run_block(block, hidden, bias, masks["decoder"], context, masks["cross"])
+    return context, model.decoder.final_layer_norm(hidden)
+
+
+def _t5_stage(stack, cal, base, experts, inputs, hs, he, context, settings):
+    """Calibrate the blocks of one stack ("encoder" or "decoder") of `cal` in forward order; hs /
+    he: student / expert hidden states by task (updated in place); context: (student, expert)
+    encoder outputs by task for the decoder's cross-attention, None for the encoder."""
+    tasks = list(experts)
+    decoder = stack == "decoder"
+    masks = {t: t5_masks(inputs[t]) for t in tasks}
+    self_mask = {t: masks[t][stack] for t in tasks}
+    cross = {t: masks[t]["cross"] if decoder else None for t in tasks}
+    token_mask = {t: inputs[t]["decoder_attention_mask" if decoder else "attention_mask"]
+                  for t in tasks}  # fmt: skip
+    # each model's own table, block 0 of the same stack (the student's is never calibrated)
+    bias_s = {t: t5_position_bias(getattr(cal, stack), hs[t].shape[1]) for t in tasks}
+    bias_e = {t: t5_position_bias(getattr(experts[t], stack), he[t].shape[1]) for t in tasks}
+    ctx_s = {t: context[0][t] if decoder else None for t in tasks}
+    ctx_e = {t: context[1][t] if decoder else None for t in tasks}
+
+    def weights(t, name):
+        mask = inputs[t]["attention_mask"] if name in T5_CROSS_KV else token_mask[t]
+        return mask.to(D64).reshape(-1)
+
+    for index, layer in enumerate(getattr(cal, stack).block):
+        before = copy.deepcopy(layer)
+        expert_layers = {t: getattr(experts[t], stack).block[index] for t in tasks}
+        xs, xe = {}, {}
+        for t in tasks:
+            student = (hs[t], bias_s[t], self_mask[t], ctx_s[t], cross[t])
+            _, xs[t] = _captured(before, t5_run_block, *student)
+            expert = (he[t], bias_e[t], self_mask[t], ctx_e[t], cross[t])
+            he[t], xe[t] = _captured(expert_layers[t], t5_run_block, *expert)
+        base_layer = getattr(base, stack).block[index]
+        new = _solve_block(before, base_layer, expert_layers, xs, xe, weights, *settings)
+        layer.load_state_dict({**layer.state_dict(), **new})  # relative_attention_bias: merged
+        for t in tasks:
+            hs[t] = t5_run_block(layer, hs[t], bias_s[t], self_mask[t], ctx_s[t], cross[t])
+
+
+@torch.no_grad()
+def reference_featcal_t5(base, merged, experts, inputs, alpha, rho, lam, eps=1e-8):
+    """The calibrated state dict (float64) of a T5ForConditionalGeneration or T5EncoderModel:
+    encoder blocks, then decoder blocks. inputs[t]: t5_inputs(...). Each stream runs with its own
+    model's stems, tables and final encoder norm; the student's decoder context is the merged
+    model's encoder.final_layer_norm of the calibrated encoder's output. Token weights: padding 0,
+    real tokens 1; the decoder's EncDecAttention.k / .v weigh the encoder tokens."""
+    cal = _t5_eager(copy.deepcopy(merged).to(D64))
+    base = _t5_eager(base.to(D64))
+    experts = {t: _t5_eager(m.to(D64)) for t, m in experts.items()}
+    tasks = list(experts)
+    settings = (alpha, rho, lam, eps)
+    hs = {t: cal.shared(inputs[t]["input_ids"]) for t in tasks}
+    he = {t: experts[t].shared(inputs[t]["input_ids"]) for t in tasks}
+    _t5_stage("encoder", cal, base, experts, inputs, hs, he, None, settings)
+    if _t5_has_decoder(cal):
+        context = ({t: cal.encoder.final_layer_norm(hs[t]) for t in tasks},
+                   {t: experts[t].encoder.final_layer_norm(he[t]) for t in tasks})  # fmt: skip
+        hs = {t: cal.shared(inputs[t]["decoder_input_ids"]) for t in tasks}
+        he = {t: experts[t].shared(inputs[t]["decoder_input_ids"]) for t in tasks}
+        _t5_stage("decoder", cal, base, experts, inputs, hs, he, context, settings)
     return cal.state_dict()

@@ -135,7 +135,7 @@ def test_missing_pad_token_pads_with_eos(llama_pool, tmp_path):
 
 def test_missing_tokenizer_and_cls_pooling_fail_clearly(llama_pool, tmp_path):
     config = json.loads((llama_pool.base / "config.json").read_text())
-    with pytest.raises(FeatCalError, match="cannot load the tokenizer"):
+    with pytest.raises(FeatCalError, match="no tokenizer files"):
         detect(config).prepare_inputs(str(tmp_path), ["the movie"], 128)
     with pytest.raises(FeatCalError, match="no pooled token"):
         detect(config, pooling="cls")

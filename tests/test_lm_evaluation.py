@@ -100,3 +100,35 @@ def test_dataset_evaluation_and_bad_inputs(lm_dir, tmp_path):
                             text_column="sentence")  # fmt: skip
     with pytest.raises(FeatCalError, match="cannot load a causal language model"):
         label_continuation(tmp_path / "set", lm_dir, texts, [0] * 6, LABEL_WORDS, TEMPLATE)
+
+
+@torch.no_grad()
+def test_t5_label_scoring_matches_the_models_own_loss(tmp_path):
+    """Text-to-text (T5): each label's tokens (with eos) scored as the decoder output for the
+    prompt; brute force: the HF model's mean loss on that one pair times its label length."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from featcal_core.synthetic import t5_tokenizer
+
+    tokenizer = t5_tokenizer()
+    torch.manual_seed(4)
+    config = T5Config(vocab_size=len(tokenizer), d_model=16, d_ff=32, num_layers=2, num_heads=2,
+                      d_kv=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)  # fmt: skip
+    T5ForConditionalGeneration(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    texts, labels = _texts(6, 3), [0, 1, 2, 2, 1, 0]
+    result = label_continuation(tmp_path, tmp_path, texts, labels, LABEL_WORDS, TEMPLATE,
+                                batch_size=4)  # fmt: skip
+    model = T5ForConditionalGeneration.from_pretrained(tmp_path).eval()
+    correct, losses = 0, []
+    for text, label in zip(texts, labels, strict=True):
+        ids = tokenizer(TEMPLATE.format(text=text), return_tensors="pt")["input_ids"]
+        totals, counts = [], []
+        for word in LABEL_WORDS:
+            target = tokenizer(" " + word, return_tensors="pt")["input_ids"]
+            totals.append(-float(model(input_ids=ids, labels=target).loss) * target.shape[1])
+            counts.append(target.shape[1])
+        correct += int(max(range(3), key=totals.__getitem__) == label)
+        losses.append(-totals[label] / counts[label])
+    assert result["accuracy"] == pytest.approx(correct / 6)
+    assert result["loss"] == pytest.approx(sum(losses) / 6, rel=1e-5)

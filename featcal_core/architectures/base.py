@@ -169,6 +169,12 @@ class Architecture(ABC):
         return not any(module == name for name in self.pooled_exempt)
 
 
+#: a local directory holds a saved tokenizer when it has one of these (transformers 5 would
+#: otherwise build an empty one from config.json alone and tokenize everything as unknown)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "tokenizer.model",
+                   "vocab.txt", "vocab.json", "sentencepiece.bpe.model")  # fmt: skip
+
+
 def load_tokenizer(directory: str | Path, what: str = "base model", right_padded: bool = False):
     """The tokenizer saved in `directory` (a clear FeatCalError when there is none).
 
@@ -176,6 +182,12 @@ def load_tokenizer(directory: str | Path, what: str = "base model", right_padded
     (causal LMs)."""
     from transformers import AutoTokenizer
 
+    local = Path(directory)
+    if local.is_dir() and not any((local / name).is_file() for name in TOKENIZER_FILES):
+        raise FeatCalError(
+            f"{what} {directory}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); save "
+            "the model's tokenizer there with tokenizer.save_pretrained"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except Exception as exc:

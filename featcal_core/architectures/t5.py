@@ -3,7 +3,8 @@
 
 Stem: the shared token embedding (`shared`), for the encoder's input ids and, with a decoder, for
 the teacher-forced decoder input ids (the calibration set's `target` column shifted right behind
-`decoder_start_token_id`; without that column the decoder sees that one start token). Blocks:
+`decoder_start_token_id`, each position weighted by whether the label it predicts is a real token;
+without that column the decoder sees that one start token). Blocks:
 `encoder.block.{i}` then `decoder.block.{j}`, each a `T5Block`: q/k/v/o (no biases), the
 `DenseReluDense` feed-forward (wi, wo; gated: wi_0, wi_1, wo) and scale-only RMS `layer_norm`s;
 decoder blocks add the cross-attention `EncDecAttention` whose k/v read the decoder's context: the
@@ -184,10 +185,6 @@ class HFT5(Architecture):
         ids, mask = labels["input_ids"], labels["attention_mask"]
         start = torch.full((count, 1), self.start_token, dtype=ids.dtype)
         inputs["decoder_input_ids"] = torch.cat([start, ids[:, :-1]], dim=1)
-        inputs["decoder_attention_mask"] = torch.cat(
-            [torch.ones(count, 1, dtype=mask.dtype), mask[:, :-1]], dim=1
-        )
-        inputs["decoder_input_ids"] = inputs["decoder_input_ids"].masked_fill(
-            inputs["decoder_attention_mask"] == 0, tokenizer.pad_token_id
-        )
+        # position j predicts label j: it counts when that label token is real (not padding)
+        inputs["decoder_attention_mask"] = mask
         return inputs

@@ -328,6 +328,7 @@ def _calibrate(args: argparse.Namespace) -> int:
             args.out, _pairs("--expert", args.expert), _pairs("--calib", args.calib),
             Path(args.out) / "heads", num_per_task=args.num_per_task, seed=args.seed,
             lam=args.head_lam, batch_size=args.batch_size, device=args.device,
+            tokenizer_dir=args.base,
         )  # fmt: skip
         logging.getLogger("featcal").info("refit heads: %s", ", ".join(heads.values()))
     return 0

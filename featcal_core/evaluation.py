@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from featcal_core.architectures import detect
-from featcal_core.architectures.base import Architecture, load_tokenizer
+from featcal_core.architectures.base import Architecture, has_tokenizer, load_tokenizer
 from featcal_core.checkpoint import Checkpoint, sha256_file
 from featcal_core.errors import FeatCalError
 from featcal_core.safetensors_io import DTYPES
@@ -159,11 +159,18 @@ class ExpertHead(Head):
     - a bare tower (e.g. CLIPVisionModel) with a linear head beside it (`classifier.safetensors`
       + `classifier.json`, see `featcal_core.linear_head`): that Linear on `pooler_output`.
 
-    The tokenizer or image processor is loaded from `expert_dir`; text is truncated to
-    `max_length` tokens (or the model's position limit, whichever is smaller).
+    The tokenizer or image processor is loaded from `expert_dir`; an expert saved without
+    tokenizer files uses `tokenizer_dir`'s (the base model it was fine-tuned from) when given.
+    Text is truncated to `max_length` tokens (or the model's position limit, whichever is
+    smaller).
     """
 
-    def __init__(self, expert_dir: str | Path, max_length: int = 512):
+    def __init__(
+        self,
+        expert_dir: str | Path,
+        max_length: int = 512,
+        tokenizer_dir: str | Path | None = None,
+    ):
         from featcal_core.linear_head import has_linear_head, load_linear_head
 
         self.expert_dir = Path(expert_dir)
@@ -185,6 +192,7 @@ class ExpertHead(Head):
         self.max_length = int(max_length)
         self._num_classes: int | None = None
         self._preprocessor: Any = None
+        self.tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
 
     @property
     def num_classes(self) -> int:
@@ -207,7 +215,12 @@ class ExpertHead(Head):
                 self._preprocessor = _image_processor(self.expert_dir, "expert")
             return _image_inputs(self._preprocessor, rows)
         if self._preprocessor is None:
-            self._preprocessor = _tokenizer(self.expert_dir, "expert")
+            source, role = self.expert_dir, "expert"
+            if self.tokenizer_dir is not None and not has_tokenizer(self.expert_dir):
+                logger.info("%s has no tokenizer files: using %s's", self.expert_dir,
+                            self.tokenizer_dir)  # fmt: skip
+                source, role = self.tokenizer_dir, "base model"
+            self._preprocessor = _tokenizer(source, role)
         limit = min(self.max_length, int(self.config.get("max_position_embeddings") or 10**9))
         return _text_inputs(self._preprocessor, rows, limit)
 

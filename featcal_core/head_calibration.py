@@ -156,10 +156,12 @@ def refit_expert_heads(
     lam: float = 0.05,
     batch_size: int = 32,
     device: str = "cpu",
+    tokenizer_dir: str | Path | None = None,
 ) -> dict[str, str]:
     """Head calibration of every expert's own head for the tower in `student_dir`, on the same
     seeded calibration sample FeatCal draws; writes `<out_dir>/<task>/classifier.{safetensors,json}`
-    (featcal_core.linear_head format). Returns {task: folder}."""
+    (featcal_core.linear_head format). Returns {task: folder}. `tokenizer_dir`: where experts
+    saved without a tokenizer take theirs (the base model)."""
     from featcal_core.calibration_data import load_calibration_set
     from featcal_core.evaluation import ExpertHead
     from featcal_core.linear_head import save_linear_head
@@ -168,7 +170,7 @@ def refit_expert_heads(
     for task, expert in experts.items():
         if task not in calib:
             raise FeatCalError(f"head calibration: task {task!r} has no calibration set; add one")
-        head = ExpertHead(expert)
+        head = ExpertHead(expert, tokenizer_dir=tokenizer_dir)
         rows = load_calibration_set(task, calib[task], head.modality, num_per_task, seed).rows
         weight, bias = calibrate_head(
             head, expert, student_dir, rows, lam=lam, batch_size=batch_size, device=device

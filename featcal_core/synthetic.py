@@ -104,7 +104,7 @@ def _bert(config: dict, base_dir: Path):
     model.config.save_pretrained(base_dir)
     vocab_file = base_dir / "vocab.txt"
     vocab_file.write_text("\n".join(vocab) + "\n")
-    BertTokenizer(vocab_file=str(vocab_file)).save_pretrained(base_dir)
+    BertTokenizer(vocab=str(vocab_file)).save_pretrained(base_dir)  # transformers 5: `vocab`
     return model
 
 

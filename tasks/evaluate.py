@@ -44,7 +44,7 @@ def task_head(task_name: str, spec: Any, base, expert, root: Path):
     when the task has class_names or templates."""
     data, split = _evaluation_data(task_name, spec.evaluation, root / "evaluation_data")
     if spec.class_names is None and spec.templates is None:
-        return ExpertHead(expert), False
+        return ExpertHead(expert, tokenizer_dir=base), False
     names = spec.class_names
     if names is None:
         rows = open_source({"path": str(data), "split": split}, key=f"tasks.{task_name}.evaluation")

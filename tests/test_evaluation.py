@@ -55,7 +55,7 @@ def bert(tmp_path_factory):
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
     vocab_file = root / "vocab.txt"
     vocab_file.write_text("\n".join(vocab) + "\n")
-    BertTokenizer(vocab_file=str(vocab_file)).save_pretrained(expert_dir)
+    BertTokenizer(vocab=str(vocab_file)).save_pretrained(expert_dir)
     config = BertConfig(vocab_size=len(vocab), num_labels=NUM_LABELS, **TINY_BERT)
     expert = BertForSequenceClassification(config).eval()
     expert.save_pretrained(expert_dir)
@@ -369,3 +369,24 @@ def test_clip_expert_head_with_transformers4_tower(clip, tmp_path):
     target = torch.tensor(clip["labels"])
     assert result["accuracy"] == pytest.approx(float((logits.argmax(-1) == target).float().mean()))
     assert result["loss"] == pytest.approx(float(F.cross_entropy(logits, target)), rel=1e-4)
+
+
+def test_expert_without_tokenizer_files_uses_the_base_tokenizer_or_fails_clearly(tmp_path):
+    """transformers 5 would build an empty tokenizer from config.json alone (every word unknown);
+    an expert saved without tokenizer files takes the base's, or stops with a clear error."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    import factories
+    from featcal_core.architectures.base import load_tokenizer
+
+    pool = factories.bert_zoo(tmp_path / "pool", tasks=("alpha",))
+    BertForSequenceClassification(
+        BertConfig.from_pretrained(pool.base, num_labels=2)
+    ).save_pretrained(tmp_path / "expert")
+    rows = ["the good movie", "a dull plot"]
+    inputs = ExpertHead(tmp_path / "expert", tokenizer_dir=pool.base).preprocess(rows)
+    expected = load_tokenizer(pool.base)(rows, padding=True, return_tensors="pt")["input_ids"]
+    assert torch.equal(inputs["input_ids"], expected)
+    assert int((expected == load_tokenizer(pool.base).unk_token_id).sum()) == 0
+    with pytest.raises(FeatCalError, match="no tokenizer files"):
+        ExpertHead(tmp_path / "expert").preprocess(rows)

@@ -175,6 +175,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "t
                    "vocab.txt", "vocab.json", "sentencepiece.bpe.model")  # fmt: skip
 
 
+def has_tokenizer(directory: str | Path) -> bool:
+    """True when the local directory holds saved tokenizer files."""
+    return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
+
+
 def load_tokenizer(directory: str | Path, what: str = "base model", right_padded: bool = False):
     """The tokenizer saved in `directory` (a clear FeatCalError when there is none).
 
@@ -183,7 +188,7 @@ def load_tokenizer(directory: str | Path, what: str = "base model", right_padded
     from transformers import AutoTokenizer
 
     local = Path(directory)
-    if local.is_dir() and not any((local / name).is_file() for name in TOKENIZER_FILES):
+    if local.is_dir() and not has_tokenizer(local):
         raise FeatCalError(
             f"{what} {directory}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); save "
             "the model's tokenizer there with tokenizer.save_pretrained"

@@ -37,7 +37,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from featcal_core.architectures import detect
-from featcal_core.architectures.base import Architecture, has_tokenizer, load_tokenizer
+from featcal_core.architectures.base import (
+    Architecture,
+    encode_texts,
+    has_tokenizer,
+    load_tokenizer,
+)
 from featcal_core.checkpoint import Checkpoint, sha256_file
 from featcal_core.errors import FeatCalError
 from featcal_core.safetensors_io import DTYPES
@@ -624,14 +629,7 @@ def _image_inputs(processor: Any, rows: list[Any]) -> dict[str, torch.Tensor]:
 
 
 def _text_inputs(tokenizer: Any, rows: list[Any], max_length: int) -> dict[str, torch.Tensor]:
-    encoded = tokenizer(
-        [str(row) for row in rows],
-        padding=True,
-        truncation=True,
-        max_length=max_length,
-        return_tensors="pt",
-    )
-    return {key: value for key, value in encoded.items() if isinstance(value, torch.Tensor)}
+    return encode_texts(tokenizer, rows, max_length)
 
 
 # ------------------------------------------------------------------------------------ data

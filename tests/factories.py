@@ -138,3 +138,18 @@ def vision_experts(base: Path, root: Path, tasks, delta: float = 0.05, seed: int
         to_transformers4_layout(root / f"expert_{task}")
         out[task] = root / f"expert_{task}"
     return out
+
+
+def cli_fails(args: list[str], capsys, *needles: str) -> str:
+    """`featcal ARGS` exits 2 with one line `featcal: error: ...` holding every needle, and no
+    --out was written; returns that line."""
+    from featcal_cli.main import main
+
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("featcal: error: ") and "\n" not in err, err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    assert not Path(args[args.index("--out") + 1]).exists()
+    return err

@@ -143,14 +143,7 @@ def test_missing_tokenizer_and_cls_pooling_fail_clearly(llama_pool, tmp_path):
 
 
 def _fails(args: list[str], capsys, *needles: str) -> str:
-    capsys.readouterr()
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("featcal: error: ") and "\n" not in err, err
-    for needle in needles:
-        assert needle in err, (needle, err)
-    assert not Path(args[args.index("--out") + 1]).exists()
-    return err
+    return factories.cli_fails(args, capsys, *needles)
 
 
 def _with_expert(pool, task: str, directory: Path):

@@ -230,14 +230,7 @@ def test_prepare_inputs_resize_crop_and_normalize_with_config_statistics():
 
 
 def _fails(args: list[str], capsys, *needles: str) -> str:
-    capsys.readouterr()
-    assert main(args) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("featcal: error: ") and "\n" not in err, err
-    for needle in needles:
-        assert needle in err, (needle, err)
-    assert not Path(args[args.index("--out") + 1]).exists()
-    return err
+    return factories.cli_fails(args, capsys, *needles)
 
 
 def test_pickled_module_needs_trust_pickle(pool, tmp_path, capsys, caplog):

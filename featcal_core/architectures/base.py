@@ -210,3 +210,10 @@ def load_tokenizer(directory: str | Path, what: str = "base model", right_padded
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "right"
     return tokenizer
+
+
+def encode_texts(tokenizer, rows: list[Any], max_length: int) -> dict[str, torch.Tensor]:
+    """Padded, truncated token tensors for a batch of texts (every tensor the tokenizer gives)."""
+    encoded = tokenizer([str(row) for row in rows], padding=True, truncation=True,
+                        max_length=max_length, return_tensors="pt")  # fmt: skip
+    return {key: value for key, value in encoded.items() if isinstance(value, torch.Tensor)}

@@ -17,7 +17,7 @@ from transformers import BertConfig
 from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
 
 from featcal_core.architectures import register
-from featcal_core.architectures.base import Architecture, load_tokenizer
+from featcal_core.architectures.base import Architecture, encode_texts, load_tokenizer
 
 
 class _Stem(nn.Module):
@@ -75,13 +75,7 @@ class HFBert(Architecture):
     ) -> dict[str, torch.Tensor]:
         tokenizer = load_tokenizer(base_dir)
         limit = min(max_length, int(self.hf_config.max_position_embeddings))
-        encoded = tokenizer(
-            [str(row) for row in rows],
-            padding=True,
-            truncation=True,
-            max_length=limit,
-            return_tensors="pt",
-        )
+        encoded = encode_texts(tokenizer, rows, limit)
         inputs = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
         if "token_type_ids" in encoded:
             inputs["token_type_ids"] = encoded["token_type_ids"]

@@ -21,7 +21,7 @@ import transformers
 from torch import nn
 
 from featcal_core.architectures import register
-from featcal_core.architectures.base import Architecture, load_tokenizer
+from featcal_core.architectures.base import Architecture, encode_texts, load_tokenizer
 from featcal_core.errors import FeatCalError
 
 log = logging.getLogger(__name__)
@@ -141,13 +141,7 @@ class HFLlama(Architecture):
     ) -> dict[str, torch.Tensor]:
         tokenizer = load_tokenizer(base_dir, right_padded=True)
         limit = min(max_length, int(self.hf_config.max_position_embeddings))
-        encoded = tokenizer(
-            [str(row) for row in rows],
-            padding=True,
-            truncation=True,
-            max_length=limit,
-            return_tensors="pt",
-        )
+        encoded = encode_texts(tokenizer, rows, limit)
         return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
 
 

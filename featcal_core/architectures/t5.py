@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from featcal_core.architectures import register
-from featcal_core.architectures.base import Architecture, load_tokenizer
+from featcal_core.architectures.base import Architecture, encode_texts, load_tokenizer
 from featcal_core.errors import FeatCalError
 
 _BIAS = "layer.0.SelfAttention.relative_attention_bias.weight"
@@ -170,8 +170,7 @@ class HFT5(Architecture):
         self, base_dir: str, rows: list[Any], max_length: int, targets: list[str] | None = None
     ) -> dict[str, torch.Tensor]:
         tokenizer = load_tokenizer(base_dir, right_padded=True)
-        encoded = tokenizer([str(r) for r in rows], padding=True, truncation=True,
-                            max_length=max_length, return_tensors="pt")  # fmt: skip
+        encoded = encode_texts(tokenizer, rows, max_length)
         inputs = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
         if self.encoder_only:
             return inputs
@@ -180,8 +179,7 @@ class HFT5(Architecture):
             inputs["decoder_input_ids"] = torch.full((count, 1), self.start_token)
             inputs["decoder_attention_mask"] = torch.ones(count, 1, dtype=torch.long)
             return inputs
-        labels = tokenizer([str(t) for t in targets], padding=True, truncation=True,
-                           max_length=max_length, return_tensors="pt")  # fmt: skip
+        labels = encode_texts(tokenizer, targets, max_length)
         ids, mask = labels["input_ids"], labels["attention_mask"]
         start = torch.full((count, 1), self.start_token, dtype=ids.dtype)
         inputs["decoder_input_ids"] = torch.cat([start, ids[:, :-1]], dim=1)

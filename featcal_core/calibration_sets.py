@@ -15,6 +15,8 @@ The written set is a `save_to_disk` directory that `featcal_core.calibration_dat
   `image_column` / `text_column`);
 * `label`, when the source has a label column (renamed from `label_column`), kept for later
   analysis only: calibration never reads it;
+* `target`, when a text source has a `target` column: the teacher-forced decoder input of
+  encoder-decoder models (T5);
 * `source_row` (int64): the row number of each example in the source split;
 * `calibration_set.json` (RECORD_NAME): task, source, split, rows requested and available, seed,
   the chosen row ids and `digest`.
@@ -50,6 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from featcal_core.atomic import atomic_directory
+from featcal_core.calibration_data import TARGET
 from featcal_core.data_source import DataSource, as_data_source
 from featcal_core.errors import FeatCalError
 
@@ -348,6 +351,10 @@ def draw_calibration_set(
 
     kept = [column] + ([label] if label else [])
     names = [CANONICAL_COLUMNS[modality]] + ([LABEL] if label else [])
+    target = modality == "text" and TARGET in data.column_names and TARGET not in kept
+    if target:  # encoder-decoder decoders are teacher-forced on it (featcal_core.calibration_data)
+        kept.append(TARGET)
+        names.append(TARGET)
     rows = data.select_columns(kept).with_format("arrow")
     # gather in memory: `select` on a memory-mapped dataset may write cache files beside the source
     table = rows[:] if len(ids) == total else rows[ids]
@@ -363,7 +370,7 @@ def draw_calibration_set(
         "source_identity": list(source.identity()),
         "split": split,
         "modality": modality,
-        "columns": {"input": column, "label": label},
+        "columns": {"input": column, "label": label} | ({"target": TARGET} if target else {}),
         "seed": seed,
         "n_requested": n,
         "rows_available": total,

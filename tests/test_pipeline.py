@@ -11,6 +11,7 @@ import sys
 
 import datasets
 import numpy as np
+import pytest
 import torch
 import yaml
 from PIL import Image
@@ -177,13 +178,16 @@ def _bert_with_heads(tmp_path):
     return pool.base, experts
 
 
-def _labelled_texts(path, seed, rows=(24, 12)):
+def _labelled_texts(path, seed, rows=(24, 12), targets=False):
     rng = np.random.default_rng(seed)
     splits = {}
     for split, count in zip(("train", "test"), rows, strict=True):
         texts = [" ".join(rng.choice(WORDS, size=int(rng.integers(2, 9)))) for _ in range(count)]
         labels = [int(x) for x in rng.integers(0, 3, size=count)]
-        splits[split] = datasets.Dataset.from_dict({"text": texts, "label": labels})
+        columns = {"text": texts, "label": labels}
+        if targets:  # text-to-text targets (the T5 decoder's teacher-forced input)
+            columns["target"] = [["good", "bad", "fun"][y] for y in labels]
+        splits[split] = datasets.Dataset.from_dict(columns)
     datasets.DatasetDict(splits).save_to_disk(str(path))
     return path
 
@@ -232,18 +236,28 @@ def test_featcal_run_bert_with_task_heads(tmp_path, prefect_api):
     assert "Head calibration (beyond the paper)" in report
 
 
-def test_featcal_run_llama_scores_label_continuations(tmp_path, prefect_api):
-    """A Llama-layout causal LM through the whole flow: calibrated by hf-llama, evaluated by the
-    likeliest label continuation (base, experts, merged, calibrated) plus perplexity."""
+LANGUAGE_MODELS = {
+    "llama": (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
+              "hf-llama", 2),
+    "t5": (dict(d_model=16, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=8),
+           "hf-t5", 4),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(LANGUAGE_MODELS))
+def test_featcal_run_language_model_scores_labels(tmp_path, prefect_api, family):
+    """A Llama-layout causal LM and a T5 through the whole flow: calibrated by their adapters
+    (T5: decoder teacher-forced on the sets' `target` column), evaluated by label scoring (base,
+    experts, merged, calibrated), plus perplexity for the causal LM."""
     from featcal_core.lm_evaluation import evaluate_lm_dataset
     from featcal_core.synthetic import build_pool
 
-    llama = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
-    pool = build_pool(tmp_path / "pool", "llama", llama, ("alpha", "beta"))
+    config, arch, blocks = LANGUAGE_MODELS[family]
+    pool = build_pool(tmp_path / "pool", family, config, ("alpha", "beta"))
     words, prompt = ["good", "bad", "fun"], "review: {text} verdict:"
     params = {
-        "run": {"name": "llama", "results_dir": str(tmp_path / "results")},
+        "run": {"name": family, "results_dir": str(tmp_path / "results")},
         "models": {"base": str(pool.base), "experts": {t: str(p) for t, p in pool.experts.items()}},
         "tasks": {
             task: {
@@ -253,7 +267,7 @@ def test_featcal_run_llama_scores_label_continuations(tmp_path, prefect_api):
                 "prompt": prompt,
             }
             for i, task in enumerate(pool.experts)
-            for data in [_labelled_texts(tmp_path / f"text_{task}", seed=i)]
+            for data in [_labelled_texts(tmp_path / f"text_{task}", seed=i, targets=True)]
         },
         "featcal": {"num_per_task": 12, "batch_size": 4},
     }
@@ -263,16 +277,19 @@ def test_featcal_run_llama_scores_label_continuations(tmp_path, prefect_api):
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = tmp_path / "results"
     record = json.loads((results / "calibrated" / "featcal.json").read_text())
-    assert record["architecture"] == "hf-llama" and len(record["blocks"]) == 2
+    assert record["architecture"] == arch and len(record["blocks"]) == blocks
+    sets = datasets.load_from_disk(str(results / "calibration_sets" / "alpha"))
+    assert "target" in sets.column_names  # kept for the T5 decoder
     evaluation = json.loads((results / "evaluation.json").read_text())
     for task in pool.experts:
         row = evaluation[task]
         assert set(row) == {"base", "expert", "merged", "calibrated"}
-        assert all(r["examples"] == 12 and r["perplexity"] > 1.0 for r in row.values())
+        assert all(r["examples"] == 12 for r in row.values())
+        assert all(("perplexity" in r) == (family == "llama") for r in row.values())
         assert row["expert"]["normalized"] == 1.0
         # the step's numbers are the library's on the same checkpoint and rows
         again = evaluate_lm_dataset(results / "calibrated", pool.base,
                                     tmp_path / f"text_{task}", "test", words, prompt)  # fmt: skip
         assert row["calibrated"]["accuracy"] == again["accuracy"]
-        assert row["calibrated"]["perplexity"] == again["perplexity"]
-    assert (tmp_path / "reports" / "llama" / "report.md").is_file()
+        assert row["calibrated"]["loss"] == pytest.approx(again["loss"], rel=1e-6)  # batching
+    assert (tmp_path / "reports" / family / "report.md").is_file()

@@ -191,31 +191,33 @@ class BlockRunner:
     def _mask(self, masks: dict[str, torch.Tensor], task: str, phase: str) -> torch.Tensor:
         return masks[decoder_mask_key(task)] if phase in ("bridge", "decoder") else masks[task]
 
-    def _contexts(self, phase, kind, task, source, target, batch_size, checkpoint, masks):
-        """Batches of (context (B, Sc, d), encoder mask (B, Sc)) for decoder blocks, else Nones.
-        At the bridge the context is computed from the encoder output in `source` with
-        `checkpoint`'s bridge tensors (final norm) and written to `target` for later blocks."""
+    def _contexts(self, phase, kind, task, streams, batch_size, masks):
+        """Batches of (context (B, Sc, d), encoder mask (B, Sc)) read from `streams` for decoder
+        blocks; Nones for encoder or single-stack blocks."""
         encoder_mask = masks[task].split(batch_size)
-        context_kind = {STUDENT: STUDENT_CONTEXT, EXPERT: EXPERT_CONTEXT}[kind]
         if phase in ("single", "encoder"):
             yield from (None for _ in encoder_mask)
             return
-        if phase == "decoder":
-            for hidden, mask in zip(source.batches(context_kind, task, batch_size), encoder_mask,
-                                    strict=True):  # fmt: skip
-                yield hidden.to(self.device), mask.to(self.device)
-            return
-        tensors = {
-            k: v.to(self.device, self.dtype)
-            for k, v in self.models.read(checkpoint, list(self.arch.bridge_names)).items()
-        }
-        done = []
-        for hidden, mask in zip(source.batches(kind, task, batch_size), encoder_mask, strict=True):
+        context_kind = {STUDENT: STUDENT_CONTEXT, EXPERT: EXPERT_CONTEXT}[kind]
+        for hidden, mask in zip(streams.batches(context_kind, task, batch_size), encoder_mask,
+                                strict=True):  # fmt: skip
+            yield hidden.to(self.device), mask.to(self.device)
+
+    def _write_contexts(self, task, source, target, batch_size) -> None:
+        """At the first decoder block: each model's context for `task` (its encoder output in
+        `source` through its bridge tensors, e.g. the final norm) → `target`, for every decoder
+        block from here on."""
+        for kind, context_kind, checkpoint in (
+            (STUDENT, STUDENT_CONTEXT, self.models.merged),
+            (EXPERT, EXPERT_CONTEXT, self.models.experts[task]),
+        ):
+            names = list(self.arch.bridge_names)
+            tensors = {k: v.to(self.device, self.dtype)
+                       for k, v in self.models.read(checkpoint, names).items()}  # fmt: skip
             with torch.no_grad():
-                context = self.arch.run_bridge(tensors, hidden.to(self.device))
-            done.append(context.to("cpu"))
-            yield context, mask.to(self.device)
-        target.put(context_kind, task, torch.cat(done))
+                done = [self.arch.run_bridge(tensors, hidden.to(self.device)).to("cpu")
+                        for hidden in source.batches(kind, task, batch_size)]  # fmt: skip
+            target.put(context_kind, task, torch.cat(done))
 
     def _load_merged(self, index: int) -> dict[str, torch.Tensor]:
         """Load block `index` of the (uncalibrated) merged model; returns its tensors."""
@@ -257,16 +259,17 @@ class BlockRunner:
         groups: dict[str, str] = {}
         norm_stats: dict[str, NormStats] = {}
         new_expert, sq_sum, tok_sum = [], 0.0, 0.0
-        expert = self.models.experts[task]
+        if phase == "bridge":
+            self._write_contexts(task, source, target, batch_size)
+        contexts = target if phase == "bridge" else source
         batches = zip(
             source.batches(student_kind, task, batch_size),
             source.batches(expert_kind, task, batch_size),
             self._mask(masks, task, phase).split(batch_size),
-            self._contexts(phase, STUDENT, task, source, target, batch_size, self.models.merged,
-                           masks),
-            self._contexts(phase, EXPERT, task, source, target, batch_size, expert, masks),
+            self._contexts(phase, STUDENT, task, contexts, batch_size, masks),
+            self._contexts(phase, EXPERT, task, contexts, batch_size, masks),
             strict=True,
-        )  # fmt: skip
+        )
         for student, expert_hidden, mask, context_s, context_e in batches:
             student = student.to(self.device)
             expert_hidden = expert_hidden.to(self.device)
@@ -361,17 +364,16 @@ class BlockRunner:
         self.load(self.merged_block, merged_sd)
         self._merged_index = None  # the merged block now holds calibrated weights
 
+        contexts = target if phase == "bridge" else source  # the bridge wrote them to target
         for task in self.models.experts:
             outputs, sq_sum, tok_sum = [], 0.0, 0.0
-            context_source = target if phase == "bridge" else source  # the bridge wrote it there
             batches = zip(
                 source.batches(student_kind, task, batch_size),
                 target.batches(EXPERT, task, batch_size),
                 self._mask(masks, task, phase).split(batch_size),
-                self._contexts("decoder" if phase == "bridge" else phase, STUDENT, task,
-                               context_source, None, batch_size, None, masks),
+                self._contexts(phase, STUDENT, task, contexts, batch_size, masks),
                 strict=True,
-            )  # fmt: skip
+            )
             for student, expert_out, mask, context in batches:
                 out = self.forward(self.merged_block, student.to(self.device),
                                    mask.to(self.device), context)  # fmt: skip

@@ -45,19 +45,15 @@ def generation_kind(model_dir: str | Path) -> str | None:
     return "seq2seq" if getattr(arch, "decoder_start", None) is not None else None
 
 
-def is_causal_lm(model_dir: str | Path) -> bool:
-    """True when the checkpoint is a language model evaluated by label scoring (causal or
-    text-to-text)."""
-    return generation_kind(model_dir) is not None
-
-
-def load_causal_lm(model_dir: str | Path, device: torch.device) -> torch.nn.Module:
+def load_causal_lm(
+    model_dir: str | Path, device: torch.device, kind: str | None = None
+) -> torch.nn.Module:
     """A `*ForCausalLM` (or, for T5, `*ForConditionalGeneration`) from a save_pretrained
     directory, float32, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    loader = AutoModelForSeq2SeqLM if generation_kind(model_dir) == "seq2seq" else (
-        AutoModelForCausalLM)  # fmt: skip
+    kind = kind or generation_kind(model_dir)
+    loader = AutoModelForSeq2SeqLM if kind == "seq2seq" else AutoModelForCausalLM
     try:
         model = loader.from_pretrained(str(model_dir), dtype=torch.float32)
     except Exception as exc:
@@ -120,8 +116,9 @@ def label_continuation(
     target = _check_labels(labels, len(label_words), "evaluation set", "label")
     dev = _device(device)
     tokenizer = load_tokenizer(tokenizer_dir, "base model", right_padded=True)
-    model = load_causal_lm(model_dir, dev)
-    if generation_kind(model_dir) == "seq2seq":
+    kind = generation_kind(model_dir)
+    model = load_causal_lm(model_dir, dev, kind)
+    if kind == "seq2seq":
         scores, lengths = _seq2seq_scores(
             model, tokenizer, [template.format(text=t) for t in texts], label_words,
             len(label_words), batch_size, dev, progress,

@@ -179,11 +179,11 @@ class Steps:
         if not self.params.featcal.heads:
             return {}
         base, experts = self.models()
-        from featcal_core.lm_evaluation import is_causal_lm
+        from featcal_core.lm_evaluation import generation_kind
 
-        if is_causal_lm(base):
+        if generation_kind(base) is not None:
             raise FeatCalError(
-                "featcal.heads: head calibration refits classification heads; causal LMs are "
+                "featcal.heads: head calibration refits classification heads; language models are "
                 "evaluated by label continuation and have none; set featcal.heads: false"
             )
         return self._call(

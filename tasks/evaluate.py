@@ -22,7 +22,7 @@ from featcal_core.calibration_sets import open_source
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation import ExpertHead, ZeroShotHead, evaluate, normalized_accuracy
 from featcal_core.linear_head import load_linear_head
-from featcal_core.lm_evaluation import DEFAULT_TEMPLATE, evaluate_lm_dataset, is_causal_lm
+from featcal_core.lm_evaluation import DEFAULT_TEMPLATE, evaluate_lm_dataset, generation_kind
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +73,11 @@ def evaluate_models(
     settings = params.evaluation
     root = Path(results_dir)
     table: dict[str, dict[str, dict[str, float]]] = {}
-    causal = is_causal_lm(base)
+    language_model = generation_kind(base) is not None
     for task_name, spec in params.tasks.items():
         source = spec.evaluation
         data, split = _evaluation_data(task_name, source, root / "evaluation_data")
-        if causal:
+        if language_model:
             table[task_name] = _evaluate_lm(params, task_name, spec, data, split, base,
                                             {"expert": experts[task_name], **models})  # fmt: skip
             continue

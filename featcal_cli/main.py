@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--max-length", type=int, default=128, help="token limit for text models")
     cal.add_argument("--pooling", choices=["cls", "mean"], default=None,
                      help="pooling of the model's output (default: the architecture's)")  # fmt: skip
+    cal.add_argument("--token-weighting", choices=["all", "answer"], default="all",
+                     help="causal LMs: weigh every real token (all) or only the positions that "
+                     "predict the calibration set's `target` tokens (answer)")  # fmt: skip
     cal.add_argument("--spill-dir", default=None, help="keep hidden-state streams on disk here")
     cal.add_argument("--heads", action="store_true",
                      help="also refit each expert's own classification head for the calibrated "
@@ -311,6 +314,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         device=args.device,
         max_length=args.max_length,
         pooling=args.pooling,
+        token_weighting=args.token_weighting,
         spill_dir=args.spill_dir,
         overwrite=args.overwrite,
         progress=not args.no_progress,
@@ -350,7 +354,7 @@ def _calibrate_flow(args: argparse.Namespace) -> int:
         args.results_dir,
         FeatCalParams(alpha=args.alpha, rho=args.rho, lam=args.lam, eps=args.eps),
         Settings(args.num_per_task, args.batch_size, args.seed, args.device, args.max_length,
-                 args.pooling),
+                 args.pooling, args.token_weighting),
         args.runner, args.dask_address, args.dask_workers,
     )  # fmt: skip
     record = calibration_flow(spec, args.out, args.overwrite)

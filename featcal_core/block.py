@@ -33,6 +33,7 @@ from featcal_core.streams import (
     STUDENT_DECODER,
     HiddenStreams,
     decoder_mask_key,
+    weight_mask_key,
 )
 
 log = logging.getLogger(__name__)
@@ -191,6 +192,13 @@ class BlockRunner:
     def _mask(self, masks: dict[str, torch.Tensor], task: str, phase: str) -> torch.Tensor:
         return masks[decoder_mask_key(task)] if phase in ("bridge", "decoder") else masks[task]
 
+    def _weight_mask(self, masks: dict[str, torch.Tensor], task: str, phase: str) -> torch.Tensor:
+        """The tokens that carry weight (statistics, drift): the token mask unless the task has
+        a separate weight mask (causal LMs with answer-token weighting)."""
+        if phase == "single" and weight_mask_key(task) in masks:
+            return masks[weight_mask_key(task)]
+        return self._mask(masks, task, phase)
+
     def _contexts(self, phase, kind, task, streams, batch_size, masks):
         """Batches of (context (B, Sc, d), encoder mask (B, Sc)) read from `streams` for decoder
         blocks; Nones for encoder or single-stack blocks."""
@@ -266,14 +274,15 @@ class BlockRunner:
             source.batches(student_kind, task, batch_size),
             source.batches(expert_kind, task, batch_size),
             self._mask(masks, task, phase).split(batch_size),
+            self._weight_mask(masks, task, phase).split(batch_size),
             self._contexts(phase, STUDENT, task, contexts, batch_size, masks),
             self._contexts(phase, EXPERT, task, contexts, batch_size, masks),
             strict=True,
         )
-        for student, expert_hidden, mask, context_s, context_e in batches:
+        for student, expert_hidden, mask, weighted, context_s, context_e in batches:
             student = student.to(self.device)
             expert_hidden = expert_hidden.to(self.device)
-            mask = mask.to(self.device)
+            mask, weighted = mask.to(self.device), weighted.to(self.device)
             out_m, x_s = self.merged_capture.run(self.merged_block, student, mask, context_s)
             out_e, x_e = self.expert_capture.run(self.expert_block, expert_hidden, mask, context_e)
             _check_finite(out_e, f"expert {task!r} output of block {index}")
@@ -283,10 +292,10 @@ class BlockRunner:
                 linear_stats, groups = self._linear_groups(x_s, last, tokens)
                 norm_stats = self._norm_stats()
             context_mask = None if context_s is None else context_s[1]
-            self._accumulate(x_s, x_e, mask, context_mask, last, params.alpha, groups,
+            self._accumulate(x_s, x_e, weighted, context_mask, last, params.alpha, groups,
                              linear_stats, norm_stats, expert_params)  # fmt: skip
             del x_s, x_e
-            sq, tok = _drift_sums(out_m, out_e, self._drift_mask(mask, last))
+            sq, tok = _drift_sums(out_m, out_e, self._drift_mask(weighted, last))
             sq_sum, tok_sum = sq_sum + sq, tok_sum + tok
             new_expert.append(out_e.to("cpu"))
         if linear_stats is None:
@@ -371,14 +380,15 @@ class BlockRunner:
                 source.batches(student_kind, task, batch_size),
                 target.batches(EXPERT, task, batch_size),
                 self._mask(masks, task, phase).split(batch_size),
+                self._weight_mask(masks, task, phase).split(batch_size),
                 self._contexts(phase, STUDENT, task, contexts, batch_size, masks),
                 strict=True,
             )
-            for student, expert_out, mask, context in batches:
+            for student, expert_out, mask, weighted, context in batches:
                 out = self.forward(self.merged_block, student.to(self.device),
                                    mask.to(self.device), context)  # fmt: skip
                 _check_finite(out, f"calibrated output of block {index} on task {task!r}")
-                drift_mask = self._drift_mask(mask.to(self.device), last)
+                drift_mask = self._drift_mask(weighted.to(self.device), last)
                 sq, tok = _drift_sums(out, expert_out.to(self.device), drift_mask)
                 sq_sum, tok_sum = sq_sum + sq, tok_sum + tok
                 outputs.append(out.to("cpu"))

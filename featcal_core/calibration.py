@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from featcal_core.architectures.base import WEIGHT_MASK
 from featcal_core.atomic import atomic_directory, check_output
 from featcal_core.block import BlockResult, BlockRunner, FeatCalParams, TaskStatistics
 from featcal_core.calibration_data import CalibrationSet, load_calibration_set
@@ -30,6 +31,7 @@ from featcal_core.streams import (
     STUDENT_DECODER,
     HiddenStreams,
     decoder_mask_key,
+    weight_mask_key,
 )
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class Settings:
     device: str = "cpu"  # cpu | cuda | auto
     max_length: int = 128  # token limit for text models
     pooling: str | None = None  # cls | mean | None (the architecture's default)
+    token_weighting: str = "all"  # all | answer (causal LMs: only positions predicting targets)
 
 
 class Calibration:
@@ -98,12 +101,21 @@ class Calibration:
         self.device = resolve_device(settings.device)
         self.models = ModelSet.open(base, merged, experts, settings.pooling)
         self.arch = self.models.arch
+        self.arch.set_token_weighting(settings.token_weighting)
         self.sets = {
             task: load_calibration_set(
                 task, path, self.arch.modality, settings.num_per_task, settings.seed
             )
             for task, path in calib.items()
         }
+        if settings.token_weighting == "answer":
+            for task, s in self.sets.items():
+                if s.targets is None:
+                    raise FeatCalError(
+                        f"calibration set {s.path} of task {task!r} has no 'target' column; "
+                        "--token-weighting answer weighs the answer tokens, so add the answers "
+                        "as a 'target' column or use --token-weighting all"
+                    )
         self.dtype = self.models.compute_dtype()
         self._runner: BlockRunner | None = None
 
@@ -211,6 +223,7 @@ def calibrate(
     device: str = "cpu",
     max_length: int = 128,
     pooling: str | None = None,
+    token_weighting: str = "all",
     spill_dir: str | Path | None = None,
     overwrite: bool = False,
     progress: bool = True,
@@ -221,7 +234,9 @@ def calibrate(
     started = time.perf_counter()
     out = Path(out)
     check_output(out, overwrite)
-    settings = Settings(num_per_task, batch_size, seed, device, max_length, pooling)
+    settings = Settings(
+        num_per_task, batch_size, seed, device, max_length, pooling, token_weighting
+    )
     run = Calibration(base, merged, experts, calib, params, settings)
     log.info(
         "%s, %d blocks, %d tasks, dtype %s", run.arch.name, run.num_blocks, len(run.sets), run.dtype
@@ -284,6 +299,8 @@ def _run_stems(models, sets, streams, dtype, device, batch_size, max_length):
             str(models.base.directory), calibration.rows, max_length, calibration.targets
         )
         masks[task] = inputs["attention_mask"].to(torch.float32)
+        if WEIGHT_MASK in inputs:
+            masks[weight_mask_key(task)] = inputs.pop(WEIGHT_MASK).to(torch.float32)
         streams.put(STUDENT, task, run(models.merged, inputs, f"merged model's ({task})"))
         streams.put(EXPERT, task, run(models.experts[task], inputs, f"expert {task!r}"))
         if decoder:  # the decoder's own stem outputs, used from the first decoder block on

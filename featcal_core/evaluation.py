@@ -352,22 +352,7 @@ class ZeroShotHead(Head):
                     f"CLIP base {self.clip_dir} has no tensor {key!r}; pass a CLIPModel checkpoint "
                     "(with projections and logit_scale)"
                 )
-        self.class_names = [str(name) for name in class_names]
-        if not self.class_names:
-            raise FeatCalError("zero-shot head: class_names is empty; give one name per label")
-        self.templates = [str(t) for t in templates]
-        if not self.templates:
-            raise FeatCalError('zero-shot head: templates is empty; give e.g. ["a photo of a {}."]')
-        for template in self.templates:
-            try:
-                ok = "{}" in template and template.format("x") is not None
-            except (IndexError, KeyError, ValueError):
-                ok = False
-            if not ok:
-                raise FeatCalError(
-                    f"zero-shot template {template!r} must contain one {{}} for the class name "
-                    "(double other braces)"
-                )
+        self.class_names, self.templates = check_zero_shot_prompts(class_names, templates)
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
         self.arch: Architecture = detect(config, source=str(self.clip_dir / "config.json"))
         self._processor: Any = None
@@ -415,52 +400,16 @@ class ZeroShotHead(Head):
         return self._embeddings.to(device)
 
     def _cached_embeddings(self) -> torch.Tensor | None:
-        path = self.cache_path()
-        if path is None or not path.is_file():
-            return None
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-
-        try:
-            tensor = load_file(str(path))["class_embeddings"]
-        except (OSError, KeyError, SafetensorError) as exc:
-            logger.warning("ignoring unreadable class-embedding cache %s (%s)", path, exc)
-            return None
-        if tensor.ndim != 2 or tensor.shape[0] != self.num_classes:
-            logger.warning(
-                "ignoring class-embedding cache %s of shape %s", path, tuple(tensor.shape)
-            )
-            return None
-        logger.info("class embeddings read from %s", path)
-        return tensor.float()
+        tensors = read_embedding_cache(self.cache_path(), self.num_classes)
+        return None if tensors is None else tensors["class_embeddings"]
 
     def _write_cache(self, embeddings: torch.Tensor) -> None:
-        path = self.cache_path()
-        if path is None:
-            return
-        from safetensors.torch import save_file
-
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            metadata = {
-                "clip_dir": str(self.clip_dir),
-                "class_names": json.dumps(self.class_names, ensure_ascii=False),
-                "templates": json.dumps(self.templates, ensure_ascii=False),
-            }
-            handle, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            os.close(handle)
-            try:
-                tensors = {"class_embeddings": embeddings.detach().cpu().contiguous()}
-                save_file(tensors, tmp, metadata=metadata)
-                os.replace(tmp, path)  # atomic: concurrent evaluations see whole files only
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
-        except OSError as exc:
-            raise FeatCalError(
-                f"cannot write the class-embedding cache {path} ({exc}); pass a writable cache_dir"
-            ) from exc
-        logger.info("class embeddings written to %s", path)
+        metadata = {
+            "clip_dir": str(self.clip_dir),
+            "class_names": json.dumps(self.class_names, ensure_ascii=False),
+            "templates": json.dumps(self.templates, ensure_ascii=False),
+        }
+        write_embedding_cache(self.cache_path(), {"class_embeddings": embeddings}, metadata)
 
     @torch.no_grad()
     def _compute_embeddings(self, device: torch.device, batch_size: int = 256) -> torch.Tensor:
@@ -530,6 +479,78 @@ class _ZeroShotFeatures(nn.Module):
     def forward(self, pixel_values: torch.Tensor, **_: torch.Tensor) -> torch.Tensor:
         pooled = self.vision(pixel_values=pixel_values).pooler_output  # post_layernorm(CLS)
         return F.normalize(self.visual_projection(pooled), dim=-1)
+
+
+def check_zero_shot_prompts(
+    class_names: Sequence[str], templates: Sequence[str]
+) -> tuple[list[str], list[str]]:
+    """(class names, templates) as strings; a FeatCalError when either is empty or a template has
+    no single "{}" for the class name."""
+    names = [str(name) for name in class_names]
+    if not names:
+        raise FeatCalError("zero-shot head: class_names is empty; give one name per label")
+    prompts = [str(t) for t in templates]
+    if not prompts:
+        raise FeatCalError('zero-shot head: templates is empty; give e.g. ["a photo of a {}."]')
+    for template in prompts:
+        try:
+            ok = "{}" in template and template.format("x") is not None
+        except (IndexError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise FeatCalError(
+                f"zero-shot template {template!r} must contain one {{}} for the class name "
+                "(double other braces)"
+            )
+    return names, prompts
+
+
+def read_embedding_cache(path: Path | None, num_classes: int) -> dict[str, torch.Tensor] | None:
+    """The tensors of a class-embedding cache file (float32), or None when there is none, it is
+    unreadable or its `class_embeddings` is not (num_classes, d)."""
+    if path is None or not path.is_file():
+        return None
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(path))
+        tensor = tensors["class_embeddings"]
+    except (OSError, KeyError, SafetensorError) as exc:
+        logger.warning("ignoring unreadable class-embedding cache %s (%s)", path, exc)
+        return None
+    if tensor.ndim != 2 or tensor.shape[0] != num_classes:
+        logger.warning("ignoring class-embedding cache %s of shape %s", path, tuple(tensor.shape))
+        return None
+    logger.info("class embeddings read from %s", path)
+    return {name: value.float() for name, value in tensors.items()}
+
+
+def write_embedding_cache(
+    path: Path | None, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+) -> None:
+    """Write a class-embedding cache file atomically (temporary file, then rename); None: no
+    cache."""
+    if path is None:
+        return
+    from safetensors.torch import save_file
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+        os.close(handle)
+        try:
+            out = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+            save_file(out, tmp, metadata=metadata)
+            os.replace(tmp, path)  # atomic: concurrent evaluations see whole files only
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as exc:
+        raise FeatCalError(
+            f"cannot write the class-embedding cache {path} ({exc}); pass a writable cache_dir"
+        ) from exc
+    logger.info("class embeddings written to %s", path)
 
 
 # ------------------------------------------------------------------------------- tower loading

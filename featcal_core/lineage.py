@@ -12,6 +12,7 @@ card that says it.
                                 calibration sets (sha256_tree of each directory)
     merged/merge.json         → base, experts (sha256 of each weight file)
     models.lock.json          → base and experts: reference, revision, commit, sha256 of each file
+                                (open_clip imports: also their source file and config)
     calibration_sets/<task>/calibration_set.json → source, seed, row ids, digest of the data files
 
 plus the evaluation table (evaluation.json) and the provenance fields of a `provenance.json`
@@ -424,6 +425,11 @@ def trace(path: str | Path) -> dict[str, Any]:
                     key: _as_dict(entry).get(key)
                     for key in ("reference", "kind", "repo_id", "revision", "commit")
                 }
+                source = _as_dict(_as_dict(entry).get("open_clip_source"))
+                if source:  # the open_clip checkpoint the locked import was made from
+                    details[role]["open_clip_source"] = _verify_open_clip_source(
+                        role, source, lock_path, root, tracer
+                    )
             tasks_by_record.append((lock_path, "locked", set(_as_dict(lock.get("experts")).keys())))
     elif root is not None:
         tracer.notes.append(f"no {LOCK_NAME} in {root}: model references and commits unknown")
@@ -629,6 +635,25 @@ def _verify_model(role: str, role_sources, detail: dict[str, Any], tracer: _Trac
     if len(paths) > 1:
         entry["paths"] = paths
     return entry
+
+
+def _verify_open_clip_source(
+    role: str, source: dict, lock_path: Path, root: Path | None, tracer: _Tracer
+) -> dict[str, Any]:
+    """A lock's `open_clip_source` record with its weight file and config verified."""
+    out = dict(source)
+    key = f"{role}.open_clip_source"
+    directory = _resolve_local(source.get("path"), root)
+    if directory is not None and source.get("file") and source.get("sha256"):
+        status = tracer.verify_files(directory, {source["file"]: source["sha256"]}, lock_path, key)
+        out["status"] = status[source["file"]]["status"]
+    config = _resolve_local(source.get("config"), root)
+    if config is not None and source.get("config_sha256"):
+        status = tracer.verify_files(
+            config.parent, {config.name: source["config_sha256"]}, lock_path, f"{key}.config"
+        )
+        out["config_status"] = status[config.name]["status"]
+    return out
 
 
 def _check_tasks(tasks_by_record: list[tuple[Path, str, set[str]]], tracer: _Tracer) -> None:
@@ -857,6 +882,13 @@ def format_trace(result: Mapping[str, Any]) -> str:
         for other in entry.get("paths", [])[1:]:
             lines.append(f"    also recorded  {other}")
         lines += _file_lines(entry.get("files") or {})
+        source = entry.get("open_clip_source")
+        if source:
+            lines.append(
+                f"    imported from  {Path(source.get('path') or '') / (source.get('file') or '')}"
+            )
+            lines += _file_lines({"(open_clip source)": {"sha256": source.get("sha256"),
+                                                         "status": source.get("status")}})  # fmt: skip
     lock = chain.get("lock")
     if lock:
         state = "ok" if lock.get("lock_digest_ok") else "EDITED"

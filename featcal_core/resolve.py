@@ -18,9 +18,20 @@ Transient failures (connection errors, timeouts, HTTP 429 and 5xx) are retried w
 backoff; everything else ends in one `FeatCalError` line naming the params key, the reference,
 what is wrong and what to do.
 
+open_clip references (`format: open_clip`, see flows.params.ModelRef) are imported: from a Hub
+repository only the open_clip config, the one weight file (`file`, default
+`open_clip_model.safetensors`, else `open_clip_pytorch_model.bin`; pickles are read with
+torch.load(weights_only=True) unless `trust_pickle`) and the tokenizer files are fetched; a local
+directory or file is used in place. `featcal_core.open_clip_import.import_open_clip` then writes
+a featcal checkpoint to `<import_root>/<role>-<first 16 hex of the file's sha256>` (default root
+data/models/open_clip), reused on later runs while its recorded source sha256 and config match.
+The model's `path` is that import; `open_clip_source` records the source directory, file, config
+and their sha256.
+
 The lock file records, for the base and every expert, the reference, the resolved commit, the
-local directory and the sha256 of config.json, the safetensors index and every weight shard, plus
-`lock_digest`: the sha256 of the lock's own content (canonical JSON without `lock_digest`).
+local directory and the sha256 of config.json, the safetensors index and every weight shard (plus,
+for open_clip references only, `open_clip_source`), and `lock_digest`: the sha256 of the lock's own
+content (canonical JSON without `lock_digest`).
 """
 
 from __future__ import annotations
@@ -95,6 +106,16 @@ ALLOW_PATTERNS = (
 IGNORE_PATTERNS = ("*/*", "open_clip_*")
 #: extra pattern when the reference allows the model's own code (trust_remote_code)
 REMOTE_CODE_PATTERNS = ("*.py",)
+#: an open_clip repository's weight files, in order of preference (when `file` is not given)
+OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
+#: small tokenizer files fetched with an open_clip checkpoint (text towers with an HF tokenizer)
+OPEN_CLIP_TOKENIZER_PATTERNS = (
+    "tokenizer*", "special_tokens_map.json", "vocab*", "merges*", "spiece.model",
+)  # fmt: skip
+#: where open_clip checkpoints are imported (relative to the working directory)
+OPEN_CLIP_IMPORT_ROOT = Path("data/models/open_clip")
+#: open_clip's model config file in a repository (featcal_core.open_clip_import.CONFIG_NAME)
+OPEN_CLIP_CONFIG = "open_clip_config.json"
 
 LOCK_VERSION = 1
 _LOCK_KEYS = ("version", "base", "experts", "lock_digest")
@@ -116,9 +137,12 @@ class ResolvedModel:
     repo_id: str | None = None
     revision: str | None = None
     trust_remote_code: bool = False
+    #: open_clip references only: where the imported checkpoint came from, {"format", "path"
+    #: (source directory), "file", "sha256", "config", "config_sha256", "trust_pickle"}
+    open_clip_source: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "role": self.role,
             "reference": self.reference,
             "kind": self.kind,
@@ -129,6 +153,9 @@ class ResolvedModel:
             "trust_remote_code": self.trust_remote_code,
             "files": dict(sorted(self.files.items())),
         }
+        if self.open_clip_source is not None:  # other locks keep their exact layout
+            data["open_clip_source"] = dict(self.open_clip_source)
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ResolvedModel:
@@ -142,6 +169,9 @@ class ResolvedModel:
             repo_id=data.get("repo_id"),
             revision=data.get("revision"),
             trust_remote_code=bool(data.get("trust_remote_code", False)),
+            open_clip_source=(
+                dict(data["open_clip_source"]) if data.get("open_clip_source") else None
+            ),
         )
 
 
@@ -288,9 +318,15 @@ def _download(
     backoff: float,
     trust_remote_code: bool,
     offline: bool = False,
+    allow_patterns: list[str] | None = None,
+    ignore_patterns: list[str] | None = None,
 ) -> tuple[Path, bool]:
+    """(snapshot folder, offline); allow/ignore_patterns replace the default file selection."""
     offline = offline or _offline()
     allow = list(ALLOW_PATTERNS) + (list(REMOTE_CODE_PATTERNS) if trust_remote_code else [])
+    ignore = list(IGNORE_PATTERNS)
+    if allow_patterns is not None:
+        allow, ignore = list(allow_patterns), list(ignore_patterns or [])
     attempts = max(0, retries) + 1
     for attempt in range(1, attempts + 1):
         try:
@@ -299,7 +335,7 @@ def _download(
                 revision=revision,
                 cache_dir=cache_dir,
                 allow_patterns=allow,
-                ignore_patterns=list(IGNORE_PATTERNS),
+                ignore_patterns=ignore,
                 local_files_only=offline,
             )
             return Path(path), offline
@@ -346,6 +382,8 @@ def resolve_model(
     retries: int = 3,
     backoff: float = 2.0,
     offline: bool = False,
+    import_root: str | Path | None = None,
+    base_config: str | Path | None = None,
 ) -> ResolvedModel:
     """Make one model available locally and hash its files.
 
@@ -355,7 +393,20 @@ def resolve_model(
     retries: extra attempts after a transient failure (so `retries + 1` in all), waiting
     `backoff`, 2·`backoff`, 4·`backoff`... seconds (at most 60) in between.
     offline: read Hub models from `cache_dir` only, never the network (as HF_HUB_OFFLINE=1).
+    import_root: where open_clip references are imported (None: OPEN_CLIP_IMPORT_ROOT).
+    base_config: the open_clip_config.json an open_clip expert without its own uses (the base's).
     """
+    if (_field(ref, "format") or "hf") == "open_clip":
+        return _resolve_open_clip(
+            ref,
+            role,
+            cache_dir=cache_dir,
+            retries=retries,
+            backoff=backoff,
+            offline=offline,
+            import_root=Path(import_root) if import_root is not None else OPEN_CLIP_IMPORT_ROOT,
+            base_config=Path(base_config) if base_config is not None else None,
+        )
     kind = _field(ref, "kind")
     repo_id = _field(ref, "repo_id")
     revision = _field(ref, "revision")
@@ -421,6 +472,198 @@ def resolve_model(
         repo_id=repo_id,
         revision=revision,
         trust_remote_code=trust_remote_code,
+    )
+
+
+# ------------------------------------------------------------------------- open_clip references
+
+
+def _open_clip_source(
+    ref: Any,
+    role: str,
+    reference: str,
+    *,
+    cache_dir: str | Path | None,
+    retries: int,
+    backoff: float,
+    offline: bool,
+) -> tuple[Path, str, dict[str, Any]]:
+    """(source directory, weight file name relative to it, Hub facts) of an open_clip reference;
+    a Hub repository is fetched (config, the weight file, tokenizer files only)."""
+    kind = _field(ref, "kind")
+    repo_id = _field(ref, "repo_id")
+    revision = _field(ref, "revision")
+    file = _field(ref, "file")
+    names = [file] if file else list(OPEN_CLIP_WEIGHTS)
+    fix = f"set {role}.file to the checkpoint's file name"
+
+    if kind == "local":
+        local = _field(ref, "path")
+        if local is None:
+            raise FeatCalError(f"{role}: local model {reference!r} has no path; fix the params")
+        path = Path(local).expanduser()
+        if path.is_file():
+            if file:
+                raise FeatCalError(
+                    f"{role}: {reference!r} is a weight file and file: {file!r} names another; "
+                    f"remove {role}.file or point ref at the directory"
+                )
+            return path.parent, path.name, {}
+        if not path.is_dir():
+            raise FeatCalError(
+                f"{role}: local open_clip model {reference!r} does not exist (looked in "
+                f"{path.absolute()}); fix {role} in the params (a directory with "
+                f"{OPEN_CLIP_WEIGHTS[0]}, or the weight file itself)"
+            )
+        for name in names:
+            if (path / name).is_file():
+                return path, name, {}
+        raise FeatCalError(
+            f"{role}: open_clip weight file {' or '.join(str(path / n) for n in names)} does not "
+            f"exist; {fix}, or point ref at the weight file"
+        )
+
+    if kind != "hub" or not repo_id:
+        raise FeatCalError(
+            f"{role}: model reference {reference!r} is neither kind 'local' (a path) nor 'hub' "
+            "(a repo_id); give a Hub id owner/name[@revision] or a ./local directory"
+        )
+    log.info("%s: resolving open_clip Hub model %s", role, reference)
+    snapshot = None
+    for name in names:  # one weight file only: Hub repos often hold the same weights twice
+        snapshot, offline = _download(
+            role,
+            reference,
+            repo_id,
+            revision,
+            cache_dir=cache_dir,
+            retries=retries,
+            backoff=backoff,
+            trust_remote_code=False,
+            offline=offline,
+            allow_patterns=[OPEN_CLIP_CONFIG, name, *OPEN_CLIP_TOKENIZER_PATTERNS],
+        )
+        if (snapshot / name).is_file():
+            commit = _commit_of(snapshot, repo_id, revision, offline)
+            return snapshot, name, {"repo_id": repo_id, "revision": revision, "commit": commit}
+    where = "is not in the local cache" if offline else "does not exist in the repository"
+    raise FeatCalError(
+        f"{role}: Hub model {reference!r}: open_clip weight file {' or '.join(names)} {where} "
+        f"({snapshot}); {fix}"
+        + (f", or pre-download it with `hf download {repo_id}`" if offline else "")
+    )
+
+
+def _open_clip_config(ref: Any, role: str, source_dir: Path, base_config: Path | None) -> Path:
+    """The open_clip_config.json of an open_clip reference."""
+    given = _field(ref, "open_clip_config")
+    if given:
+        path = Path(given).expanduser()
+        if not path.is_file():
+            raise FeatCalError(
+                f"{role}.open_clip_config: {given!r} does not exist (looked in "
+                f"{path.absolute()}); give the path of an {OPEN_CLIP_CONFIG}"
+            )
+        return path
+    if (source_dir / OPEN_CLIP_CONFIG).is_file():
+        return source_dir / OPEN_CLIP_CONFIG
+    if base_config is not None:
+        log.info("%s: no %s in %s; using the base's %s", role, OPEN_CLIP_CONFIG, source_dir,
+                 base_config)  # fmt: skip
+        return base_config
+    raise FeatCalError(
+        f"{role}: no {OPEN_CLIP_CONFIG} in {source_dir}; set {role}.open_clip_config to the "
+        "checkpoint's open_clip config (model_cfg.vision_cfg as on the Hub)"
+    )
+
+
+def _reusable_import(target: Path, expected: Mapping[str, Any]) -> bool:
+    """Whether `target` holds an import with exactly the config (source sha256 included) that
+    importing again would write."""
+    try:
+        if json.loads((target / "config.json").read_text(encoding="utf-8")) != expected:
+            return False
+        Checkpoint(target, "open_clip import")  # weights present, headers readable
+    except (OSError, ValueError, FeatCalError):
+        return False
+    return True
+
+
+def _import_name(role: str, digest: str) -> str:
+    name = role.removeprefix("models.")
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name) + f"-{digest[:16]}"
+
+
+def _resolve_open_clip(
+    ref: Any,
+    role: str,
+    *,
+    cache_dir: str | Path | None,
+    retries: int,
+    backoff: float,
+    offline: bool,
+    import_root: Path,
+    base_config: Path | None,
+) -> ResolvedModel:
+    """Fetch or find an open_clip checkpoint and import it (once) into a featcal checkpoint."""
+    import pickle
+
+    from featcal_core.open_clip_import import _model_config, featcal_config, import_open_clip
+
+    kind = _field(ref, "kind")
+    trust_pickle = bool(_field(ref, "trust_pickle", False))
+    reference = _reference(
+        ref, kind, _field(ref, "repo_id"), _field(ref, "revision"), _field(ref, "path")
+    )
+    source_dir, name, hub = _open_clip_source(
+        ref, role, reference, cache_dir=cache_dir, retries=retries, backoff=backoff,
+        offline=offline,
+    )  # fmt: skip
+    source = source_dir / name
+    config_path = _open_clip_config(ref, role, source_dir, base_config)
+    digest = sha256_file(source)
+    record = {
+        "format": "open_clip",
+        "path": str(source_dir),
+        "file": name,
+        "sha256": digest,
+        "config": str(config_path),
+        "config_sha256": sha256_file(config_path),
+        "trust_pickle": trust_pickle,
+    }
+    target = import_root / _import_name(role, digest)
+    try:
+        expected = featcal_config(*_model_config(source, config_path))
+        expected["open_clip_source"] = {"file": source.name, "sha256": digest}
+        if _reusable_import(target, expected):
+            log.info("%s: reusing the import of %s in %s", role, source, target)
+        else:
+            import_open_clip(
+                source, target, model_cfg=config_path, trust_pickle=trust_pickle,
+                overwrite=target.exists(),
+            )  # fmt: skip
+    except FeatCalError as exc:
+        message = str(exc)
+        if not trust_pickle and isinstance(exc.__context__, pickle.UnpicklingError):
+            what = message.split("; unpickling", 1)[0]
+            raise FeatCalError(
+                f"{role}: {what}; unpickling it can run arbitrary code, so it is refused. Set "
+                f"{role}.trust_pickle: true only for a file you trust, or re-save it with "
+                "torch.save(model.state_dict(), ...)"
+            ) from exc
+        raise FeatCalError(f"{role} ({reference}): {message}") from exc
+    files = _hash_files(target, role)
+    log.info("%s: open_clip %s is the featcal checkpoint %s", role, source, target)
+    return ResolvedModel(
+        role=role,
+        reference=reference,
+        kind=kind,
+        path=target,
+        commit=hub.get("commit"),
+        files=files,
+        repo_id=hub.get("repo_id"),
+        revision=hub.get("revision"),
+        open_clip_source=record,
     )
 
 
@@ -565,4 +808,31 @@ def verify_lock(lock: Mapping[str, Any]) -> list[str]:
                     f"{model.role} ({model.reference}): {file} has sha256 {actual[:12]}…, the lock "
                     f"has {expected[:12]}…"
                 )
+        problems += _source_problems(model)
+    return problems
+
+
+def _source_problems(model: ResolvedModel) -> list[str]:
+    """Problems with an open_clip model's recorded source file and config."""
+    source = model.open_clip_source
+    if not source:
+        return []
+    checks = []
+    if source.get("path") and source.get("file"):
+        checks.append((Path(source["path"]) / source["file"], source.get("sha256")))
+    if source.get("config"):
+        checks.append((Path(source["config"]), source.get("config_sha256")))
+    problems = []
+    for file, expected in checks:
+        if not expected:
+            continue
+        if not file.is_file():
+            problems.append(f"{model.role} ({model.reference}): open_clip source {file} is missing")
+            continue
+        actual = sha256_file(file)
+        if actual != expected:
+            problems.append(
+                f"{model.role} ({model.reference}): open_clip source {file} has sha256 "
+                f"{actual[:12]}…, the lock has {expected[:12]}…"
+            )
     return problems

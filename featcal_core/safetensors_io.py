@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,19 +80,33 @@ def read_header(path: Path) -> tuple[dict[str, Entry], dict[str, str]]:
 
 def read_tensor(fd: int, entry: Entry) -> torch.Tensor:
     """One tensor from an open file descriptor (a private copy of its bytes)."""
-    nbytes = entry.end - entry.start
+    return _read_bytes(fd, entry, entry.start, entry.end, entry.shape)
+
+
+def read_rows(fd: int, entry: Entry, start: int, stop: int) -> torch.Tensor:
+    """Rows start..stop-1 (along dim 0) of a tensor of rank ≥ 1, shape (stop - start, *rest)."""
+    if not entry.shape or not 0 <= start <= stop <= entry.shape[0]:
+        raise ValueError(f"rows {start}:{stop} of a tensor of shape {list(entry.shape)}")
+    row_bytes = math.prod(entry.shape[1:]) * entry.torch_dtype.itemsize
+    shape = (stop - start, *entry.shape[1:])
+    return _read_bytes(fd, entry, entry.start + start * row_bytes, entry.start + stop * row_bytes,
+                       shape)  # fmt: skip
+
+
+def _read_bytes(fd: int, entry: Entry, begin: int, end: int, shape) -> torch.Tensor:
+    nbytes = end - begin
     if nbytes == 0:
-        return torch.empty(entry.shape, dtype=entry.torch_dtype)
+        return torch.empty(shape, dtype=entry.torch_dtype)
     buffer = bytearray(nbytes)
     view = memoryview(buffer)
     done = 0
     while done < nbytes:
-        got = os.preadv(fd, [view[done:]], entry.start + done)
+        got = os.preadv(fd, [view[done:]], begin + done)
         if got <= 0:
             raise SafetensorsFormatError("unexpected end of file")
         done += got
     flat = torch.frombuffer(buffer, dtype=torch.uint8)
-    return flat.view(entry.torch_dtype).reshape(entry.shape)
+    return flat.view(entry.torch_dtype).reshape(shape)
 
 
 class Reader:
@@ -114,16 +128,22 @@ class Reader:
     def __getitem__(self, name: str) -> torch.Tensor:
         return read_tensor(self._fd, self.entries[name])
 
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop-1 of tensor `name` (see `read_rows`)."""
+        return read_rows(self._fd, self.entries[name], start, stop)
+
 
 def write_streaming(
     path: Path,
     entries: list[tuple[str, str, tuple[int, ...]]],
-    fetch: Callable[[str], torch.Tensor],
+    fetch: Callable[[str], torch.Tensor | Iterable[torch.Tensor]],
     metadata: dict[str, str] | None = None,
 ) -> None:
     """Write `entries` (name, safetensors dtype, shape) to `path`, calling fetch(name) per tensor.
 
-    Each fetched tensor must have exactly the declared dtype and shape.
+    fetch returns the tensor, with exactly the declared dtype and shape, or an iterable of chunks
+    of the declared dtype (e.g. row blocks) whose entries, in order, are the tensor's in row-major
+    order; chunks are written as they come, so a large tensor never sits in memory whole.
     """
     header: dict[str, object] = {}
     offset = 0
@@ -143,11 +163,23 @@ def write_streaming(
         handle.write(len(encoded).to_bytes(8, "little"))
         handle.write(encoded)
         for name, dtype, shape in entries:
-            tensor = fetch(name)
-            if tensor.dtype != DTYPES[dtype] or tuple(tensor.shape) != tuple(shape):
-                raise ValueError(f"{name}: expected {dtype}{list(shape)}, got {tensor.dtype}")
-            flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-            handle.write(memoryview(flat.view(torch.uint8).numpy()))
+            fetched = fetch(name)
+            if isinstance(fetched, torch.Tensor):
+                if fetched.dtype != DTYPES[dtype] or tuple(fetched.shape) != tuple(shape):
+                    raise ValueError(
+                        f"{name}: expected {dtype}{list(shape)}, got {fetched.dtype}"
+                        f"{list(fetched.shape)}"
+                    )
+                fetched = (fetched,)
+            written = 0
+            for chunk in fetched:
+                if chunk.dtype != DTYPES[dtype]:
+                    raise ValueError(f"{name}: expected {dtype} chunks, got {chunk.dtype}")
+                flat = chunk.detach().to("cpu").contiguous().reshape(-1)
+                handle.write(memoryview(flat.view(torch.uint8).numpy()))
+                written += flat.numel()
+            if written != math.prod(shape):
+                raise ValueError(f"{name}: wrote {written} entries, expected {math.prod(shape)}")
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata=None) -> None:

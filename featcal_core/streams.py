@@ -32,6 +32,12 @@ def decoder_mask_key(task: str) -> str:
     return f"decoder:{task}"
 
 
+def weight_mask_key(task: str) -> str:
+    """Key of a task's token-weight mask (0/1, e.g. answer tokens only) in a masks dict, present
+    only when it differs from the token mask (which then still masks attention)."""
+    return f"weights:{task}"
+
+
 _KEY = "h"
 
 

@@ -68,6 +68,7 @@ _HUB_MODEL_RE = re.compile(rf"^(?P<repo>{_HUB_PART}/{_HUB_PART})(?:@(?P<rev>[A-Z
 _HUB_DATASET_RE = re.compile(rf"^(?:{_HUB_PART}/)?{_HUB_PART}$")
 _TASK_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _LOCAL_PREFIXES = ("/", "./", "../", "~")
+_OPEN_CLIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # featcal_core.open_clip_import
 _MAX_FLAT_LIST_CHARS = 500  # longer lists are logged as a count and a digest (MLflow value limits)
 _AT = "featcal_key_suffix"  # context key of our own errors: the key below the error's location
 
@@ -95,12 +96,39 @@ class ModelRef(_Section):
     The string is local when it starts with "/", "./", "../" or "~", or when it names an existing
     directory (relative to the working directory); otherwise it must be a Hub id. Prefix a local
     path with "./" to make it local even before it exists (e.g. before `dvc pull`).
+
+    `format: open_clip` marks an open_clip checkpoint (a Hub repository in open_clip's layout, a
+    local directory, or, locally, the weight file itself), imported into a featcal checkpoint by
+    the download step: `file` names the weight file (default `open_clip_model.safetensors`, else
+    `open_clip_pytorch_model.bin`), `open_clip_config` a local open_clip_config.json (default: the
+    one beside the weights, else, for experts, the base's), and `trust_pickle: true` allows
+    unpickling a whole pickled module (only for files you trust: unpickling can run code).
     """
 
     ref: str = Field(description="Hub id `owner/name[@revision]` or a local directory")
     trust_remote_code: bool = Field(
         False,
         description="allow the model's own code from the Hub (transformers trust_remote_code)",
+    )
+    format: Literal["hf", "open_clip"] = Field(
+        "hf",
+        description="hf: a transformers/featcal checkpoint directory; open_clip: an open_clip "
+        "checkpoint, imported by the download step",
+    )
+    file: str | None = Field(
+        None,
+        description="open_clip only: the weight file in the repository or directory (default "
+        "open_clip_model.safetensors, else open_clip_pytorch_model.bin)",
+    )
+    open_clip_config: str | None = Field(
+        None,
+        description="open_clip only: a local open_clip_config.json (default: the one beside the "
+        "weights, else, for experts, the base's)",
+    )
+    trust_pickle: bool = Field(
+        False,
+        description="open_clip only: allow unpickling a whole pickled module (runs code from the "
+        "file; only for files you trust)",
     )
     _kind: Literal["hub", "local"] = PrivateAttr("hub")
     _repo_id: str | None = PrivateAttr(None)
@@ -119,8 +147,20 @@ class ModelRef(_Section):
         ref = self.ref.strip()
         if not ref:
             raise _error("empty model reference; give a Hub id owner/name[@revision] or ./a/dir")
-        if ref.startswith(_LOCAL_PREFIXES) or Path(ref).expanduser().is_dir():
-            self._kind, self._path = "local", Path(ref).expanduser()
+        self._check_format()
+        path = Path(ref).expanduser()
+        if (
+            ref.startswith(_LOCAL_PREFIXES)
+            or path.is_dir()
+            or (self.format == "open_clip" and path.is_file())
+        ):
+            self._kind, self._path = "local", path
+            if self.file is not None and path.suffix.lower() in _OPEN_CLIP_SUFFIXES:
+                raise _error(
+                    f"ref {ref!r} already names the weight file; remove file: or point ref at "
+                    "the directory",
+                    "file",
+                )
             return self
         match = _HUB_MODEL_RE.match(ref)
         if not match or "--" in match["repo"] or ".." in match["repo"]:
@@ -130,6 +170,41 @@ class ModelRef(_Section):
             )
         self._kind, self._repo_id, self._revision = "hub", match["repo"], match["rev"]
         return self
+
+    def _check_format(self) -> None:
+        if self.format != "open_clip":
+            for key in ("file", "open_clip_config", "trust_pickle"):
+                if getattr(self, key) not in (None, False):
+                    raise _error(
+                        f"{key} is only for open_clip checkpoints; add format: open_clip or "
+                        f"remove {key}",
+                        key,
+                    )
+            return
+        if self.trust_remote_code:
+            raise _error(
+                "open_clip checkpoints run no model code from the Hub; remove trust_remote_code "
+                "(trust_pickle: true is what allows pickled modules)",
+                "trust_remote_code",
+            )
+        if self.file is not None:
+            file = self.file.strip()
+            parts = Path(file).parts
+            if not file or Path(file).is_absolute() or ".." in parts or file.startswith("~"):
+                raise _error(
+                    f"file {self.file!r} must be a relative path inside the repository or "
+                    "directory (e.g. open_clip_model.safetensors); put a local file in ref instead",
+                    "file",
+                )
+            if Path(file).suffix.lower() not in _OPEN_CLIP_SUFFIXES:
+                raise _error(
+                    f"file {self.file!r} is not an open_clip weight file; give a "
+                    f"{', '.join(_OPEN_CLIP_SUFFIXES)} file",
+                    "file",
+                )
+        if self.open_clip_config is not None and not self.open_clip_config.strip():
+            raise _error("empty open_clip_config; give the path of an open_clip_config.json",
+                         "open_clip_config")  # fmt: skip
 
     @property
     def kind(self) -> Literal["hub", "local"]:
@@ -151,10 +226,21 @@ class ModelRef(_Section):
         """The directory of a local model ("~" expanded, relative paths kept relative), else None."""
         return self._path
 
+    def options(self) -> dict[str, Any]:
+        """The keys besides `ref` that differ from their defaults, as written in YAML."""
+        defaults = {"trust_remote_code": False, "format": "hf", "file": None,
+                    "open_clip_config": None, "trust_pickle": False}  # fmt: skip
+        return {
+            key: getattr(self, key)
+            for key, default in defaults.items()
+            if getattr(self, key) != default
+        }
+
     def to_yaml(self) -> str | dict[str, Any]:
-        """The plain string unless trust_remote_code is set."""
-        if self.trust_remote_code:
-            return {"ref": self.ref, "trust_remote_code": True}
+        """The plain string unless another key (trust_remote_code, format, ...) is set."""
+        options = self.options()
+        if options:
+            return {"ref": self.ref, **options}
         return self.ref
 
 
@@ -326,6 +412,11 @@ class MergeSettings(_Section):
         return self
 
 
+#: the featcal fields that determine the calibrated model (in every block's cache key)
+_CALIBRATION_FIELDS = ("alpha", "rho", "lam", "eps", "num_per_task", "max_length", "pooling",
+                       "token_weighting")  # fmt: skip
+
+
 class FeatCalSettings(_Section):
     """FeatCal hyperparameters and how the calibration runs (see featcal_core.block.FeatCalParams)."""
 
@@ -342,6 +433,11 @@ class FeatCalSettings(_Section):
     max_length: int = Field(128, ge=1, description="token limit for text models")
     pooling: Literal["cls", "mean"] | None = Field(
         None, description="output pooling; null: the architecture's default"
+    )
+    token_weighting: Literal["all", "answer"] = Field(
+        "all",
+        description="causal LMs: weigh every real token (all) or only the positions predicting "
+        "the calibration set's `target` tokens (answer)",
     )
     heads: bool = Field(
         False,
@@ -511,23 +607,24 @@ class Params(_Section):
     def calibration_settings(self) -> dict[str, Any]:
         """Everything that determines the calibrated model, as plain JSON data (for cache keys).
 
-        Included: `seed` (the calibration sample), the model references (with revisions), the
-        merge method and hyperparameters, each task's calibration source with its input columns,
-        and FeatCal's alpha, rho, lam, eps, num_per_task, max_length and pooling.
+        Included: `seed` (the calibration sample), the model references (with revisions; an
+        open_clip reference as a mapping with its format, file and config), the merge method and
+        hyperparameters, each task's calibration source with its input columns, and FeatCal's
+        alpha, rho, lam, eps, num_per_task, max_length, pooling and token_weighting.
         Left out, since they change only speed or where things run: featcal.device, batch_size,
-        runner, dask_address, dask_workers, enabled and trust_remote_code; also all of run (except seed),
-        evaluation, tracking, the evaluation sources, class names, templates, label words,
-        prompts and label columns.
+        runner, dask_address, dask_workers, enabled, trust_remote_code and trust_pickle; also all
+        of run (except seed), evaluation, tracking, the evaluation sources, class names,
+        templates, label words, prompts and label columns.
         Local model or data directories enter by path only: their contents are not hashed here.
         """
-        featcal = self.featcal.model_dump(
-            include={"alpha", "rho", "lam", "eps", "num_per_task", "max_length", "pooling"}
-        )
+        featcal = self.featcal.model_dump(include=set(_CALIBRATION_FIELDS))
         return {
             "seed": self.run.seed,
             "models": {
-                "base": self.models.base.ref,
-                "experts": {task: ref.ref for task, ref in sorted(self.models.experts.items())},
+                "base": _model_key(self.models.base),
+                "experts": {
+                    task: _model_key(ref) for task, ref in sorted(self.models.experts.items())
+                },
             },
             "merge": self.merge.model_dump(mode="json"),
             "calibration_data": {
@@ -539,6 +636,16 @@ class Params(_Section):
             },
             "featcal": dict(sorted(featcal.items())),
         }
+
+
+def _model_key(ref: ModelRef) -> str | dict[str, Any]:
+    """A model's part of the calibration settings: the reference, plus what selects the weights
+    of an open_clip checkpoint (format, file, config)."""
+    if ref.format == "hf":
+        return ref.ref
+    options = ref.options()
+    options.pop("trust_pickle", None)  # allows loading; does not change the weights
+    return {"ref": ref.ref, **options}
 
 
 def _check_task_names(mapping: Mapping[str, Any]) -> None:
@@ -775,7 +882,8 @@ def dump(params: Params) -> str:
 def flatten(params: Params) -> dict[str, str | int | float | bool]:
     """Dotted keys and scalar values for MLflow params, e.g. {"featcal.alpha": 0.25}.
 
-    Models give `<key>` (the reference) and `<key>.trust_remote_code`; None is "null"; lists are
+    Models give `<key>` (the reference) and `<key>.trust_remote_code` (open_clip ones also
+    `<key>.format`, `.file`, `.open_clip_config`, `.trust_pickle`); None is "null"; lists are
     JSON text (long ones: a count and a sha256 prefix); an empty mapping is "{}".
     """
     out: dict[str, str | int | float | bool] = {}
@@ -784,6 +892,10 @@ def flatten(params: Params) -> dict[str, str | int | float | bool]:
         if isinstance(value, ModelRef):
             out[prefix] = value.ref
             out[f"{prefix}.trust_remote_code"] = value.trust_remote_code
+            if value.format != "hf":  # open_clip options (hf references log as before)
+                for key in ("format", "file", "open_clip_config", "trust_pickle"):
+                    item = getattr(value, key)
+                    out[f"{prefix}.{key}"] = "null" if item is None else item
         elif isinstance(value, BaseModel):
             for field in type(value).model_fields:
                 visit(f"{prefix}.{field}" if prefix else field, getattr(value, field))

@@ -149,7 +149,7 @@ class Steps:
             self.paths["calibration"],
             FeatCalParams(featcal.alpha, featcal.rho, featcal.lam, featcal.eps),
             Settings(featcal.num_per_task, featcal.batch_size, seed, featcal.device,
-                     featcal.max_length, featcal.pooling),
+                     featcal.max_length, featcal.pooling, featcal.token_weighting),
             featcal.runner, featcal.dask_address, featcal.dask_workers,
         )  # fmt: skip
 

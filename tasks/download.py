@@ -34,7 +34,9 @@ def models_spec(models: ModelsSpec | Mapping[str, Any]) -> ModelsSpec:
         return ModelsSpec.model_validate(dict(models))
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(part) for part in ("models", *first["loc"]))
+        at = (first.get("ctx") or {}).get("featcal_key_suffix") or ""  # flows.params._error's key
+        parts = ("models", *first["loc"], *(at.split(".") if at else ()))
+        where = ".".join(str(part) for part in parts)
         raise FeatCalError(f"{where}: {first['msg']}; fix the models section") from None
 
 
@@ -45,17 +47,24 @@ def download_models(
     *,
     cache_dir: str | Path | None = None,
     retries: int = 3,
+    import_root: str | Path | None = None,
 ) -> dict[str, Any]:
     """Resolve `models.base` and every `models.experts.<task>`, check they agree, write the lock.
 
+    open_clip references (`format: open_clip`) are imported into featcal checkpoints below
+    `import_root` (None: data/models/open_clip in the working directory), once; an open_clip
+    expert without its own open_clip_config.json uses the base's.
     Returns the lock (also written to `lock_path`), with the architecture name under
     "architecture".
     """
     spec = models_spec(models)
     if cache_dir is None and spec.hub_cache is not None:
         cache_dir = Path(spec.hub_cache).expanduser()
-    options = {"cache_dir": cache_dir, "retries": retries, "offline": spec.hub_offline}
+    options = {"cache_dir": cache_dir, "retries": retries, "offline": spec.hub_offline,
+               "import_root": import_root}  # fmt: skip
     base = resolve_model(spec.base, "models.base", **options)
+    if base.open_clip_source is not None:
+        options["base_config"] = base.open_clip_source["config"]
     experts = {
         name: resolve_model(ref, f"models.experts.{name}", **options)
         for name, ref in spec.experts.items()

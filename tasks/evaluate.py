@@ -3,15 +3,21 @@ the task's expert, the merged and the calibrated model, and normalized accuracy 
 
 A task with `class_names` or `templates` in params is evaluated with a CLIP zero-shot head built
 from the base CLIPModel's text tower (class embeddings cached under `<results>/heads`); any other
-task with its expert's own classification head. Causal LMs (hf-llama) are scored by the likeliest
-label continuation (`label_words` after `prompt`, featcal_core.lm_evaluation), with the base as a
-row too, plus the perplexity of the evaluation texts. Evaluation data never feeds calibration: the
-params refuse a task whose evaluation source is its calibration source.
+task with its expert's own classification head. open_clip pools (open-clip-vision) use the
+base's open_clip text tower (featcal_core.open_clip_zero_shot; the base's source comes from the
+results' models.lock.json), also for tasks without class_names/templates (class names: the label
+feature's; open_clip experts are bare vision towers without a head). Causal LMs (hf-llama) are
+scored by the likeliest label continuation (`label_words` after `prompt`,
+featcal_core.lm_evaluation), with the base as a row too, plus the perplexity of the evaluation
+texts. Evaluation data never feeds calibration: the params refuse a task whose evaluation source
+is its calibration source.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,19 +45,79 @@ def _evaluation_data(task_name: str, source: Any, data_root: Path) -> tuple[Path
     return target, None
 
 
-def task_head(task_name: str, spec: Any, base, expert, root: Path):
+def task_head(
+    task_name: str,
+    spec: Any,
+    base,
+    expert,
+    root: Path,
+    base_source: Mapping[str, Any] | None = None,
+):
     """(head, zero_shot) of one task: its expert's own classifier, or a CLIP zero-shot head
-    when the task has class_names or templates."""
+    when the task has class_names or templates (open_clip pools: always, since their experts are
+    bare vision towers). base_source: the base's `open_clip_source` lock record (None: read from
+    `root`/models.lock.json when the pool is open_clip)."""
     data, split = _evaluation_data(task_name, spec.evaluation, root / "evaluation_data")
-    if spec.class_names is None and spec.templates is None:
+    open_clip = _is_open_clip(Path(base))
+    prompts_given = spec.class_names is not None or spec.templates is not None
+    if not prompts_given and not open_clip:
         return ExpertHead(expert, tokenizer_dir=base), False
     names = spec.class_names
     if names is None:
         rows = open_source({"path": str(data), "split": split}, key=f"tasks.{task_name}.evaluation")
         label = spec.evaluation.label_column or "label"
-        names = list(rows.features[label].names)
+        names = getattr(rows.features.get(label), "names", None)
+        if not names:
+            raise FeatCalError(
+                f"tasks.{task_name}.class_names: the evaluation set's {label!r} column has no "
+                "class names; set class_names (one per label) for zero-shot evaluation"
+            )
+        names = list(names)
     templates = tuple(spec.templates or DEFAULT_TEMPLATES)
+    if open_clip:
+        from featcal_core.open_clip_zero_shot import OpenCLIPZeroShotHead
+
+        source = base_source if base_source is not None else _base_source(root, Path(base))
+        head = OpenCLIPZeroShotHead.from_source_record(source, base, names, templates,
+                                                       root / "heads")  # fmt: skip
+        return head, True
     return ZeroShotHead(base, names, templates, root / "heads"), True
+
+
+def _is_open_clip(base: Path) -> bool:
+    from featcal_core.architectures.open_clip import MODEL_TYPE
+
+    try:
+        config = json.loads((base / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # the heads report the unreadable base themselves
+    return isinstance(config, dict) and config.get("model_type") == MODEL_TYPE
+
+
+def _base_source(root: Path, base: Path) -> dict[str, Any]:
+    """The base's `open_clip_source` from the results' lock (the base's open_clip checkpoint,
+    whose text tower gives the class embeddings)."""
+    from featcal_core.resolve import read_lock
+
+    lock_path = root / "models.lock.json"
+    if not lock_path.is_file():
+        raise FeatCalError(
+            f"{lock_path} does not exist: zero-shot evaluation of an open_clip pool needs the "
+            "base's open_clip checkpoint it records; run `featcal download` first"
+        )
+    entry = read_lock(lock_path)["base"]
+    if Path(entry["path"]).resolve() != base.resolve():
+        raise FeatCalError(
+            f"{lock_path} locks base {entry['path']}, not {base}; re-run `featcal download`"
+        )
+    source = entry.get("open_clip_source")
+    if not source:
+        raise FeatCalError(
+            f"models.base: {base} is an open_clip vision tower without its open_clip checkpoint, "
+            "whose text tower zero-shot evaluation needs; give models.base as the open_clip "
+            "checkpoint with format: open_clip"
+        )
+    return dict(source)
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)

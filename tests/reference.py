@@ -223,7 +223,8 @@ def _solve_block(before, base_layer, expert_layers, xs, xe, weights, alpha, rho,
 @torch.no_grad()
 def reference_featcal(family, base, merged, experts, inputs, alpha, rho, lam, eps=1e-8):
     """Return the calibrated state dict (float64). experts/inputs: dicts keyed by task; inputs
-    hold model inputs plus "attention_mask" (B, S)."""
+    hold model inputs plus "attention_mask" (B, S) and optionally "weight_mask" (B, S), the token
+    weights when they differ from the attention mask."""
     cal = copy.deepcopy(merged).to(D64)
     base, experts = base.to(D64), {t: m.to(D64) for t, m in experts.items()}
     tasks = list(experts)
@@ -244,7 +245,8 @@ def reference_featcal(family, base, merged, experts, inputs, alpha, rho, lam, ep
         expert_layers = {t: family.layers(experts[t])[index] for t in tasks}
 
         def weights(t, name, last=last):
-            return _weights(name, last, inputs[t]["attention_mask"], family)
+            return _weights(name, last, inputs[t].get("weight_mask", inputs[t]["attention_mask"]),
+                            family)  # fmt: skip
 
         new = _solve_block(before, base_layer, expert_layers, xs, xe, weights, alpha, rho, lam, eps)
         layer.load_state_dict({**layer.state_dict(), **new})  # others (layer scale): as merged

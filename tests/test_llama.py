@@ -8,13 +8,15 @@ import json
 import shutil
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_end_to_end import _assert_matches, _reference
+from test_end_to_end import ALPHA, LAM, RHO, _assert_matches, _reference
 from transformers import (
     AutoConfig,
     AutoModel,
+    AutoTokenizer,
     BertConfig,
     BertModel,
     LlamaForCausalLM,
@@ -27,6 +29,7 @@ from featcal_cli.main import main
 from featcal_core.architectures import detect
 from featcal_core.errors import FeatCalError
 from featcal_core.synthetic import build_pool, word_tokenizer
+from reference import Family, reference_featcal
 
 TINY_LLAMA = dict(
     hidden_size=32,
@@ -184,3 +187,106 @@ def test_sharded_checkpoint_with_missing_shard_fails_clearly(llama_pool, tmp_pat
     missing.unlink()
     zoo = factories.Zoo(llama_pool.base, merged, llama_pool.experts, llama_pool.calib)
     _fails(zoo.cli_args(tmp_path / "out"), capsys, str(missing), "model.safetensors.index.json")
+
+
+# ----- calibration sets with answers (`target` column) and answer-token weighting -----------------
+
+
+def _with_targets(pool, root: Path):
+    """The pool with calibration sets that also hold a `target` column (one to three words)."""
+    calib = {}
+    for i, (task, path) in enumerate(pool.calib.items()):
+        data = datasets.load_from_disk(str(path))
+        words = ["good", "bad great", "the plot was dull"]
+        data = data.add_column("target", [" " + words[(i + j) % 3] for j in range(len(data))])
+        data.save_to_disk(str(root / f"calib_{task}"))
+        calib[task] = root / f"calib_{task}"
+    return factories.Zoo(pool.base, pool.merged, pool.experts, calib)
+
+
+def _answer_inputs(zoo, answer_only: bool, limit: int = 64):
+    """Brute-force inputs: each row's tokens (with bos), then its target's tokens; weights 1 at
+    the positions whose next token is a target token (answer_only) or at every real token."""
+    tok = AutoTokenizer.from_pretrained(zoo.base)
+    out = {}
+    for task, path in zoo.calib.items():
+        data = datasets.load_from_disk(str(path))
+        rows = []
+        for text, target in zip(data["text"], data["target"], strict=True):
+            prompt = tok(text)["input_ids"]
+            answer = tok(target, add_special_tokens=False)["input_ids"]
+            rows.append((prompt[: limit - len(answer)], answer))
+        width = max(len(p) + len(a) for p, a in rows)
+        ids = torch.full((len(rows), width), tok.pad_token_id)
+        mask, weights = torch.zeros(len(rows), width), torch.zeros(len(rows), width)
+        for i, (prompt, answer) in enumerate(rows):
+            seq = prompt + answer
+            ids[i, : len(seq)] = torch.tensor(seq)
+            mask[i, : len(seq)] = 1
+            for j in range(len(seq) - 1):
+                weights[i, j] = 1.0 if j + 1 >= len(prompt) else 0.0
+        out[task] = {"input_ids": ids, "attention_mask": mask}
+        if answer_only:
+            out[task]["weight_mask"] = weights
+    return out
+
+
+@pytest.mark.parametrize("weighting", ["all", "answer"])
+def test_targets_and_answer_weighting_match_float64_reference(llama_pool, tmp_path, weighting):
+    zoo = _with_targets(llama_pool, tmp_path)
+    out = tmp_path / "out"
+    assert main(zoo.cli_args(out) + ["--token-weighting", weighting]) == 0
+    record = json.loads((out / "featcal.json").read_text())
+    assert record["hyperparameters"]["token_weighting"] == weighting
+
+    def load(path):
+        return LlamaForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                attn_implementation="eager").eval()  # fmt: skip
+
+    reference = reference_featcal(
+        Family("llama"), load(zoo.base), load(zoo.merged),
+        {t: load(p) for t, p in zoo.experts.items()}, _answer_inputs(zoo, weighting == "answer"),
+        ALPHA, RHO, LAM,
+    )  # fmt: skip
+    _assert_matches(out, reference)
+
+
+def test_answer_weighting_differs_from_all_and_drift_is_measured_on_answers(llama_pool, tmp_path):
+    zoo = _with_targets(llama_pool, tmp_path)
+    runs = {}
+    for weighting in ("all", "answer"):
+        out = tmp_path / weighting
+        assert main(zoo.cli_args(out) + ["--token-weighting", weighting]) == 0
+        runs[weighting] = (load_file(str(out / "model.safetensors")),
+                           json.loads((out / "featcal.json").read_text()))  # fmt: skip
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(runs["all"][0][key], runs["answer"][0][key])
+    # block 0's drift before calibration is the same stems' outputs, measured on other tokens
+    before = {w: runs[w][1]["blocks"][0]["drift_before"]["alpha"] for w in runs}
+    assert before["all"] != before["answer"]
+
+
+def test_answer_weighting_needs_targets_and_a_causal_lm(llama_pool, tmp_path, capsys):
+    args = llama_pool.cli_args(tmp_path / "out") + ["--token-weighting", "answer"]
+    _fails(args, capsys, str(llama_pool.calib["alpha"]), "'target' column", "--token-weighting all")
+    assert not (tmp_path / "out").exists()
+    bert = factories.bert_zoo(tmp_path / "bert", tasks=("alpha",))
+    args = bert.cli_args(tmp_path / "out") + ["--token-weighting", "answer"]
+    _fails(args, capsys, "not a causal LM", "hf-bert")
+
+
+def test_prompt_is_cut_before_the_answer_at_the_token_limit(llama_pool):
+    from featcal_core.architectures.llama import prompt_and_answer
+
+    tok = AutoTokenizer.from_pretrained(llama_pool.base)
+    inputs = prompt_and_answer(tok, ["the a movie film good bad", "fun"], [" great awful", ""], 5)
+    bos = tok.bos_token_id
+    great, awful = tok(" great awful", add_special_tokens=False)["input_ids"]
+    assert inputs["input_ids"][0].tolist() == [
+        bos,
+        *tok("the a", add_special_tokens=False)["input_ids"],
+        great,
+        awful,
+    ]
+    assert inputs["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]
+    assert inputs["weight_mask"].tolist() == [[0, 0, 1, 1, 0], [0, 0, 0, 0, 0]]

@@ -363,6 +363,59 @@ def test_reads_one_tensor_name_at_a_time(zoo, tmp_path, monkeypatch):
     assert len({run[0] for run in runs}) == len(runs)  # every name read in one run only
 
 
+@pytest.mark.parametrize(("method", "given", "filled"), CASES)
+def test_row_chunks_give_the_whole_tensor_merge_bit_for_bit(zoos, tmp_path, monkeypatch, method,
+                                                            given, filled):  # fmt: skip
+    """Tensors above CHUNK_ENTRIES are merged in row chunks (TIES: thresholds from the whole
+    tensor first), never read whole, and give exactly the whole-tensor merge."""
+    import featcal_core.merging.run as run
+
+    zoo = zoos["llama"]
+    whole = tmp_path / "whole"
+    merge_checkpoints(zoo.base, zoo.experts, whole, method, given, progress=False)
+    rows: list[tuple[str, int, int]] = []
+    whole_reads: list[str] = []
+    original_rows, original_item = Reader.rows, Reader.__getitem__
+
+    def spy_rows(self, name, start, stop):
+        rows.append((name, start, stop))
+        return original_rows(self, name, start, stop)
+
+    def spy_item(self, name):
+        whole_reads.append(name)
+        return original_item(self, name)
+
+    monkeypatch.setattr(Reader, "rows", spy_rows)
+    monkeypatch.setattr(Reader, "__getitem__", spy_item)
+    monkeypatch.setattr(run, "CHUNK_ENTRIES", 100)  # e.g. (64, 32) → chunks of 3 rows
+    chunked = tmp_path / "chunked"
+    merge_checkpoints(zoo.base, zoo.experts, chunked, method, given, progress=False)
+    assert (chunked / "model.safetensors").read_bytes() == (
+        whole / "model.safetensors"
+    ).read_bytes()
+    large = {n for n, e in Reader(whole / "model.safetensors").entries.items()
+             if math.prod(e.shape) > 100}  # fmt: skip
+    assert large and {name for name, _, _ in rows} == large
+    assert not large & set(whole_reads)
+    assert max(stop - start for _, start, stop in rows) < 64
+
+
+def test_read_rows_and_chunked_writes(tmp_path):
+    from featcal_core.safetensors_io import write_streaming
+
+    tensor = torch.arange(60, dtype=torch.bfloat16).reshape(5, 3, 4)
+    path = tmp_path / "t.safetensors"
+    write_streaming(path, [("t", "BF16", (5, 3, 4))], lambda name: iter(tensor.split(2)))
+    with Reader(path) as reader:
+        assert torch.equal(reader["t"], tensor)
+        assert torch.equal(reader.rows("t", 1, 4), tensor[1:4])
+        assert reader.rows("t", 2, 2).shape == (0, 3, 4)
+        with pytest.raises(ValueError, match="rows 4:6"):
+            reader.rows("t", 4, 6)
+    with pytest.raises(ValueError, match="wrote 48 entries, expected 60"):
+        write_streaming(path, [("t", "BF16", (5, 3, 4))], lambda name: iter(tensor.split(2)[:2]))
+
+
 # ----- registry --------------------------------------------------------------------------------
 def test_registry_lists_and_gets_methods(monkeypatch, tmp_path, zoos):
     assert {"task_arithmetic", "ties", "average"} <= set(merging.available())

@@ -297,3 +297,15 @@ def test_bad_import_inputs_fail_clearly(pool, tmp_path, capsys):
     capsys.readouterr()
     assert main(["import-open-clip", str(files["alpha"]), "--out", str(existing)]) == 2
     assert "--overwrite" in capsys.readouterr().err and list(existing.iterdir()) == []
+
+
+def test_merged_checkpoint_with_missing_shard_fails_clearly(pool, tmp_path, capsys):
+    zoo = pool["zoo"]
+    merged = tmp_path / "merged"
+    shutil.copytree(zoo.merged, merged)
+    factories.reshard(merged, shards=3)
+    missing = merged / "model-00002-of-00003.safetensors"
+    missing.unlink()
+    broken = Pool(zoo.base, merged, zoo.experts, zoo.calib)
+    _fails(broken.cli_args(tmp_path / "out"), capsys, str(missing), "model.safetensors.index.json")
+    assert not (tmp_path / "out").exists()

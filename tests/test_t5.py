@@ -306,3 +306,14 @@ def test_t5_base_without_tokenizer_fails_clearly(t5_pool, tmp_path, capsys):
         shutil.copy2(t5_pool.base / name, base / name)
     zoo = factories.Zoo(base, t5_pool.merged, t5_pool.experts, t5_pool.calib)
     _fails(zoo.cli_args(tmp_path / "out"), capsys, str(base), "tokenizer")
+
+
+def test_expert_with_missing_shard_fails_clearly(t5_pool, tmp_path, capsys):
+    expert = tmp_path / "beta"
+    shutil.copytree(t5_pool.experts["beta"], expert)
+    factories.reshard(expert, shards=3)
+    missing = expert / "model-00003-of-00003.safetensors"
+    missing.unlink()
+    zoo = _with_expert(t5_pool, "beta", expert)
+    _fails(zoo.cli_args(tmp_path / "out"), capsys, str(missing), "model.safetensors.index.json")
+    assert not (tmp_path / "out").exists()

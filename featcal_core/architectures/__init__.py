@@ -31,7 +31,12 @@ def detect(
     _import_all()
     for cls in REGISTRY.values():
         if cls.matches(config):
-            return cls(config, pooling=pooling)
+            try:
+                return cls(config, pooling=pooling)
+            except FeatCalError as exc:  # name the file when the adapter's message does not
+                if source in str(exc):
+                    raise
+                raise FeatCalError(f"{source}: {exc}") from exc
     found = config.get("architectures") or config.get("model_type")
     raise FeatCalError(
         f"{source}: unsupported architecture {found!r}; supported: {', '.join(sorted(REGISTRY))}"

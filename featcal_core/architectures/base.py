@@ -22,6 +22,11 @@ from featcal_core.errors import FeatCalError
 
 #: weight of non-pooled tokens in the last block (method page, "Token weights")
 POOLED_OTHER_WEIGHT = 0.01
+#: token weighting modes: "all" (every real token; the method page's rule) or "answer" (causal
+#: LMs whose calibration set has a `target` column: only the positions that predict its tokens)
+TOKEN_WEIGHTINGS = ("all", "answer")
+#: inputs key of the (B, S) 0/1 token-weight mask when it differs from the attention mask
+WEIGHT_MASK = "weight_mask"
 
 
 class Architecture(ABC):
@@ -44,6 +49,8 @@ class Architecture(ABC):
     #: module types treated as norms; RMS-style norms are listed in `rms_norm_types`
     norm_types: tuple[type[nn.Module], ...] = (nn.LayerNorm,)
     rms_norm_types: tuple[type[nn.Module], ...] = ()
+    #: "all" or "answer" (see TOKEN_WEIGHTINGS); only causal LMs accept "answer"
+    token_weighting: str = "all"
 
     def __init__(self, config: dict[str, Any], pooling: str | None = None):
         self.config = config
@@ -127,6 +134,19 @@ class Architecture(ABC):
             raise FeatCalError(f"--pooling {pooling!r} is not one of {sorted(choices)}")
         self.pooled_position = choices[pooling]
 
+    def set_token_weighting(self, mode: str) -> None:
+        """Choose the token weighting; "answer" needs a causal LM (`causal = True`)."""
+        if mode not in TOKEN_WEIGHTINGS:
+            raise FeatCalError(
+                f"--token-weighting {mode!r} is not one of {', '.join(TOKEN_WEIGHTINGS)}"
+            )
+        if mode == "answer" and not getattr(self, "causal", False):
+            raise FeatCalError(
+                f"--token-weighting answer: {self.name} is not a causal LM; answer-token "
+                "weighting applies to Llama-class decoders (leave it at 'all')"
+            )
+        self.token_weighting = mode
+
     # ----- modules ----------------------------------------------------------------------------
     @abstractmethod
     def build_stem(self, dtype: torch.dtype) -> nn.Module:
@@ -152,7 +172,9 @@ class Architecture(ABC):
         self, base_dir: str, rows: list[Any], max_length: int, targets: list[str] | None = None
     ) -> dict[str, torch.Tensor]:
         """Model inputs for the calibration rows (PIL images or strings), incl. "attention_mask";
-        `targets` (the set's `target` column, when it has one) feed encoder-decoder decoders."""
+        `targets` (the set's `target` column, when it has one) feed encoder-decoder decoders and
+        are appended to a causal LM's rows. An adapter may add WEIGHT_MASK, the (B, S) 0/1 token
+        weights when they differ from the attention mask."""
 
     # ----- token weights ----------------------------------------------------------------------
     def token_weights(self, module: str, last_block: bool, mask: torch.Tensor) -> torch.Tensor:

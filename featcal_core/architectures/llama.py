@@ -5,9 +5,14 @@ Stem: the token embeddings (`embed_tokens`). Blocks: the family's DecoderLayer (
 input_layernorm (scale-only RMSNorm), self_attn.q/k/v/o_proj (grouped-query attention; Qwen2 adds
 q/k/v biases), post_attention_layernorm (RMSNorm), mlp.gate/up/down_proj. Rotary position
 embeddings are computed for positions 0..S-1 (right padding) and attention is causal with padded
-keys masked (eager attention). The final `norm` and `lm_head` are not calibrated. Token weights:
-padding 0, every real token 1 (no pooled token; the method page publishes no special rule for
-causal LMs).
+keys masked (eager attention). The final `norm` and `lm_head` are not calibrated.
+
+Inputs: each calibration row's tokens (with the tokenizer's special tokens, e.g. bos), followed,
+when the set has a `target` column, by the target's tokens (no special tokens; the prompt is cut
+from the end when the pair exceeds the token limit). Token weights: padding 0, every real token 1
+(no pooled token; the method page publishes no special rule for causal LMs), or, with
+`token_weighting = "answer"`, 1 only at the positions whose next token is a target token (the
+positions whose outputs predict the answer) and 0 elsewhere; prompt tokens are still attended to.
 """
 
 from __future__ import annotations
@@ -21,7 +26,12 @@ import transformers
 from torch import nn
 
 from featcal_core.architectures import register
-from featcal_core.architectures.base import Architecture, encode_texts, load_tokenizer
+from featcal_core.architectures.base import (
+    WEIGHT_MASK,
+    Architecture,
+    encode_texts,
+    load_tokenizer,
+)
 from featcal_core.errors import FeatCalError
 
 log = logging.getLogger(__name__)
@@ -141,8 +151,47 @@ class HFLlama(Architecture):
     ) -> dict[str, torch.Tensor]:
         tokenizer = load_tokenizer(base_dir, right_padded=True)
         limit = min(max_length, int(self.hf_config.max_position_embeddings))
-        encoded = encode_texts(tokenizer, rows, limit)
-        return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+        if targets is None:
+            if self.token_weighting == "answer":
+                raise FeatCalError(
+                    "--token-weighting answer needs a `target` column (the answers) in every "
+                    "calibration set; add one or use --token-weighting all"
+                )
+            encoded = encode_texts(tokenizer, rows, limit)
+            return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+        inputs = prompt_and_answer(tokenizer, rows, targets, limit)
+        if self.token_weighting != "answer":
+            del inputs[WEIGHT_MASK]
+        return inputs
+
+
+def prompt_and_answer(
+    tokenizer, rows: list[Any], targets: list[str], limit: int
+) -> dict[str, torch.Tensor]:
+    """input_ids, attention_mask and WEIGHT_MASK (B, S) for rows followed by their targets, right
+    padded. A row keeps its special tokens, a target gets none; when a pair is longer than `limit`
+    tokens the prompt loses its last tokens (the target keeps at most limit - 1). WEIGHT_MASK is 1
+    at the positions whose next token belongs to the target."""
+    if len(targets) != len(rows):
+        raise FeatCalError(f"{len(rows)} calibration rows but {len(targets)} targets")
+    pairs = []
+    for row, target in zip(rows, targets, strict=True):
+        prompt = tokenizer(str(row))["input_ids"]
+        answer = tokenizer(str(target), add_special_tokens=False)["input_ids"][: max(limit - 1, 1)]
+        pairs.append((prompt[: max(limit - len(answer), 1)], answer))
+    width = max(len(p) + len(a) for p, a in pairs)
+    ids = torch.full((len(pairs), width), int(tokenizer.pad_token_id), dtype=torch.long)
+    mask = torch.zeros(len(pairs), width, dtype=torch.long)
+    weights = torch.zeros(len(pairs), width, dtype=torch.long)
+    for i, (prompt, answer) in enumerate(pairs):
+        ids[i, : len(prompt) + len(answer)] = torch.tensor(prompt + answer, dtype=torch.long)
+        mask[i, : len(prompt) + len(answer)] = 1
+        weights[i, max(len(prompt) - 1, 0) : len(prompt) + len(answer) - 1] = 1
+    if not bool(weights.any()):
+        raise FeatCalError(
+            "the calibration targets have no tokens; fill the `target` column with the answers"
+        )
+    return {"input_ids": ids, "attention_mask": mask, WEIGHT_MASK: weights}
 
 
 def _sliding_window(config, model_type: str) -> tuple[int | None, bool]:

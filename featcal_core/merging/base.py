@@ -1,6 +1,13 @@
 """What a merge method is: a rule that turns the base tensor and the experts' tensors of one
 parameter into the merged tensor. Methods see one tensor name at a time, so a merge streams through
-a checkpoint with memory bounded by a few copies of its largest tensor.
+a checkpoint tensor by tensor.
+
+Large tensors are merged in row chunks (featcal_core.merging.run): a method first gets
+`prepare(task_vectors, ...)`, which may stream over each expert's task vector τ_t = θ_t − θ0 of
+the whole tensor (chunk by chunk) to compute per-tensor statistics (TIES: its trim thresholds),
+then `merge_chunk` for each chunk of entries with that result. A method whose rule is not entry
+by entry given such statistics sets `chunkable = False` and always gets whole tensors. Either
+way `merge_tensor` on the whole tensor gives the same values as the chunks, bit for bit.
 
 Shapes: `base` and every expert tensor have the same shape S (any rank, scalars included); the
 result has shape S too. Methods compute in float64 and return a floating tensor; the caller checks
@@ -11,6 +18,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,6 +42,8 @@ class MergeMethod(ABC):
     name: str = ""
     #: every hyperparameter the method takes, with its default value
     defaults: dict[str, Any] = {}
+    #: True when `merge_chunk` can merge any subset of entries given `prepare`'s result
+    chunkable: bool = True
 
     def check(self, hp: dict[str, Any] | None) -> dict[str, Any]:
         """`hp` with the defaults filled in and each value validated (a new dict).
@@ -68,6 +78,26 @@ class MergeMethod(ABC):
     ) -> torch.Tensor:
         """The merged tensor (shape S, floating, at least float32) from `base` (shape S) and one
         tensor per expert (each shape S, any floating dtype). `hp` has passed `check`."""
+
+    def prepare(
+        self,
+        task_vectors: Callable[[int], Iterator[torch.Tensor]],
+        count: int,
+        numel: int,
+        hp: dict[str, Any],
+    ) -> Any:
+        """Per-tensor statistics for `merge_chunk`: task_vectors(t) yields expert t's task vector
+        τ_t (float64) in chunks covering the tensor's `numel` entries in order; `count` experts.
+        The default needs none (None)."""
+        return None
+
+    def merge_chunk(
+        self, base: torch.Tensor, experts: list[torch.Tensor], hp: dict[str, Any], prepared: Any
+    ) -> torch.Tensor:
+        """The merged entries of one chunk (same shape as `base`); `prepared` is `prepare`'s
+        result for the whole tensor. The default applies `merge_tensor` to the chunk, which is
+        right for rules that act entry by entry (Task Arithmetic, averaging)."""
+        return self.merge_tensor(base, experts, hp)
 
     def __repr__(self) -> str:
         return f"<merge method {self.name!r}>"

@@ -2,18 +2,23 @@
 
 The output has the base's layout: the same shard files holding the same tensor names with the same
 dtypes (and the base's index file, when it has one), plus the base's other files (config.json,
-processor and tokenizer files) and a `merge.json` record. For each tensor name the base's tensor
-and then each expert's tensor are read, merged and written before the next name is read, so peak
-memory is about the largest tensor times (number of experts + 1) in its stored dtype plus a few
-float64 working copies of it; no model is ever loaded whole.
+processor and tokenizer files) and a `merge.json` record. Tensors are merged one name at a time,
+and a tensor larger than CHUNK_ENTRIES entries in row chunks: the method's `prepare` streams over
+each expert's task vector chunk by chunk (TIES: its trim thresholds, which hold the magnitudes of
+one task vector in float64), then each chunk of rows of the base and of every expert is read,
+merged and written before the next one. Peak memory is a few float64 chunks per expert (plus, for
+TIES, one float64 copy of the largest tensor); no model, and no expert's large tensor, is ever
+held whole.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -27,13 +32,15 @@ from featcal_core.checkpoint import INDEX_NAME, Checkpoint, sha256_file
 from featcal_core.errors import FeatCalError
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.merging import get
-from featcal_core.merging.base import MergeMethod
+from featcal_core.merging.base import MergeMethod, as_compute
 from featcal_core.safetensors_io import DTYPES, Reader, SafetensorsFormatError, write_streaming
 
 log = logging.getLogger(__name__)
 
 RECORD_NAME = "merge.json"
 RECORD_VERSION = 1
+#: tensors with more entries are merged in row chunks of about this many entries (32 MiB float64)
+CHUNK_ENTRIES = 1 << 22
 #: provenance records of earlier runs: never copied from the base into a new output
 _RECORDS = (RECORD_NAME, "featcal.json")
 #: weight files of other formats: never copied from the base (a loader might pick them up and
@@ -214,13 +221,17 @@ class _Readers:
         self._stack = stack
         self._open: dict[tuple[int, str], Reader] = {}
 
-    def read(self, checkpoint: Checkpoint, name: str) -> torch.Tensor:
+    def read(
+        self, checkpoint: Checkpoint, name: str, rows: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """Tensor `name` of `checkpoint`, or only its rows [start, stop) when `rows` is given."""
         file = checkpoint.tensors[name].file
         key = (id(checkpoint), file)
         try:
             if key not in self._open:
                 self._open[key] = self._stack.enter_context(checkpoint.reader(file))
-            tensor = self._open[key][name]
+            reader = self._open[key]
+            tensor = reader[name] if rows is None else reader.rows(name, *rows)
         except (OSError, SafetensorsFormatError) as exc:
             raise FeatCalError(
                 f"cannot read tensor {name!r} from {checkpoint.directory / file} ({exc}); "
@@ -246,32 +257,55 @@ def _write_weights(
         stack.callback(bar.close)
         readers = _Readers(stack)
 
-        def fetch(name: str) -> torch.Tensor:
+        def cast(merged: torch.Tensor, name: str, shape: tuple[int, ...], dtype: str):
+            if tuple(merged.shape) != shape:
+                raise FeatCalError(
+                    f"merge method {merger.name!r} returned shape {list(merged.shape)} for "
+                    f"{name!r} (expected {list(shape)}); this is a bug in the method"
+                )
+            _check_finite(merged, name, f"in the merge ({merger.name}, {hp})")
+            result = merged.to(DTYPES[dtype])
+            _check_finite(result, name, f"in the merge ({merger.name}, {hp}) cast to {dtype}")
+            return result
+
+        def fetch(name: str) -> torch.Tensor | Iterator[torch.Tensor]:
             info = base.tensors[name]
-            theta0 = readers.read(base, name)
             others = [key_maps[task][name] for task in experts]
             if not _is_float(info.dtype) or any(other is None for other in others):
                 counts["copied"] += 1
                 bar.update(1)
-                return theta0
-            thetas = [
-                readers.read(expert, other)
-                for expert, other in zip(experts.values(), others, strict=True)
-            ]
-            merged = merger.merge_tensor(theta0, thetas, hp)
-            del thetas
-            if tuple(merged.shape) != info.shape:
-                raise FeatCalError(
-                    f"merge method {merger.name!r} returned shape {list(merged.shape)} for tensor "
-                    f"{name!r} of shape {list(info.shape)}; this is a bug in the method"
-                )
-            _check_finite(merged, name, f"in the merge ({merger.name}, {hp})")
-            result = merged.to(DTYPES[info.dtype])
-            del merged
-            _check_finite(result, name, f"in the merge ({merger.name}, {hp}) cast to {info.dtype}")
+                return readers.read(base, name)
             counts["merged"] += 1
-            bar.update(1)
-            return result
+            pairs = list(zip(experts.values(), others, strict=True))
+            numel = math.prod(info.shape)
+            if not merger.chunkable or not info.shape or numel <= CHUNK_ENTRIES:
+                theta0 = readers.read(base, name)
+                thetas = [readers.read(expert, other) for expert, other in pairs]
+                result = cast(merger.merge_tensor(theta0, thetas, hp), name, info.shape,
+                              info.dtype)  # fmt: skip
+                bar.update(1)
+                return result
+            step = max(1, CHUNK_ENTRIES // (numel // info.shape[0] or 1))
+            spans = [(a, min(a + step, info.shape[0])) for a in range(0, info.shape[0], step)]
+
+            def task_vector(t: int) -> Iterator[torch.Tensor]:
+                expert, other = pairs[t]
+                for span in spans:
+                    theta0 = as_compute(readers.read(base, name, span))
+                    yield as_compute(readers.read(expert, other, span)).sub_(theta0)
+
+            def chunks() -> Iterator[torch.Tensor]:
+                prepared = merger.prepare(task_vector, len(pairs), numel, hp)
+                for span in spans:
+                    theta0 = readers.read(base, name, span)
+                    thetas = [readers.read(expert, other, span) for expert, other in pairs]
+                    shape = (span[1] - span[0], *info.shape[1:])
+                    merged = merger.merge_chunk(theta0, thetas, hp, prepared)
+                    del thetas
+                    yield cast(merged, name, shape, info.dtype)
+                bar.update(1)
+
+            return chunks()
 
         for shard in base.files:
             entries = [(name, e.dtype, e.shape) for name, e in base.entries[shard].items()]

@@ -21,8 +21,10 @@ model, and an exact zero sign sum is not replaced by a majority sign.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from featcal_core.merging import register
@@ -68,25 +70,68 @@ class Ties(MergeMethod):
     def merge_tensor(
         self, base: torch.Tensor, experts: list[torch.Tensor], hp: dict[str, Any]
     ) -> torch.Tensor:
-        """base (S), experts T × (S) → θ0 + λ · disjoint mean of trimmed τ_t, float64 (S).
+        """base (S), experts T × (S) → θ0 + λ · disjoint mean of trimmed τ_t, float64 (S)."""
 
-        Two passes over the experts (the trim is recomputed in the second) so that only one
-        trimmed task vector exists at a time.
-        """
+        def task_vector(t: int) -> Iterator[torch.Tensor]:
+            yield as_compute(experts[t]).sub_(as_compute(base))
+
+        thresholds = self.prepare(task_vector, len(experts), base.numel(), hp)
+        return self.merge_chunk(base, experts, hp, thresholds)
+
+    def prepare(
+        self,
+        task_vectors: Callable[[int], Iterator[torch.Tensor]],
+        count: int,
+        numel: int,
+        hp: dict[str, Any],
+    ) -> list[float | None]:
+        """Each expert's trim threshold: the k-th largest |τ_t| over the whole tensor (None: keep
+        every entry). The magnitudes of one task vector are gathered in one float64 array and
+        partially sorted in place, so the threshold is exact (as `trim`'s)."""
+        keep = kept_count(numel, hp["top_k"]) if numel else 0
+        if keep >= numel:
+            return [None] * count
+        thresholds: list[float | None] = []
+        for t in range(count):
+            magnitudes = np.empty(numel, dtype=np.float64)
+            filled = 0
+            for chunk in task_vectors(t):
+                flat = chunk.reshape(-1).abs().numpy()
+                magnitudes[filled : filled + flat.size] = flat
+                filled += flat.size
+            if filled != numel:
+                raise ValueError(f"task vector {t} has {filled} entries, expected {numel}")
+            magnitudes.partition(numel - keep)
+            thresholds.append(float(magnitudes[numel - keep]))
+            del magnitudes
+        return thresholds
+
+    def merge_chunk(
+        self,
+        base: torch.Tensor,
+        experts: list[torch.Tensor],
+        hp: dict[str, Any],
+        prepared: list[float | None],
+    ) -> torch.Tensor:
+        """Trim (with the whole tensor's thresholds), elect sign and take the disjoint mean of
+        one chunk. Two passes over the experts (the trim is recomputed in the second) so that
+        only one trimmed task vector exists at a time."""
         theta0 = as_compute(base)
-        top_k = hp["top_k"]
 
-        def trimmed(expert: torch.Tensor) -> torch.Tensor:
-            return trim(as_compute(expert).sub_(theta0), top_k)
+        def trimmed(t: int) -> torch.Tensor:
+            tau = as_compute(experts[t]).sub_(theta0)
+            if prepared[t] is not None:
+                tau.masked_fill_(tau.abs() < prepared[t], 0.0)
+            return tau
 
         votes = torch.zeros_like(theta0)
-        for expert in experts:
-            votes.add_(trimmed(expert))
+        for t in range(len(experts)):
+            votes.add_(trimmed(t))
         sign = votes.sign_()  # γ ∈ {−1, 0, +1}
         total = torch.zeros_like(theta0)
         count = torch.zeros_like(theta0)
-        for expert in experts:
-            tau = trimmed(expert)
+        for t in range(len(experts)):
+            tau = trimmed(t)
             agrees = (tau.sign() == sign) & (tau != 0)
             total.add_(tau.masked_fill_(~agrees, 0.0))
             count.add_(agrees)

@@ -102,6 +102,29 @@ class TaskStatistics:
         return cls(meta["task"], meta["index"], linear, layout, norms, meta["drift_before"])
 
 
+class StoredStatistics:
+    """A saved `TaskStatistics` read lazily: its metadata at once, one group's tensors on demand
+    (so folding a block's tasks holds one group of one task at a time, not a whole task)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.entries, metadata = read_header(path)
+        if TaskStatistics._META not in metadata:
+            raise FeatCalError(f"{path} holds no FeatCal task statistics; recompute the block")
+        meta = json.loads(metadata[TaskStatistics._META])
+        self.task, self.index = meta["task"], meta["index"]
+        self.drift_before = meta["drift_before"]
+        self.layout = {g: {**v, "modules": {m: tuple(d) for m, d in v["modules"].items()}}
+                       for g, v in meta["layout"].items()}  # fmt: skip
+
+    def group(self, kind: str, owner: str) -> dict[str, torch.Tensor]:
+        """The contribution of one Linear group (kind "linear") or norm (kind "norm")."""
+        prefix = f"{kind}/{owner}/"
+        with Reader(self.path, self.entries) as reader:
+            return {key[len(prefix) :]: reader[key] for key in self.entries
+                    if key.startswith(prefix)}  # fmt: skip
+
+
 class _Capture:
     """Forward pre-hooks that record the input of the named submodules during `run`."""
 
@@ -325,14 +348,19 @@ class BlockRunner:
         masks: dict[str, torch.Tensor],
         params: FeatCalParams,
         batch_size: int,
-        precomputed: Callable[[str], TaskStatistics] | None = None,
+        precomputed: Callable[[str], TaskStatistics | Path] | None = None,
+        scratch_dir: Path | None = None,
     ) -> BlockResult:
         """Calibrate block `index`: reads both streams of every task from `source` (block inputs)
         and writes the block outputs to `target` (may be the same object).
 
-        precomputed: task → its `TaskStatistics`, computed elsewhere (whose expert outputs are
-        already in `target`); None computes them here, one task after another. Either way the
-        contributions are folded in task order, so both give the same block, bit for bit."""
+        precomputed: task → its `TaskStatistics` (or the file it was saved to), computed elsewhere
+        (whose expert outputs are already in `target`); None computes them here, one task after
+        another. scratch_dir: where the statistics computed here are saved, one task at a time,
+        and then folded group by group, each group solved before the next is read (peak memory:
+        one task's statistics while it runs, then two copies of the largest group); None folds
+        them in memory as they come. Every way folds the contributions in task order, so all give
+        the same block, bit for bit."""
         start = time.perf_counter()
         last = index == self.arch.num_blocks - 1
         self._use(index)
@@ -342,31 +370,41 @@ class BlockRunner:
         result = BlockResult(index, {})
         linear_sums: dict[str, LinearInputStats] = {}
         norm_sums = self._norm_stats()
-        for task in self.models.experts:
+        stored: list[StoredStatistics] = []
+        for number, task in enumerate(self.models.experts):
             if precomputed is None:
                 stats = self.task_statistics(index, task, source, target, masks, params, batch_size)
             else:
                 stats = precomputed(task)
-                if stats.task != task or stats.index != index:
-                    raise FeatCalError(
-                        f"statistics of task {stats.task!r}, block {stats.index} were given for "
-                        f"task {task!r}, block {index}; recompute the block"
-                    )
-            for label, contribution in stats.linear.items():
-                if label not in linear_sums:
-                    layout = stats.layout[label]
-                    linear_sums[label] = LinearInputStats(
-                        layout["d_in"], layout["modules"], self.device, layout["tokens"]
-                    )
-                linear_sums[label].merge(contribution)
-            for name, contribution in stats.norms.items():
-                norm_sums[name].merge(contribution)
+                if isinstance(stats, Path):
+                    stats = StoredStatistics(stats)
+            if stats.task != task or stats.index != index:
+                raise FeatCalError(
+                    f"statistics of task {stats.task!r}, block {stats.index} were given for "
+                    f"task {task!r}, block {index}; recompute the block"
+                )
             result.drift_before[task] = stats.drift_before
+            if isinstance(stats, TaskStatistics) and scratch_dir is not None:
+                path = Path(scratch_dir) / f"statistics-{index:05d}-{number:05d}.safetensors"
+                stats.save(path)
+                del stats
+                stats = StoredStatistics(path)
+            if isinstance(stats, StoredStatistics):
+                stored.append(stats)
+            else:
+                self._fold(linear_sums, norm_sums, stats.layout, stats.linear.get,
+                           stats.norms.get)  # fmt: skip
             del stats
 
         base_sd = self.read_block(self.models.base, index)
-        solved = self._solve(linear_sums, norm_sums, merged_sd, base_sd, params)
-        del linear_sums, norm_sums
+        if stored:
+            solved = self._fold_and_solve(stored, merged_sd, base_sd, params)
+            for done in stored:
+                if scratch_dir is not None and done.path.parent == Path(scratch_dir):
+                    done.path.unlink(missing_ok=True)
+        else:
+            solved = self._solve(linear_sums, norm_sums, merged_sd, base_sd, params)
+        del linear_sums, norm_sums, stored
         del base_sd
         result.tensors = {name: solved[name].to(merged_sd[name].dtype) for name in solved}
         merged_sd.update(result.tensors)
@@ -458,6 +496,37 @@ class BlockRunner:
         for name, stats in norm_stats.items():
             (xs,), w = _weighted_tokens(self.arch.token_weights(name, last, mask), x_s[name])
             stats.add(xs, w)
+
+    def _fold(self, linear_sums, norm_sums, layout, linear_of, norm_of, adopt=False) -> None:
+        """Add one task's contribution: for each group label in `layout`, linear_of(label) into
+        linear_sums[label] (created from the layout on first use); for each norm in norm_sums,
+        norm_of(name) into it (norm_of None: no norms). adopt: see LinearInputStats.merge."""
+        for label, lay in layout.items():
+            if label not in linear_sums:
+                linear_sums[label] = LinearInputStats(lay["d_in"], lay["modules"], self.device,
+                                                      lay["tokens"])  # fmt: skip
+            linear_sums[label].merge(linear_of(label), adopt=adopt)
+        if norm_of is not None:
+            for name, sums in norm_sums.items():
+                sums.merge(norm_of(name))
+
+    def _fold_and_solve(self, stored, merged_sd, base_sd, params):
+        """Fold the saved statistics of every task (task order) and solve, one Linear group or
+        norm at a time."""
+        solved: dict[str, torch.Tensor] = {}
+        norm_sums = self._norm_stats()
+        for label in stored[0].layout:
+            linear_sums: dict[str, LinearInputStats] = {}
+            for stats in stored:
+                self._fold(linear_sums, {}, {label: stats.layout[label]},
+                           lambda g, stats=stats: stats.group("linear", g), None,
+                           adopt=True)  # fmt: skip
+            solved.update(self._solve(linear_sums, {}, merged_sd, base_sd, params))
+            del linear_sums
+        for stats in stored:
+            self._fold({}, norm_sums, {}, None, lambda n, stats=stats: stats.group("norm", n))
+        solved.update(self._solve({}, norm_sums, merged_sd, base_sd, params))
+        return solved
 
     def _solve(self, linear_stats, norm_stats, merged_sd, base_sd, params):
         lam, rho, eps = params.lam, params.rho, params.eps

@@ -156,12 +156,14 @@ class Calibration:
         source: HiddenStreams,
         target: HiddenStreams,
         masks: dict[str, torch.Tensor],
-        precomputed: Callable[[str], TaskStatistics] | None = None,
+        precomputed: Callable[[str], TaskStatistics | Path] | None = None,
+        scratch_dir: Path | None = None,
     ) -> BlockResult:
         """Calibrate block `index` (see BlockRunner.calibrate)."""
         return self._block_runner().calibrate(
-            index, source, target, masks, self.params, self.settings.batch_size, precomputed
-        )
+            index, source, target, masks, self.params, self.settings.batch_size, precomputed,
+            scratch_dir,
+        )  # fmt: skip
 
     def checkpoint_keys(self, result: BlockResult) -> dict[str, torch.Tensor]:
         """The block's calibrated tensors under the merged checkpoint's own key names."""
@@ -255,7 +257,8 @@ def calibrate(
             bar = tqdm(range(run.num_blocks), desc="FeatCal blocks", unit="block",
                        disable=not progress)  # fmt: skip
             for index in bar:
-                result = run.block(index, streams, streams, masks)
+                result = run.block(index, streams, streams, masks,
+                                   scratch_dir=work if spill_dir else None)  # fmt: skip
                 path = work / f"block_{index:05d}.safetensors"
                 tensors = run.checkpoint_keys(result)
                 save_tensors(path, tensors)

@@ -27,6 +27,9 @@ from featcal_core.solvers import (
 
 #: Gram matrices at least this wide are accumulated by block rows, upper triangle only
 SYMMETRIC_BLOCK = 768
+#: tokens per float64 work chunk in `LinearInputStats.add` (bounds its scratch buffers to a few
+#: TOKEN_CHUNK × d_in float64 matrices whatever the batch size)
+TOKEN_CHUNK = 512
 
 
 def add_gram(acc: torch.Tensor, xw: torch.Tensor, x: torch.Tensor) -> None:
@@ -173,6 +176,12 @@ class LinearInputStats:
 
         expert_params: name → (W_t (d_out × d_in), b_t or None).
         """
+        if x_s.shape[0] > TOKEN_CHUNK:
+            for start in range(0, x_s.shape[0], TOKEN_CHUNK):
+                stop = start + TOKEN_CHUNK
+                self.add(x_s[start:stop], x_e[start:stop], None if w is None else w[start:stop],
+                         alpha, expert_params)  # fmt: skip
+            return
         if not self._task_open:
             self._open_task()
         tokens = x_s.shape[0]
@@ -241,12 +250,16 @@ class LinearInputStats:
         self._expert_weights = {}
         return out
 
-    def merge(self, contribution: dict[str, torch.Tensor]) -> None:
-        """Add one task's contribution (from `task_contribution`, here or in another process)."""
+    def merge(self, contribution: dict[str, torch.Tensor], adopt: bool = False) -> None:
+        """Add one task's contribution (from `task_contribution`, here or in another process).
+        adopt: the contribution's tensors are private (e.g. just read from a file), so the first
+        one becomes the running sum without a copy."""
 
         def accumulate(current: torch.Tensor | None, key: str) -> torch.Tensor:
             term = contribution[key].to(self.device, DTYPE)
-            return term.clone() if current is None else current.add_(term)
+            if current is None:
+                return term if adopt else term.clone()
+            return current.add_(term)
 
         self.gram = accumulate(self.gram, "gram")
         self.student_mean_sum = accumulate(self.student_mean_sum, "student_mean")

@@ -16,13 +16,14 @@ import logging
 import os
 import shutil
 import socket
+import tempfile
 from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE, CachePolicy
 
 import featcal_core
-from featcal_core.block import FeatCalParams, TaskStatistics
+from featcal_core.block import FeatCalParams
 from featcal_core.calibration import Calibration, Settings, block_summary, log_block
 from featcal_core.checkpoint import sha256_file, sha256_tree
 from featcal_core.safetensors_io import save_tensors
@@ -194,10 +195,14 @@ def block_task(
         for done in sorted((Path(work) / STREAMS).glob("*.safetensors")):
             done.replace(target.directory / done.name)
 
-        def precomputed(task_name: str) -> TaskStatistics:
-            return TaskStatistics.load(statistics_file(work, task_name))
+        def precomputed(task_name: str) -> Path:  # folded group by group from the file
+            return statistics_file(work, task_name)
 
-    result = cal.block(index, streams_of(source), target, masks, precomputed)
+    scratch = Path(tempfile.mkdtemp(prefix=".statistics-", dir=final.parent))
+    try:
+        result = cal.block(index, streams_of(source), target, masks, precomputed, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     carry_forward(streams_of(source), target)
     save_tensors(tmp / BLOCK, cal.checkpoint_keys(result))
     save_masks(tmp, masks)

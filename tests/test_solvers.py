@@ -64,10 +64,13 @@ def _brute_linear(tasks, alpha, lam, eps, a_w, a_b):
     return weight, bias
 
 
+@pytest.mark.parametrize("token_chunk", [None, 7], ids=["whole-batches", "7-token-chunks"])
 @pytest.mark.parametrize("via_x", [False, True])
 @pytest.mark.parametrize("lam", [0.0, 0.05, 3.0])
 @pytest.mark.parametrize("alpha", [0.0, 0.25, 1.0])
-def test_linear_weight_and_bias_match_brute_force(lam, alpha, via_x):
+def test_linear_weight_and_bias_match_brute_force(lam, alpha, via_x, token_chunk, monkeypatch):
+    if token_chunk is not None:  # batches of 20 tokens are accumulated 7 + 7 + 6 at a time
+        monkeypatch.setattr(statistics, "TOKEN_CHUNK", token_chunk)
     d_in, d_out, rho, eps = 6, 4, 2.2, 1e-8
     tasks, (mw, bw, mb, bb) = _tasks(1, d_in, d_out)
     a_w, a_b = anchor(mw, bw, rho), anchor(mb, bb, rho)

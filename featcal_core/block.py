@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,12 +117,29 @@ class StoredStatistics:
         self.layout = {g: {**v, "modules": {m: tuple(d) for m, d in v["modules"].items()}}
                        for g, v in meta["layout"].items()}  # fmt: skip
 
-    def group(self, kind: str, owner: str) -> dict[str, torch.Tensor]:
-        """The contribution of one Linear group (kind "linear") or norm (kind "norm")."""
-        prefix = f"{kind}/{owner}/"
-        with Reader(self.path, self.entries) as reader:
-            return {key[len(prefix) :]: reader[key] for key in self.entries
-                    if key.startswith(prefix)}  # fmt: skip
+    def group(self, kind: str, owner: str) -> Mapping[str, torch.Tensor]:
+        """The contribution of one Linear group (kind "linear") or norm (kind "norm"), each
+        tensor read from the file when it is looked up (folding holds one at a time)."""
+        return _LazyGroup(self, f"{kind}/{owner}/")
+
+
+class _LazyGroup(Mapping):
+    """key → tensor of one group of a `StoredStatistics` file, read on each lookup."""
+
+    def __init__(self, stored: StoredStatistics, prefix: str):
+        self._stored, self._prefix = stored, prefix
+        self._keys = [k[len(prefix) :] for k in stored.entries if k.startswith(prefix)]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        entries = self._stored.entries
+        with Reader(self._stored.path, entries) as reader:
+            return reader[self._prefix + key]
+
+    def __iter__(self):
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 class _Capture:
@@ -251,10 +268,15 @@ class BlockRunner:
             target.put(context_kind, task, torch.cat(done))
 
     def _load_merged(self, index: int) -> dict[str, torch.Tensor]:
-        """Load block `index` of the (uncalibrated) merged model; returns its tensors."""
+        """Load block `index` of the (uncalibrated) merged model; returns its tensors: views of
+        the loaded module's own where they have the same dtype and device (no second copy)."""
         merged_sd = self.read_block(self.models.merged, index)
         self.load(self.merged_block, merged_sd)
         self._merged_index = index
+        loaded = self.merged_block.state_dict()
+        for name, tensor in merged_sd.items():
+            if loaded[name].dtype == tensor.dtype and loaded[name].device == tensor.device:
+                merged_sd[name] = loaded[name]
         return merged_sd
 
     @torch.no_grad()
@@ -537,24 +559,28 @@ class BlockRunner:
                 return None
             return anchor(merged_sd[name].to(self.device), base_sd[name].to(self.device), rho)
 
+        def keep(name: str, tensor: torch.Tensor) -> None:
+            """Check the float64 solution, then keep it in the merged tensor's dtype."""
+            _check_finite(tensor, f"solved parameter {name}")
+            solved[name] = tensor.to("cpu", merged_sd[name].dtype)
+
         for stats in linear_stats.values():
             anchors = {
                 name: (anchored(f"{name}.weight"), anchored(f"{name}.bias"))
                 for name in stats.targets
             }
             for name, (weight, bias) in stats.solve(lam, eps, anchors).items():
-                solved[f"{name}.weight"] = weight.to("cpu")
+                keep(f"{name}.weight", weight)
                 if bias is not None:
-                    solved[f"{name}.bias"] = bias.to("cpu")
+                    keep(f"{name}.bias", bias)
+            del anchors
         for name, stats in norm_stats.items():
             gamma, beta = stats.solve(
                 lam, eps, anchored(f"{name}.weight"), anchored(f"{name}.bias")
             )
-            solved[f"{name}.weight"] = gamma.to("cpu")
+            keep(f"{name}.weight", gamma)
             if beta is not None:
-                solved[f"{name}.bias"] = beta.to("cpu")
-        for name, tensor in solved.items():
-            _check_finite(tensor, f"solved parameter {name}")
+                keep(f"{name}.bias", beta)
         return solved
 
 

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import torch
 
+from featcal_core.errors import FeatCalError
+
 DTYPE = torch.float64
+#: right-hand-side columns solved at a time against a Cholesky factor (bounds the solver's copies)
+SOLVE_COLUMNS = 512
 
 
 def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
-    """a(p) = ρ·merged + (1 − ρ)·base, in float64 (any shape)."""
-    return rho * merged.to(DTYPE) + (1.0 - rho) * base.to(DTYPE)
+    """a(p) = ρ·merged + (1 − ρ)·base, in float64 (any shape; one float64 copy at a time)."""
+    return merged.to(DTYPE, copy=True).mul_(rho).add_(base.to(DTYPE), alpha=1.0 - rho)
 
 
 class SPDSystem:
@@ -23,24 +27,43 @@ class SPDSystem:
     least squares, which returns the minimum-norm solution. With `in_place`, A's storage is reused.
     """
 
-    def __init__(self, lhs: torch.Tensor):
-        factor, info = torch.linalg.cholesky_ex(lhs)
-        if int(info) == 0:
-            self.factor, self.matrix = factor, None
-        else:
-            self.factor, self.matrix = None, lhs
+    def __init__(self, lhs: torch.Tensor, positive_definite: bool = False):
+        """Factor `lhs` (symmetric, owned by this object). positive_definite: A is known to be
+        positive definite (a ridge λ > 0 on its diagonal), so it is factored in place: LAPACK
+        works on its column-major view and writes L (L·Lᵀ = A) over it, with no copy of A.
+        Otherwise the factor is a new matrix and A is kept for the least-squares fallback."""
+        if not positive_definite:
+            factor, info = torch.linalg.cholesky_ex(lhs)
+            self.factor, self.matrix = (factor, None) if int(info) == 0 else (None, lhs)
+            return
+        info = torch.empty((), dtype=torch.int32, device=lhs.device)
+        view = lhs.mT
+        torch.linalg.cholesky_ex(view, upper=True, out=(view, info))
+        if int(info) != 0:
+            raise FeatCalError(
+                f"the ridge system is not positive definite (Cholesky failed at column "
+                f"{int(info)}): the statistics hold NaN/Inf or λ is too small for them; raise λ"
+            )
+        self.factor, self.matrix = lhs, None
 
     def solve(self, rhs: torch.Tensor) -> torch.Tensor:
-        if self.factor is not None:
-            return torch.cholesky_solve(rhs, self.factor)
-        return torch.linalg.lstsq(self.matrix, rhs, driver="gelsd").solution
+        """X with A·X = rhs (d × k); with a factor, two triangular solves per SOLVE_COLUMNS
+        columns, written over `rhs` (so the solver never copies the whole right-hand side or
+        the factor)."""
+        if self.factor is None:
+            return torch.linalg.lstsq(self.matrix, rhs, driver="gelsd").solution
+        for start in range(0, rhs.shape[1], SOLVE_COLUMNS):
+            part = rhs[:, start : start + SOLVE_COLUMNS]
+            y = torch.linalg.solve_triangular(self.factor, part, upper=False)
+            part.copy_(torch.linalg.solve_triangular(self.factor.mT, y, upper=True))
+        return rhs
 
 
 def ridge_system(gram: torch.Tensor, lam: float, eps: float, in_place: bool = False) -> SPDSystem:
     """The factored left-hand side Σ s_t C_t + (λ + ε) I of the Linear weight equation."""
     lhs = gram if in_place else gram.clone()
     lhs.diagonal().add_(lam + eps)
-    return SPDSystem(lhs)
+    return SPDSystem(lhs, positive_definite=lam > 0)
 
 
 def solve_linear_weight(
@@ -61,7 +84,7 @@ def solve_linear_weight(
     if lam > 0:
         if anchor_weight is None:
             raise ValueError("λ > 0 needs an anchor weight")
-        rhs += lam * anchor_weight.to(DTYPE).T
+        rhs.add_(anchor_weight.to(DTYPE).T, alpha=lam)
     return system.solve(rhs).T.contiguous()
 
 

@@ -18,6 +18,7 @@ import torch
 
 from featcal_core.solvers import (
     DTYPE,
+    SOLVE_COLUMNS,
     ridge_system,
     solve_layernorm,
     solve_linear_bias,
@@ -121,7 +122,6 @@ class LinearInputStats:
         self.device = device
         self.modules = dict(modules)
         self.scratch = scratch or Scratch(device)
-        self._expert_weights: dict[str, torch.Tensor] = {}
         self.gram: torch.Tensor | None = None  # Σ s_t C_t (after the first merge)
         self.student_mean_sum: torch.Tensor | None = None  # Σ s_t μs_t
         self.scale_sum = 0.0  # Σ s_t
@@ -139,13 +139,6 @@ class LinearInputStats:
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=DTYPE, device=self.device)
-
-    def _expert_weight(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        """W_t in float64, converted once per task."""
-        cached = self._expert_weights.get(name)
-        if cached is None:
-            cached = self._expert_weights[name] = weight.to(DTYPE)
-        return cached
 
     def _open_task(self) -> None:
         """Zero the per-task sums (allocated once, on the first task)."""
@@ -204,10 +197,12 @@ class LinearInputStats:
             return
         # α x_e + (1 − α) x_s, written over x_e's scratch (x_e is not needed any more)
         x_t = torch.lerp(x_s, x_e, alpha, out=x_e)
-        for name, target in self.targets.items():
-            weight_t = self._expert_weight(name, expert_params[name][0])
-            y = torch.matmul(x_t, weight_t.T, out=self.scratch.take("y", tokens, target.d_out))
-            target.task_cross.addmm_(xw.T, y)
+        for name, target in self.targets.items():  # by blocks of W_t's rows (float64 copies)
+            weight_t = expert_params[name][0]
+            for start in range(0, target.d_out, SOLVE_COLUMNS):
+                rows = weight_t[start : start + SOLVE_COLUMNS].to(DTYPE)
+                y = torch.matmul(x_t, rows.T, out=self.scratch.take("y", tokens, rows.shape[0]))
+                target.task_cross[:, start : start + rows.shape[0]].addmm_(xw.T, y)
 
     def task_contribution(
         self,
@@ -227,27 +222,32 @@ class LinearInputStats:
         s_t = 1.0 / max(gram_norm(gram) / total, eps)
         scale = s_t / total
         teacher_mean = (alpha * self._task_expert + (1.0 - alpha) * self._task_student) / total
-        if self.via_x:
-            mixed = alpha * self._task_mixed + (1.0 - alpha) * symmetrize_(gram)  # Σ ω x_s x_tᵀ
+        if self.via_x:  # Σ ω x_s x_tᵀ, over the per-task buffer
+            mixed = self._task_mixed.mul_(alpha).add_(symmetrize_(gram), alpha=1.0 - alpha)
         out = {
             "scale": torch.tensor([s_t], dtype=DTYPE),
             "student_mean": self._task_student.mul_(scale),
         }
         for name, target in self.targets.items():
             weight_t, bias_t = expert_params[name]
-            weight_t = weight_t.to(DTYPE)
-            if self.via_x:
-                out[f"cross:{name}"] = torch.mm(mixed, weight_t.T).mul_(scale)
+            if self.via_x:  # X_t W_tᵀ, by blocks of W_t's rows (no float64 copy of all of W_t)
+                cross = torch.empty(self.d_in, target.d_out, dtype=DTYPE, device=self.device)
+                for start in range(0, target.d_out, SOLVE_COLUMNS):
+                    rows = weight_t[start : start + SOLVE_COLUMNS].to(DTYPE)
+                    torch.mm(mixed, rows.T, out=cross[:, start : start + SOLVE_COLUMNS])
+                out[f"cross:{name}"] = cross.mul_(scale)
             else:
                 out[f"cross:{name}"] = target.task_cross.mul_(scale)
-            mean_out = weight_t @ teacher_mean
+            mean_out = torch.cat([
+                weight_t[start : start + SOLVE_COLUMNS].to(DTYPE) @ teacher_mean
+                for start in range(0, target.d_out, SOLVE_COLUMNS)
+            ])  # fmt: skip
             if bias_t is not None:
                 mean_out = mean_out + bias_t.to(DTYPE)
             out[f"target:{name}"] = mean_out.mul_(s_t)
         out["gram"] = gram.mul_(scale)
         self._task_weight = 0.0
         self._task_open = False
-        self._expert_weights = {}
         return out
 
     def merge(self, contribution: dict[str, torch.Tensor], adopt: bool = False) -> None:

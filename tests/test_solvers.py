@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from featcal_core import statistics
+from featcal_core import solvers, statistics
+from featcal_core.errors import FeatCalError
 from featcal_core.solvers import anchor
 from featcal_core.statistics import LinearInputStats, NormStats
 
@@ -204,3 +205,31 @@ def test_blocked_symmetric_gram_equals_full(monkeypatch):
     full = (x * w[:, None]).T @ x
     assert statistics.gram_norm(acc) == pytest.approx(float(torch.linalg.matrix_norm(full)))
     torch.testing.assert_close(statistics.symmetrize_(acc), full)
+
+
+def test_factored_solve_in_column_chunks_matches_a_direct_solve(monkeypatch):
+    monkeypatch.setattr(solvers, "SOLVE_COLUMNS", 3)  # 8 columns: 3 + 3 + 2
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(30, 6, generator=gen, dtype=torch.float64)
+    lhs = x.T @ x + 0.1 * torch.eye(6, dtype=torch.float64)
+    rhs = torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    expected = torch.linalg.solve(lhs, rhs)
+    for positive_definite in (False, True):  # a new factor, or factored over the matrix
+        system = solvers.SPDSystem(lhs.clone(), positive_definite)
+        assert system.factor is not None
+        torch.testing.assert_close(system.solve(rhs.clone()), expected, rtol=1e-10, atol=1e-12)
+    with pytest.raises(FeatCalError, match="not positive definite"):
+        solvers.SPDSystem(-lhs, positive_definite=True)
+
+
+def test_failed_factorization_restores_the_matrix_for_least_squares():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 6, generator=gen, dtype=torch.float64)
+    lhs = x.T @ x  # rank 3 of 6: Cholesky fails
+    lhs[0, 0] -= 1.0  # and indefinite, so it fails early
+    system = solvers.SPDSystem(lhs.clone())  # not known to be positive definite (λ = 0)
+    assert system.factor is None
+    assert torch.equal(system.matrix, lhs)
+    rhs = torch.randn(6, 2, generator=gen, dtype=torch.float64)
+    expected = torch.linalg.lstsq(lhs, rhs, driver="gelsd").solution
+    torch.testing.assert_close(system.solve(rhs), expected)

@@ -319,6 +319,19 @@ class _ExpertClassifier(nn.Module):
         return self.model(**inputs).logits
 
 
+def embedding_cache_key(
+    version: str, files: Sequence[Path], class_names: Sequence[str], templates: Sequence[str]
+) -> str:
+    """Key of a class-embedding cache: sha256 over `version`, each file's name and sha256, the
+    class names and the templates."""
+    digest = hashlib.sha256(version.encode())
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + bytes.fromhex(sha256_file(path)))
+    payload = {"class_names": list(class_names), "templates": list(templates)}
+    digest.update(json.dumps(payload, ensure_ascii=False).encode())
+    return digest.hexdigest()
+
+
 class ZeroShotHead(Head):
     """CLIP zero-shot classification with the base CLIPModel in `clip_dir`.
 
@@ -375,14 +388,10 @@ class ZeroShotHead(Head):
     def cache_key(self) -> str:
         """sha256 over the base's weight (and tokenizer) files, class names and templates."""
         if self._key is None:
-            digest = hashlib.sha256(_CACHE_VERSION.encode())
             files = list(self.base.weight_paths())
             files += [self.clip_dir / n for n in _TOKENIZER_FILES if (self.clip_dir / n).is_file()]
-            for path in files:
-                digest.update(path.name.encode() + b"\0" + bytes.fromhex(sha256_file(path)))
-            payload = {"class_names": self.class_names, "templates": self.templates}
-            digest.update(json.dumps(payload, ensure_ascii=False).encode())
-            self._key = digest.hexdigest()
+            self._key = embedding_cache_key(_CACHE_VERSION, files, self.class_names,
+                                            self.templates)  # fmt: skip
         return self._key
 
     def cache_path(self) -> Path | None:

@@ -26,7 +26,6 @@ logits = exp(logit_scale) · features @ class_embeddings.T. Preprocessing: the a
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 import pickle
@@ -43,13 +42,14 @@ from torch import nn
 
 from featcal_core.architectures import detect
 from featcal_core.architectures.base import Architecture
-from featcal_core.checkpoint import Checkpoint, sha256_file
+from featcal_core.checkpoint import Checkpoint
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation import (
     Head,
     _linear,
     _load_tower,
     check_zero_shot_prompts,
+    embedding_cache_key,
     read_embedding_cache,
     write_embedding_cache,
 )
@@ -143,12 +143,8 @@ class OpenCLIPZeroShotHead(Head):
     def cache_key(self) -> str:
         """sha256 over the base's weight and config files, class names and templates."""
         if self._key is None:
-            digest = hashlib.sha256(_CACHE_VERSION.encode())
-            for path in (self.weights, self.config_path):
-                digest.update(path.name.encode() + b"\0" + bytes.fromhex(sha256_file(path)))
-            payload = {"class_names": self.class_names, "templates": self.templates}
-            digest.update(json.dumps(payload, ensure_ascii=False).encode())
-            self._key = digest.hexdigest()
+            self._key = embedding_cache_key(_CACHE_VERSION, (self.weights, self.config_path),
+                                            self.class_names, self.templates)  # fmt: skip
         return self._key
 
     def cache_path(self) -> Path | None:

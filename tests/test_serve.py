@@ -57,8 +57,9 @@ def test_serve_runs_on_a_schedule(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         port = api_url.split(":")[2].split("/")[0] if api_url else None
-        leftovers = [p for p in psutil.process_iter(["cmdline"])
-                     if port and "server" in (p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])]  # fmt: skip
+        leftovers = [p for p in psutil.process_iter(["cmdline", "status"])
+                     if port and "server" in (p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])
+                     and p.info["status"] != psutil.STATUS_ZOMBIE]  # exited, not yet reaped: gone  # fmt: skip
         for p in leftovers:
             p.kill()
     assert api_url, log_path.read_text()[-3000:]

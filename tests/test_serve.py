@@ -57,11 +57,19 @@ def test_serve_runs_on_a_schedule(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         port = api_url.split(":")[2].split("/")[0] if api_url else None
-        leftovers = [p for p in psutil.process_iter(["cmdline", "status"])
-                     if port and "server" in (p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])
-                     and p.info["status"] != psutil.STATUS_ZOMBIE]  # exited, not yet reaped: gone  # fmt: skip
+        servers = [p for p in psutil.process_iter(["cmdline"])
+                   if port and "server" in (p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])]  # fmt: skip
+        _, alive = psutil.wait_procs(servers, timeout=30)  # a server may still be shutting down
+        leftovers = [p for p in alive if _running(p)]  # zombies (exited, not yet reaped) are gone
         for p in leftovers:
             p.kill()
     assert api_url, log_path.read_text()[-3000:]
     assert completed >= 2, log_path.read_text()[-3000:]
     assert not leftovers, "the supervised Prefect server outlived featcal serve"
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

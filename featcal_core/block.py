@@ -87,19 +87,15 @@ class TaskStatistics:
 
     @classmethod
     def load(cls, path: Path) -> TaskStatistics:
-        entries, metadata = read_header(path)
-        if cls._META not in metadata:
-            raise FeatCalError(f"{path} holds no FeatCal task statistics; recompute the block")
-        meta = json.loads(metadata[cls._META])
+        """Every tensor of a saved file (see `StoredStatistics` to read groups on demand)."""
+        stored = StoredStatistics(path)
         linear: dict[str, dict[str, torch.Tensor]] = {}
         norms: dict[str, dict[str, torch.Tensor]] = {}
-        with Reader(path, entries) as reader:
-            for key in entries:
+        with Reader(path, stored.entries) as reader:
+            for key in stored.entries:
                 kind, owner, name = key.split("/", 2)
                 (linear if kind == "linear" else norms).setdefault(owner, {})[name] = reader[key]
-        layout = {g: {**v, "modules": {m: tuple(d) for m, d in v["modules"].items()}}
-                  for g, v in meta["layout"].items()}  # fmt: skip
-        return cls(meta["task"], meta["index"], linear, layout, norms, meta["drift_before"])
+        return cls(stored.task, stored.index, linear, stored.layout, norms, stored.drift_before)
 
 
 class StoredStatistics:

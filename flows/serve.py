@@ -2,13 +2,16 @@
 
 Prefect's temporary per-process server never fires schedules, so when PREFECT_API_URL is unset this
 starts a local `prefect server start` (SQLite in PREFECT_HOME) on a free loopback port, supervises
-it (stopped when serving ends) and points the deployment at it. With PREFECT_API_URL set, the
+it (stopped when serving ends; on Linux also when `featcal serve` itself is killed, through the
+parent-death signal) and points the deployment at it. With PREFECT_API_URL set, the
 deployment is served against that server. Each scheduled run executes `featcal_scheduled_run`, the
 same pipeline as `featcal run`, with the params file and overrides given here.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import signal
@@ -46,6 +49,22 @@ def _healthy(api_url: str) -> bool:
         return False
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _parent_death_signal():
+    """A function for Popen's preexec_fn that makes Linux send the child SIGTERM when this
+    process dies, however it dies (SIGKILL included); None where prctl is unavailable. The libc
+    function is looked up here, in the parent, so the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 @contextmanager
 def local_server(timeout_s: float = 180.0) -> Iterator[str]:
     """A supervised `prefect server start` on 127.0.0.1; yields its API URL."""
@@ -54,7 +73,8 @@ def local_server(timeout_s: float = 180.0) -> Iterator[str]:
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                "--port", str(port), "--no-ui", "--analytics-off"]  # fmt: skip
     server = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)  # fmt: skip
+                              stderr=subprocess.DEVNULL,
+                              preexec_fn=_parent_death_signal())  # fmt: skip
     try:
         deadline = time.monotonic() + timeout_s
         while not _healthy(api_url):

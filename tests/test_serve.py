@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import psutil
 from test_pipeline import write_params
@@ -73,3 +74,28 @@ def _running(process: psutil.Process) -> bool:
         return process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_supervised_server_dies_with_a_killed_featcal_serve(tmp_path):
+    """Serving killed outright (SIGKILL: no cleanup runs) still takes its local server down."""
+    script = ("import time\nfrom flows.serve import local_server\n"
+              "with local_server() as url:\n    print(url, flush=True)\n    time.sleep(600)\n")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                            text=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    try:
+        api_url = proc.stdout.readline().strip()
+        assert api_url.startswith("http://127.0.0.1:"), "the local server did not start"
+        port = api_url.split(":")[2].split("/")[0]
+        servers = [p for p in psutil.process_iter(["cmdline"])
+                   if "server" in (p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])]  # fmt: skip
+        assert servers
+    finally:
+        proc.kill()
+        proc.wait()
+    _, alive = psutil.wait_procs(servers, timeout=30)
+    leftovers = [p for p in alive if _running(p)]
+    for p in leftovers:
+        p.kill()
+    assert not leftovers, "the local Prefect server outlived the killed supervisor"

@@ -402,7 +402,7 @@ def _calibrate_args(pool: Path, tasks: list[str], merged: Path, out: Path, args)
         cmd += ["--expert", f"{task}={pool / f'expert_{task}'}"]
         cmd += ["--calib", f"{task}={pool / f'calib_{task}'}"]
     return cmd + [
-        "--out", str(out), "--device", "cpu", "--num-per-task", str(args.rows),
+        "--out", str(out), "--device", args.device, "--num-per-task", str(args.rows),
         "--max-length", str(args.tokens), "--no-progress", "--overwrite",
     ]  # fmt: skip
 
@@ -437,7 +437,10 @@ def resume_check(args, pool, tasks, merged, work, env, plain_out) -> tuple[list[
     evict([pool, merged])
     resumed = measure("flow resumed", cmd, env, logs, args.poll)
     resumed.vmhwm = _record_peak(out / "featcal.json")
-    blocks = json.loads((out / "featcal.json").read_text())["blocks"]
+    record = json.loads((out / "featcal.json").read_text())
+    blocks = record["blocks"]
+    if record.get("peak_device_bytes"):
+        lines.append(f"resumed run: peak device memory {record['peak_device_bytes'] / MIB:.0f} MiB")
     flags = [f"{b['index']}:{'restored' if b['restored'] else 'computed'}" for b in blocks]
     lines.append("per block: " + ", ".join(flags))
     expected = [i < max(done, 0) for i in range(len(blocks))] if killed.killed else None
@@ -449,12 +452,33 @@ def resume_check(args, pool, tasks, merged, work, env, plain_out) -> tuple[list[
         "resumed vs uninterrupted flow run: "
         + ("bitwise identical" if same else f"DIFFERENT ({', '.join(differ)})")
     )
-    same, differ = same_weights(plain_out, ref_out)
-    lines.append(
-        "flow run vs plain `featcal calibrate`: "
-        + ("bitwise identical" if same else f"different ({', '.join(differ)})")
-    )
+    if plain_out is not None:
+        same, differ = same_weights(plain_out, ref_out)
+        lines.append(
+            "flow run vs plain `featcal calibrate`: "
+            + ("bitwise identical" if same else f"different ({', '.join(differ)})")
+        )
     return [reference, killed, resumed], lines
+
+
+def plain_calibrate(args, pool, tasks, merged, out, work, env, logs, steps) -> list[str]:
+    """`featcal calibrate --spill-dir` (no flow): the memory figure; appends its Step."""
+    if not args.warm_cache:
+        evict([pool, merged])
+    cmd = _calibrate_args(pool, tasks, merged, out, args)
+    cmd += ["--spill-dir", str(work / "spill")]
+    step = measure("calibrate", _featcal(*cmd), env, logs, args.poll)
+    step.vmhwm = _record_peak(out / "featcal.json")
+    steps.append(step)
+    record = json.loads((out / "featcal.json").read_text())
+    block_s = [b["seconds"] for b in record["blocks"]]
+    lines = [
+        f"calibrate: {len(block_s)} blocks, {sum(block_s):.1f} s in blocks "
+        f"(mean {sum(block_s) / len(block_s):.2f} s), record wall {record['wall_seconds']} s",
+    ]
+    spill_left = _dir_bytes(work / "spill") if (work / "spill").exists() else 0
+    lines.append(f"spill directory after the run: {spill_left} bytes")
+    return lines
 
 
 def _gb(n: float) -> str:
@@ -545,6 +569,17 @@ def main() -> None:
         help="resume check: kill once this many blocks are committed",
     )
     parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="where `featcal calibrate` runs (peak RSS is the target on cpu)",
+    )
+    parser.add_argument(
+        "--skip-plain",
+        action="store_true",
+        help="with --resume-check: skip the plain `featcal calibrate --spill-dir` run",
+    )
+    parser.add_argument(
         "--build-only",
         action="store_true",
         help="only build the pool under --work/pool (what the build step runs)",
@@ -562,6 +597,8 @@ def main() -> None:
     if args.build_only:
         build(args, pool)
         return
+    if args.skip_plain and not args.resume_check:
+        parser.error("--skip-plain leaves nothing to run without --resume-check")
     if args.resume_check and args.kill_after >= args.layers:
         parser.error(f"--kill-after {args.kill_after} needs more than that many --layers")
 
@@ -600,22 +637,10 @@ def main() -> None:
         step.vmhwm = _record_peak(merged / "merge.json")
         steps.append(step)
 
-        out = work / "calibrated"
-        if not args.warm_cache:
-            evict([pool, merged])
-        cmd = _calibrate_args(pool, tasks, merged, out, args)
-        cmd += ["--spill-dir", str(work / "spill")]
-        step = measure("calibrate", _featcal(*cmd), env, logs, args.poll)
-        step.vmhwm = _record_peak(out / "featcal.json")
-        steps.append(step)
-        record = json.loads((out / "featcal.json").read_text())
-        block_s = [b["seconds"] for b in record["blocks"]]
-        lines = [
-            f"calibrate: {len(block_s)} blocks, {sum(block_s):.1f} s in blocks "
-            f"(mean {sum(block_s) / len(block_s):.2f} s), record wall {record['wall_seconds']} s",
-        ]
-        spill_left = _dir_bytes(work / "spill") if (work / "spill").exists() else 0
-        lines.append(f"spill directory after the run: {spill_left} bytes")
+        out = None if args.skip_plain else work / "calibrated"
+        lines: list[str] = []
+        if out is not None:
+            lines = plain_calibrate(args, pool, tasks, merged, out, work, env, logs, steps)
 
         if args.resume_check:
             if not args.warm_cache:

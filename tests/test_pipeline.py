@@ -60,7 +60,7 @@ def write_params(tmp_path):
     return params_path
 
 
-def test_featcal_run_end_to_end(tmp_path):
+def test_featcal_run_end_to_end(tmp_path, prefect_api):
     params_path = write_params(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": uri}
@@ -110,9 +110,10 @@ def test_featcal_run_end_to_end(tmp_path):
     assert lineage.returncode == 0, lineage.stderr[-2000:]
     assert json.loads(lineage.stdout)["problems"] == []
 
-    # an evaluation-only change recomputes no block
+    # an evaluation-only change recomputes no block (this run on the tests' shared server)
     cmd[-1] = "featcal.alpha=0.3"
-    again = subprocess.run([*cmd, "--set", "evaluation.batch_size=3"], env=env, capture_output=True,
+    again = subprocess.run([*cmd, "--set", "evaluation.batch_size=3"],
+                           env={**env, "PREFECT_API_URL": prefect_api}, capture_output=True,
                            text=True, timeout=600, cwd=tmp_path)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     rerun = json.loads(again.stdout[again.stdout.index("{") :])

@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import BertConfig
-from transformers.models.bert.modeling_bert import BertEmbeddings, BertLayer
 
 from featcal_core.architectures import register
 from featcal_core.architectures.base import Architecture, encode_texts, load_tokenizer
@@ -22,6 +21,8 @@ from featcal_core.architectures.base import Architecture, encode_texts, load_tok
 
 class _Stem(nn.Module):
     def __init__(self, config: BertConfig):
+        from transformers.models.bert.modeling_bert import BertEmbeddings
+
         super().__init__()
         self.embeddings = BertEmbeddings(config)
 
@@ -63,6 +64,8 @@ class HFBert(Architecture):
         return stem.embeddings(input_ids=ids, token_type_ids=token_types)
 
     def build_block(self, dtype: torch.dtype) -> nn.Module:
+        from transformers.models.bert.modeling_bert import BertLayer
+
         return BertLayer(self.hf_config).to(dtype).eval()
 
     def run_block(self, block: nn.Module, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

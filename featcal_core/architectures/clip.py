@@ -14,8 +14,7 @@ import numpy as np
 import torch
 from PIL import Image
 from torch import nn
-from transformers import AutoImageProcessor, CLIPVisionConfig
-from transformers.models.clip.modeling_clip import CLIPEncoderLayer, CLIPVisionEmbeddings
+from transformers import CLIPVisionConfig
 
 from featcal_core.architectures import register
 from featcal_core.architectures.base import Architecture
@@ -24,6 +23,8 @@ from featcal_core.errors import FeatCalError
 
 class _Stem(nn.Module):
     def __init__(self, config: CLIPVisionConfig):
+        from transformers.models.clip.modeling_clip import CLIPVisionEmbeddings
+
         super().__init__()
         self.embeddings = CLIPVisionEmbeddings(config)
         self.pre_layrnorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -66,6 +67,8 @@ class HFCLIPVision(Architecture):
         return stem.pre_layrnorm(stem.embeddings(pixels))
 
     def build_block(self, dtype: torch.dtype) -> nn.Module:
+        from transformers.models.clip.modeling_clip import CLIPEncoderLayer
+
         return CLIPEncoderLayer(self.hf_config).to(dtype).eval()
 
     def run_block(self, block: nn.Module, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -75,6 +78,8 @@ class HFCLIPVision(Architecture):
     def prepare_inputs(
         self, base_dir: str, rows: list[Any], max_length: int, targets: list[str] | None = None
     ) -> dict[str, torch.Tensor]:
+        from transformers import AutoImageProcessor
+
         try:
             processor = AutoImageProcessor.from_pretrained(base_dir)
         except Exception as exc:

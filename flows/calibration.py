@@ -182,7 +182,7 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
             if "work" in kwargs:
                 shutil.rmtree(kwargs["work"], ignore_errors=True)
             # the state's place in *this* results directory: a cached result records the path it
-            # was computed at, which is elsewhere when the directory was moved, copied or pulled
+            # was computed at, which is elsewhere when the directory was moved or copied
             return results_dir / "states" / key, state.name == "Cached" or result["reused"]
 
         previous, _ = run(stems_task, -1, stage="stems")

@@ -98,7 +98,7 @@ def test_sigkill_then_resume_is_bitwise_identical(zoo, tmp_path, reference, pref
 
 def test_cache_keys_follow_content(zoo, tmp_path, prefect_api, reference):
     """Starts from a copy of the reference run's results directory, with the original moved
-    away: a copied (or `dvc pull`ed) directory restores on its own."""
+    away: a copied or moved directory restores on its own."""
     home, results = tmp_path / "prefect", tmp_path / "results"
     original = reference.parent / "results"
     shutil.copytree(original, results)

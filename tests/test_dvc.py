@@ -72,10 +72,12 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api):
     _sh(["dvc", "push"], repo, env)
     shutil.rmtree(results / "merged")
     shutil.rmtree(results / "calibration_sets")
+    shutil.rmtree(repo / "data" / "models" / "open_clip")  # open_clip imports (none here)
     shutil.rmtree(repo / ".dvc" / "cache")
     _sh(["dvc", "pull"], repo, env)
     assert (results / "merged" / "model.safetensors").read_bytes() == merged
     assert (results / "calibration_sets" / "alpha" / "calibration_set.json").is_file()
+    assert (repo / "data" / "models" / "open_clip").is_dir()
 
     changed = _sh(["dvc", "repro", "--dry"], repo, env)  # nothing to do after the pull
     assert "Running stage" not in changed

@@ -36,3 +36,15 @@ def prefect_api(tmp_path_factory):
         yield api_url
     finally:
         server.__exit__(None, None, None)
+
+
+#: files whose tests share no module fixture and each run long: pytest-xdist may send their tests
+#: to different workers. Every other file's tests stay together on one worker (`--dist loadgroup`),
+#: so its module fixtures are built once.
+SPREAD = {"test_pipeline.py", "test_serve.py", "test_demo.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name not in SPREAD:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))

@@ -1,5 +1,7 @@
 """Registry of model-family adapters. Adding a family means adding one module in this package
-that defines an `Architecture` subclass decorated with `@register`; it is imported automatically."""
+that defines an `Architecture` subclass decorated with `@register`; it is imported automatically.
+`detect` imports every adapter, so an adapter imports heavy modeling code (transformers' model
+modules, open_clip) inside the methods that use it, not at module level."""
 
 from __future__ import annotations
 

@@ -133,6 +133,7 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
         block_task,
         inputs_digest,
         spec_calibration,
+        state_dir,
         state_key,
         stems_task,
         task_statistics_task,
@@ -172,7 +173,10 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
 
         def run(task_fn, index: int, **kwargs) -> tuple[Path, bool]:
             key = state_key(kwargs["stage"], index, digest, kwargs.get("previous_digest", ""))
-            valid = verify(results_dir / "states" / key) is not None
+            # the state's place in *this* results directory, also for a cached result: that one
+            # records the path it was computed at, elsewhere once the directory is moved or copied
+            path = state_dir(results_dir, key)
+            valid = verify(path) is not None
             if not valid and runner is not None and kwargs["stage"] == "block":
                 kwargs["work"] = distributed_statistics(key, index, Path(kwargs["previous"]))
             state = task_fn.with_options(refresh_cache=not valid, result_storage=storage)(
@@ -181,9 +185,7 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
             result = state.result()
             if "work" in kwargs:
                 shutil.rmtree(kwargs["work"], ignore_errors=True)
-            # the state's place in *this* results directory: a cached result records the path it
-            # was computed at, which is elsewhere when the directory was moved or copied
-            return results_dir / "states" / key, state.name == "Cached" or result["reused"]
+            return path, state.name == "Cached" or result["reused"]
 
         previous, _ = run(stems_task, -1, stage="stems")
         blocks, replaced = [], {}

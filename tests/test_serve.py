@@ -57,16 +57,17 @@ def test_serve_runs_on_a_schedule(tmp_path):
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        port = api_url.split(":")[2].split("/")[0] if api_url else None
-        servers = [p for p in psutil.process_iter(["cmdline"])
-                   if port and "server" in (p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])]  # fmt: skip
-        _, alive = psutil.wait_procs(servers, timeout=30)  # a server may still be shutting down
-        leftovers = [p for p in alive if _running(p)]  # zombies (exited, not yet reaped) are gone
-        for p in leftovers:
-            p.kill()
+        leftovers = _outlived(_servers(api_url)) if api_url else []
     assert api_url, log_path.read_text()[-3000:]
     assert completed >= 2, log_path.read_text()[-3000:]
     assert not leftovers, "the supervised Prefect server outlived featcal serve"
+
+
+def _servers(api_url: str) -> list[psutil.Process]:
+    """The `prefect server start` processes listening on the port of `api_url`."""
+    port = api_url.split(":")[2].split("/")[0]
+    return [p for p in psutil.process_iter(["cmdline"])
+            if "server" in (p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])]  # fmt: skip
 
 
 def _running(process: psutil.Process) -> bool:
@@ -74,6 +75,16 @@ def _running(process: psutil.Process) -> bool:
         return process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _outlived(servers: list[psutil.Process]) -> list[psutil.Process]:
+    """The servers still running after 30 s (a server may still be shutting down; zombies,
+    exited but not yet reaped, are gone); they are killed so that no test leaves one behind."""
+    _, alive = psutil.wait_procs(servers, timeout=30)
+    leftovers = [p for p in alive if _running(p)]
+    for p in leftovers:
+        p.kill()
+    return leftovers
 
 
 def test_supervised_server_dies_with_a_killed_featcal_serve(tmp_path):
@@ -87,15 +98,9 @@ def test_supervised_server_dies_with_a_killed_featcal_serve(tmp_path):
     try:
         api_url = proc.stdout.readline().strip()
         assert api_url.startswith("http://127.0.0.1:"), "the local server did not start"
-        port = api_url.split(":")[2].split("/")[0]
-        servers = [p for p in psutil.process_iter(["cmdline"])
-                   if "server" in (p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])]  # fmt: skip
+        servers = _servers(api_url)
         assert servers
     finally:
         proc.kill()
         proc.wait()
-    _, alive = psutil.wait_procs(servers, timeout=30)
-    leftovers = [p for p in alive if _running(p)]
-    for p in leftovers:
-        p.kill()
-    assert not leftovers, "the local Prefect server outlived the killed supervisor"
+    assert not _outlived(servers), "the local Prefect server outlived the killed supervisor"

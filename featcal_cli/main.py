@@ -237,15 +237,13 @@ def _zoo(args: argparse.Namespace) -> int:
     import dataclasses
     from pathlib import Path
 
-    from featcal_core.zoo.build import PRESETS, build_zoo
-
-    out = args.out
+    settings = None
     if args.params is not None:
         from flows.params import load_params
 
         settings = load_params(args.params, args.set).zoo
         if settings is None:  # models and tasks are given directly: nothing to build
-            placeholder = Path(out or "data/zoo")
+            placeholder = Path(args.out or "data/zoo")
             placeholder.mkdir(parents=True, exist_ok=True)
             (placeholder / "NO_ZOO.md").write_text(
                 f"{args.params} has no zoo: section, so no zoo was built (the DVC zoo stage's "
@@ -253,6 +251,10 @@ def _zoo(args: argparse.Namespace) -> int:
             )
             print(f"{args.params}: no zoo: section; nothing to build")
             return 0
+    from featcal_core.zoo.build import PRESETS, build_zoo  # imports torch: after the early exit
+
+    out = args.out
+    if settings is not None:
         spec = settings.spec()
         out = out or str(settings.path)
     elif args.dataset:

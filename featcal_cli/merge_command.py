@@ -10,7 +10,20 @@ import argparse
 import logging
 
 from featcal_cli.main import _pairs, _task_path
-from featcal_core.merging import available
+
+
+class _MethodNames:
+    """The registered merge methods as argparse `choices`, looked up only when `--method` is
+    checked or the help is printed: the registry imports torch, which every other subcommand
+    (and `featcal --help`) would otherwise pay for at start-up."""
+
+    def __iter__(self):
+        from featcal_core.merging import available
+
+        return iter(available())
+
+    def __contains__(self, name: object) -> bool:
+        return name in list(self)
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -21,7 +34,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     merge.add_argument("--base", help="base (pre-trained) model directory")
     merge.add_argument("--expert", action="append", type=_task_path("--expert"),
                        metavar="TASK=DIR", help="a fine-tuned expert (repeat per task)")  # fmt: skip
-    merge.add_argument("--method", choices=available(), help="merge method")
+    merge.add_argument("--method", choices=_MethodNames(), metavar="METHOD",
+                       help="merge method: %(choices)s")  # fmt: skip
     merge.add_argument("--scale", type=float, default=None,
                        help="task vector scale (task_arithmetic default 0.3, ties λ default 1.0)")  # fmt: skip
     merge.add_argument("--top-k", type=float, default=None,

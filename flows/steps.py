@@ -173,11 +173,11 @@ class Steps:
 
     def heads(self) -> dict[str, dict[str, str]]:
         """Head calibration (featcal.heads): refit heads for the merged and calibrated models."""
-        from tasks.heads import calibrate_heads
-
         (self.paths["root"] / "refit_heads").mkdir(parents=True, exist_ok=True)
         if not self.params.featcal.heads:
-            return {}
+            return {}  # before importing the task: off, `featcal heads` costs no torch start-up
+        from tasks.heads import calibrate_heads
+
         base, experts = self.models()
         from featcal_core.lm_evaluation import generation_kind
 

@@ -1,6 +1,9 @@
 import logging
 import os
+import shutil
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,26 +19,85 @@ def _deterministic():
     yield
 
 
+#: set by the pytest-xdist controller to the API URL of the one local `prefect server` it started
+#: for all its workers (see pytest_configure)
+SHARED_API = "FEATCAL_TEST_PREFECT_API"
+
+#: test files whose tests use the `prefect_api` fixture: an xdist run that selects one of them (or
+#: a whole directory) starts the shared server; any other use starts a server in its worker
+SERVER_FILES = {"test_pipeline.py", "test_resume.py", "test_dvc.py", "test_open_clip_pipeline.py"}
+
+
 @pytest.fixture(scope="session")
 def prefect_api(tmp_path_factory):
     """One local `prefect server` (its own database) shared by the tests that start many flow
-    processes (each would otherwise start Prefect's temporary server); yields its API URL."""
-    from flows.serve import local_server
+    processes (each would otherwise start Prefect's temporary server); yields its API URL. Under
+    pytest-xdist all workers share the controller's; otherwise this worker starts its own."""
+    from flows.prefect_server import local_server, wait_healthy
 
-    saved = os.environ.get("PREFECT_HOME")
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-server"))
-    server = local_server()
-    try:
-        api_url = server.__enter__()  # the server process keeps this PREFECT_HOME
-    finally:  # the tests themselves keep theirs
-        if saved is None:
-            os.environ.pop("PREFECT_HOME", None)
-        else:
-            os.environ["PREFECT_HOME"] = saved
-    try:
+    shared = os.environ.get(SHARED_API)
+    if shared:
+        wait_healthy(shared, timeout_s=180)
+        yield shared
+        return
+    with local_server(home=tmp_path_factory.mktemp("prefect-server")) as api_url:
         yield api_url
-    finally:
-        server.__exit__(None, None, None)
+
+
+def _selects_server_tests(config) -> bool:
+    for arg in config.args:
+        path = Path(arg.split("::")[0])
+        if path.is_dir() or path.name in SERVER_FILES:
+            return True
+    return False
+
+
+class _SharedServer:
+    """`local_server` on a background thread of the xdist controller: the workers start at once
+    and wait for it in `prefect_api` (the server takes ~15 s of CPU to start, paid once per run
+    instead of once per worker)."""
+
+    def __init__(self):
+        from flows.prefect_server import free_port
+
+        self.home = tempfile.mkdtemp(prefix="featcal-test-prefect-")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        from flows.prefect_server import local_server
+
+        try:  # a server that never answers fails the tests that wait for it, in wait_healthy
+            with local_server(port=self.port, home=self.home):
+                self._stop.wait()
+        except Exception:  # noqa: BLE001
+            logging.getLogger(__name__).exception("the tests' shared Prefect server failed")
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(timeout=60)
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+_SERVER_KEY = pytest.StashKey[_SharedServer]()
+
+
+def pytest_configure(config):
+    xdist_controller = not hasattr(config, "workerinput") and config.getoption("numprocesses", None)
+    if xdist_controller and _selects_server_tests(config) and not os.environ.get(SHARED_API):
+        server = _SharedServer()
+        config.stash[_SERVER_KEY] = server
+        os.environ[SHARED_API] = server.url  # the workers, started after this, inherit it
+
+
+def pytest_unconfigure(config):
+    server = config.stash.get(_SERVER_KEY, None)
+    if server is not None:
+        os.environ.pop(SHARED_API, None)
+        server.stop()
 
 
 #: files whose tests share no module fixture and each run long: pytest-xdist may send their tests
@@ -43,8 +105,28 @@ def prefect_api(tmp_path_factory):
 #: so its module fixtures are built once.
 SPREAD = {"test_pipeline.py", "test_serve.py", "test_demo.py"}
 
+#: the longest subprocess tests (whole `featcal` flows, `dvc repro`), split by hand into two lanes
+#: of similar length (~2 min each on 2 cores; test_resume's tests share their module fixture):
+#: each lane runs on one worker, so two workers do not both end up waiting on the longest ones
+LANES = {
+    "test_resume.py": "lane-1",
+    "test_pipeline.py::test_featcal_run_bert_with_task_heads": "lane-1",
+    "test_dvc.py": "lane-2",
+    "test_pipeline.py::test_featcal_run_end_to_end": "lane-2",
+}
 
+
+def _group(item) -> str | None:
+    name = item.path.name
+    lane = LANES.get(f"{name}::{item.name}") or LANES.get(name)
+    if lane is not None:
+        return lane
+    return None if name in SPREAD else name
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if item.path.name not in SPREAD:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
+        group = _group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))

@@ -1,6 +1,7 @@
-"""`featcal run` end to end on tiny local checkpoints: real Prefect flow (the CLIP run on the
-embedded server, the others on the tests' shared local Prefect server), real MLflow SQLite store;
-download (local references) → calibration sets → merge → calibrate → evaluate → report."""
+"""`featcal run` end to end on tiny local checkpoints: real Prefect flow (on the tests' shared
+local Prefect server; test_zoo runs the whole flow on Prefect's embedded server), real MLflow
+SQLite store; download (local references) → calibration sets → merge → calibrate → evaluate →
+report."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def write_params(tmp_path):
 def test_featcal_run_end_to_end(tmp_path, prefect_api):
     params_path = write_params(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": uri}
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": uri,
+           "PREFECT_API_URL": prefect_api}  # fmt: skip
     cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path),
            "--set", "featcal.alpha=0.3"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
@@ -110,11 +112,9 @@ def test_featcal_run_end_to_end(tmp_path, prefect_api):
     assert lineage.returncode == 0, lineage.stderr[-2000:]
     assert json.loads(lineage.stdout)["problems"] == []
 
-    # an evaluation-only change recomputes no block (this run on the tests' shared server)
-    cmd[-1] = "featcal.alpha=0.3"
-    again = subprocess.run([*cmd, "--set", "evaluation.batch_size=3"],
-                           env={**env, "PREFECT_API_URL": prefect_api}, capture_output=True,
-                           text=True, timeout=600, cwd=tmp_path)  # fmt: skip
+    # an evaluation-only change recomputes no block
+    again = subprocess.run([*cmd, "--set", "evaluation.batch_size=3"], env=env,
+                           capture_output=True, text=True, timeout=600, cwd=tmp_path)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
     rerun = json.loads(again.stdout[again.stdout.index("{") :])
     assert rerun["calibration"]["restored"] == rerun["calibration"]["blocks"] == 2

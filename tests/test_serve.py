@@ -89,7 +89,7 @@ def _outlived(servers: list[psutil.Process]) -> list[psutil.Process]:
 
 def test_supervised_server_dies_with_a_killed_featcal_serve(tmp_path):
     """Serving killed outright (SIGKILL: no cleanup runs) still takes its local server down."""
-    script = ("import time\nfrom flows.serve import local_server\n"
+    script = ("import time\nfrom flows.prefect_server import local_server\n"
               "with local_server() as url:\n    print(url, flush=True)\n    time.sleep(600)\n")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(tmp_path / "prefect")

@@ -159,7 +159,9 @@ def test_zoo_params_validation(tmp_path):
 # ------------------------------------------------------------------------- the whole flow
 
 
-def test_flow_builds_the_zoo_and_runs_with_head_calibration(toy_data, tmp_path, prefect_api):
+def test_flow_builds_the_zoo_and_runs_with_head_calibration(toy_data, tmp_path):
+    """The whole flow as `featcal demo` runs it: no PREFECT_API_URL, so on Prefect's embedded
+    (temporary) server."""
     params = {
         "run": {"name": "toy", "results_dir": str(tmp_path / "results")},
         "zoo": {"preset": "vision", "name": "toy", "dir": str(tmp_path / "zoo"),
@@ -169,7 +171,7 @@ def test_flow_builds_the_zoo_and_runs_with_head_calibration(toy_data, tmp_path, 
     }  # fmt: skip
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
-    proc = factories.run_featcal(tmp_path, path, prefect_api)
+    proc = factories.run_featcal(tmp_path, path)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     manifest = load_manifest(tmp_path / "zoo")

@@ -27,7 +27,7 @@ from featcal_core.errors import FeatCalError
 log = logging.getLogger(__name__)
 
 
-def free_port() -> int:
+def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -72,29 +72,42 @@ def wait_healthy(api_url: str, timeout_s: float, server: subprocess.Popen | None
         time.sleep(0.5)
 
 
-@contextmanager
-def local_server(
-    timeout_s: float = 180.0, *, port: int | None = None, home: str | Path | None = None
-) -> Iterator[str]:
-    """A supervised `prefect server start` on 127.0.0.1; yields its API URL once it answers.
+def start_server(
+    *, port: int | None = None, home: str | Path | None = None
+) -> tuple[subprocess.Popen, str]:
+    """Start `prefect server start` on 127.0.0.1 and return at once (not waiting for it to
+    answer: see `wait_healthy`) with the process and its API URL; stop it with `stop_server`.
 
     port: None picks a free one. home: the server's PREFECT_HOME (its SQLite database); None keeps
-    this process's."""
-    port = free_port() if port is None else port
-    api_url = f"http://127.0.0.1:{port}/api"
+    this process's. On Linux the server gets SIGTERM when the calling thread's process dies."""
+    port = _free_port() if port is None else port
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                "--port", str(port), "--no-ui", "--analytics-off"]  # fmt: skip
     env = None if home is None else {**os.environ, "PREFECT_HOME": str(home)}
     server = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, env=env,
                               preexec_fn=_parent_death_signal())  # fmt: skip
+    return server, f"http://127.0.0.1:{port}/api"
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """SIGTERM the server's process group; SIGKILL it if it has not exited after 30 s."""
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+
+
+@contextmanager
+def local_server(
+    timeout_s: float = 180.0, *, port: int | None = None, home: str | Path | None = None
+) -> Iterator[str]:
+    """A supervised `start_server`; yields its API URL once it answers, stops it on exit."""
+    server, api_url = start_server(port=port, home=home)
     try:
         wait_healthy(api_url, timeout_s, server)
         log.info("local Prefect server at %s (pid %d)", api_url, server.pid)
         yield api_url
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop_server(server)

@@ -3,7 +3,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 import pytest
@@ -52,52 +51,32 @@ def _selects_server_tests(config) -> bool:
     return False
 
 
-class _SharedServer:
-    """`local_server` on a background thread of the xdist controller: the workers start at once
-    and wait for it in `prefect_api` (the server takes ~15 s of CPU to start, paid once per run
-    instead of once per worker)."""
-
-    def __init__(self):
-        from flows.prefect_server import free_port
-
-        self.home = tempfile.mkdtemp(prefix="featcal-test-prefect-")
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/api"
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self):
-        from flows.prefect_server import local_server
-
-        try:  # a server that never answers fails the tests that wait for it, in wait_healthy
-            with local_server(port=self.port, home=self.home):
-                self._stop.wait()
-        except Exception:  # noqa: BLE001
-            logging.getLogger(__name__).exception("the tests' shared Prefect server failed")
-
-    def stop(self):
-        self._stop.set()
-        self._thread.join(timeout=60)
-        shutil.rmtree(self.home, ignore_errors=True)
-
-
-_SERVER_KEY = pytest.StashKey[_SharedServer]()
+_SERVER_KEY = pytest.StashKey[tuple]()
 
 
 def pytest_configure(config):
+    """The xdist controller starts the workers' shared Prefect server without waiting for it:
+    the workers start at once and wait in `prefect_api` (a start costs ~15 s of CPU, paid once
+    per run instead of once per worker)."""
     xdist_controller = not hasattr(config, "workerinput") and config.getoption("numprocesses", None)
     if xdist_controller and _selects_server_tests(config) and not os.environ.get(SHARED_API):
-        server = _SharedServer()
-        config.stash[_SERVER_KEY] = server
-        os.environ[SHARED_API] = server.url  # the workers, started after this, inherit it
+        from flows.prefect_server import start_server
+
+        home = tempfile.mkdtemp(prefix="featcal-test-prefect-")
+        server, api_url = start_server(home=home)
+        config.stash[_SERVER_KEY] = (server, home)
+        os.environ[SHARED_API] = api_url  # the workers, started after this, inherit it
 
 
 def pytest_unconfigure(config):
-    server = config.stash.get(_SERVER_KEY, None)
-    if server is not None:
+    shared = config.stash.get(_SERVER_KEY, None)
+    if shared is not None:
+        from flows.prefect_server import stop_server
+
+        server, home = shared
         os.environ.pop(SHARED_API, None)
-        server.stop()
+        stop_server(server)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 #: files whose tests share no module fixture and each run long: pytest-xdist may send their tests
@@ -106,7 +85,7 @@ def pytest_unconfigure(config):
 SPREAD = {"test_pipeline.py", "test_serve.py", "test_demo.py"}
 
 #: the longest subprocess tests (whole `featcal` flows, `dvc repro`), split by hand into two lanes
-#: of similar length (~2 min each on 2 cores; test_resume's tests share their module fixture):
+#: of similar length (test_resume's tests share their module fixture):
 #: each lane runs on one worker, so two workers do not both end up waiting on the longest ones
 LANES = {
     "test_resume.py": "lane-1",

@@ -25,8 +25,11 @@ def _task_path(flag: str):
 
 
 def _pairs(flag: str, values: list[tuple[str, str]] | None) -> dict[str, str]:
+    from featcal_core.names import check_names
+
     out: dict[str, str] = {}
     for task, path in values or []:
+        check_names([task], f"{flag} {task}=...: task name")
         if task in out:
             raise FeatCalError(f"{flag} {task}=... is given twice; name each task once")
         out[task] = path
@@ -62,7 +65,10 @@ def _step(name: str):
             from flows.environment import configure
 
             configure()
-        result = getattr(steps, name)()
+        with steps.session(f"featcal {args.command}"):  # checked outputs, the run lock
+            if name == "calibrate":
+                steps.check_heads()
+            result = getattr(steps, name)()
         logging.getLogger("featcal").info("%s: done (%s)", name, steps.paths["root"])
         if name == "evaluate":
             print(json.dumps(result, indent=2))
@@ -287,13 +293,21 @@ def _zoo(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from featcal_core import FeatCalParams, calibrate
-
     if args.params is not None:
         return _step("calibrate")(args)
     missing = [f"--{n}" for n in ("base", "merged", "out") if getattr(args, n) is None]
     if missing:
         raise FeatCalError(f"featcal calibrate needs {', '.join(missing)} (or --params FILE)")
+    from flows.params import featcal_from_flags
+
+    featcal_from_flags({  # the bounds and types of params.yaml's featcal: section
+        "alpha": args.alpha, "rho": args.rho, "lam": args.lam, "eps": args.eps,
+        "num_per_task": args.num_per_task, "batch_size": args.batch_size,
+        "max_length": args.max_length, "head_lam": args.head_lam,
+        "dask_workers": args.dask_workers, "heads": args.heads,
+    })  # fmt: skip
+    from featcal_core import FeatCalParams, calibrate
+
     if args.results_dir is not None:
         if args.spill_dir is not None:
             raise FeatCalError(
@@ -303,11 +317,16 @@ def _calibrate(args: argparse.Namespace) -> int:
         return _calibrate_flow(args)
     if args.runner != "local" or args.dask_address is not None:
         raise FeatCalError("--runner dask / --dask-address need --results-dir (the Prefect flow)")
+    experts, calib = _pairs("--expert", args.expert), _pairs("--calib", args.calib)
+    if args.heads:  # before the calibration, not after it
+        from featcal_core.head_calibration import check_expert_heads
+
+        check_expert_heads(experts, tokenizer_dir=args.base)
     record = calibrate(
         base=args.base,
         merged=args.merged,
-        experts=_pairs("--expert", args.expert),
-        calib=_pairs("--calib", args.calib),
+        experts=experts,
+        calib=calib,
         out=args.out,
         params=FeatCalParams(alpha=args.alpha, rho=args.rho, lam=args.lam, eps=args.eps),
         num_per_task=args.num_per_task,
@@ -432,6 +451,11 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[args.command](args)
     except FeatCalError as exc:
         print(f"featcal: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as exc:  # one line naming the path, never a traceback
+        where = f" {exc.filename}" if exc.filename else ""
+        print(f"featcal: error:{where}: {exc.strerror or exc}; check that path (space, "
+              "permissions, a read-only filesystem)", file=sys.stderr)  # fmt: skip
         return EXIT_BAD_INPUT
 
 

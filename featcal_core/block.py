@@ -12,7 +12,8 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from torch import nn
 from featcal_core.errors import FeatCalError
 from featcal_core.model_set import ModelSet
 from featcal_core.safetensors_io import Reader, read_header, save_tensors
-from featcal_core.solvers import anchor
+from featcal_core.solvers import Fallbacks, anchor
 from featcal_core.statistics import LinearInputStats, NormStats, Scratch
 from featcal_core.streams import (
     EXPERT,
@@ -57,6 +58,9 @@ class BlockResult:
     drift_before: dict[str, float] = field(default_factory=dict)
     drift_after: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    # solver fallbacks, clamped values and tasks without tokens (see solvers.Fallbacks), in a
+    # fixed order: per task (task order), then per Linear group and norm, then per task again
+    fallbacks: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -70,6 +74,7 @@ class TaskStatistics:
     layout: dict[str, dict]  # group label → {"d_in", "tokens", "modules": {name: (d_out, bias)}}
     norms: dict[str, dict[str, torch.Tensor]]  # norm module → `NormStats` contribution
     drift_before: float  # mean ‖merged − expert‖² of the block output (see BlockResult)
+    fallbacks: list[dict] = field(default_factory=list)  # found in this task's pass (JSON-able)
 
     _META = "featcal_task_statistics"
 
@@ -80,7 +85,7 @@ class TaskStatistics:
         tensors.update({f"norm/{n}/{k}": v.contiguous() for n, c in self.norms.items()
                         for k, v in c.items()})  # fmt: skip
         meta = {"task": self.task, "index": self.index, "layout": self.layout,
-                "drift_before": self.drift_before}  # fmt: skip
+                "drift_before": self.drift_before, "fallbacks": self.fallbacks}  # fmt: skip
         tmp = path.with_name(path.name + ".tmp")
         save_tensors(tmp, tensors, {self._META: json.dumps(meta)})
         os.replace(tmp, path)
@@ -95,7 +100,8 @@ class TaskStatistics:
             for key in stored.entries:
                 kind, owner, name = key.split("/", 2)
                 (linear if kind == "linear" else norms).setdefault(owner, {})[name] = reader[key]
-        return cls(stored.task, stored.index, linear, stored.layout, norms, stored.drift_before)
+        return cls(stored.task, stored.index, linear, stored.layout, norms, stored.drift_before,
+                   stored.fallbacks)  # fmt: skip
 
 
 class StoredStatistics:
@@ -110,6 +116,7 @@ class StoredStatistics:
         meta = json.loads(metadata[TaskStatistics._META])
         self.task, self.index = meta["task"], meta["index"]
         self.drift_before = meta["drift_before"]
+        self.fallbacks = meta.get("fallbacks", [])
         self.layout = {g: {**v, "modules": {m: tuple(d) for m, d in v["modules"].items()}}
                        for g, v in meta["layout"].items()}  # fmt: skip
 
@@ -343,19 +350,24 @@ class BlockRunner:
             raise FeatCalError(f"task {task!r} has no calibration inputs for block {index}")
         target.put(EXPERT, task, torch.cat(new_expert))
         del new_expert
+        found = Fallbacks(f"block {index}")
         linear = {}
         for label, stats in linear_stats.items():
             members = {name: expert_params[name] for name in stats.targets}
-            linear[label] = stats.task_contribution(params.eps, params.alpha, members)
+            with _tokens_needed(index, task, label):
+                linear[label] = stats.task_contribution(params.eps, params.alpha, members,
+                                                        fallbacks=found, task=task)  # fmt: skip
         norms = {}
         for name, stats in norm_stats.items():
             module = self.expert_block.get_submodule(name)
-            norms[name] = stats.task_contribution(module.weight, getattr(module, "bias", None))
+            with _tokens_needed(index, task, name):
+                norms[name] = stats.task_contribution(module.weight, getattr(module, "bias", None))
         layout = {
             label: {"d_in": stats.d_in, "tokens": tokens, "modules": stats.modules}
             for label, stats in linear_stats.items()
         }
-        return TaskStatistics(task, index, linear, layout, norms, sq_sum / max(tok_sum, 1.0))
+        drift = _mean_drift(sq_sum, tok_sum, task, "before calibration", found)
+        return TaskStatistics(task, index, linear, layout, norms, drift, found.entries)
 
     @torch.no_grad()
     def calibrate(
@@ -386,6 +398,7 @@ class BlockRunner:
         student_kind, _ = self._input_kinds(phase)
         merged_sd = self._load_merged(index)
         result = BlockResult(index, {})
+        found = Fallbacks(f"block {index}")
         linear_sums: dict[str, LinearInputStats] = {}
         norm_sums = self._norm_stats()
         stored: list[StoredStatistics] = []
@@ -402,6 +415,7 @@ class BlockRunner:
                     f"task {task!r}, block {index}; recompute the block"
                 )
             result.drift_before[task] = stats.drift_before
+            found.entries.extend(stats.fallbacks)  # logged where they were found
             if isinstance(stats, TaskStatistics) and scratch_dir is not None:
                 path = Path(scratch_dir) / f"statistics-{index:05d}-{number:05d}.safetensors"
                 stats.save(path)
@@ -416,12 +430,12 @@ class BlockRunner:
 
         base_sd = self.read_block(self.models.base, index)
         if stored:
-            solved = self._fold_and_solve(stored, merged_sd, base_sd, params)
+            solved = self._fold_and_solve(stored, merged_sd, base_sd, params, found)
             for done in stored:
                 if scratch_dir is not None and done.path.parent == Path(scratch_dir):
                     done.path.unlink(missing_ok=True)
         else:
-            solved = self._solve(linear_sums, norm_sums, merged_sd, base_sd, params)
+            solved = self._solve(linear_sums, norm_sums, merged_sd, base_sd, params, found)
         del linear_sums, norm_sums, stored
         del base_sd
         result.tensors = {name: solved[name].to(merged_sd[name].dtype) for name in solved}
@@ -448,8 +462,10 @@ class BlockRunner:
                 sq, tok = _drift_sums(out, expert_out.to(self.device), drift_mask)
                 sq_sum, tok_sum = sq_sum + sq, tok_sum + tok
                 outputs.append(out.to("cpu"))
-            result.drift_after[task] = sq_sum / max(tok_sum, 1.0)
+            result.drift_after[task] = _mean_drift(sq_sum, tok_sum, task, "after calibration",
+                                                   found)  # fmt: skip
             target.put(STUDENT, task, torch.cat(outputs))
+        result.fallbacks = found.entries
         result.seconds = time.perf_counter() - start
         return result
 
@@ -528,9 +544,9 @@ class BlockRunner:
             for name, sums in norm_sums.items():
                 sums.merge(norm_of(name))
 
-    def _fold_and_solve(self, stored, merged_sd, base_sd, params):
+    def _fold_and_solve(self, stored, merged_sd, base_sd, params, fallbacks=None):
         """Fold the saved statistics of every task (task order) and solve, one Linear group or
-        norm at a time."""
+        norm at a time (fallbacks: see `_solve`)."""
         solved: dict[str, torch.Tensor] = {}
         norm_sums = self._norm_stats()
         for label in stored[0].layout:
@@ -539,14 +555,16 @@ class BlockRunner:
                 self._fold(linear_sums, {}, {label: stats.layout[label]},
                            lambda g, stats=stats: stats.group("linear", g), None,
                            adopt=True)  # fmt: skip
-            solved.update(self._solve(linear_sums, {}, merged_sd, base_sd, params))
+            solved.update(self._solve(linear_sums, {}, merged_sd, base_sd, params, fallbacks))
             del linear_sums
         for stats in stored:
             self._fold({}, norm_sums, {}, None, lambda n, stats=stats: stats.group("norm", n))
-        solved.update(self._solve({}, norm_sums, merged_sd, base_sd, params))
+        solved.update(self._solve({}, norm_sums, merged_sd, base_sd, params, fallbacks))
         return solved
 
-    def _solve(self, linear_stats, norm_stats, merged_sd, base_sd, params):
+    def _solve(self, linear_stats, norm_stats, merged_sd, base_sd, params, fallbacks=None):
+        """Solve every Linear group, then every norm; fallbacks and clamps go to `fallbacks`
+        (a `Fallbacks`; None: logged only)."""
         lam, rho, eps = params.lam, params.rho, params.eps
         solved: dict[str, torch.Tensor] = {}
 
@@ -565,14 +583,14 @@ class BlockRunner:
                 name: (anchored(f"{name}.weight"), anchored(f"{name}.bias"))
                 for name in stats.targets
             }
-            for name, (weight, bias) in stats.solve(lam, eps, anchors).items():
+            for name, (weight, bias) in stats.solve(lam, eps, anchors, fallbacks).items():
                 keep(f"{name}.weight", weight)
                 if bias is not None:
                     keep(f"{name}.bias", bias)
             del anchors
         for name, stats in norm_stats.items():
             gamma, beta = stats.solve(
-                lam, eps, anchored(f"{name}.weight"), anchored(f"{name}.bias")
+                lam, eps, anchored(f"{name}.weight"), anchored(f"{name}.bias"), fallbacks, name
             )
             keep(f"{name}.weight", gamma)
             if beta is not None:
@@ -585,6 +603,27 @@ def _run(arch, block, hidden, mask, context):
     if context is None:
         return arch.run_block(block, hidden, mask)
     return arch.run_block(block, hidden, mask, context=context)
+
+
+@contextmanager
+def _tokens_needed(index: int, task: str, module: str) -> Iterator[None]:
+    """Turn a statistics' "no weighted tokens" ValueError into a FeatCalError naming the task,
+    block and module."""
+    try:
+        yield
+    except ValueError as exc:
+        raise FeatCalError(
+            f"task {task!r} gives no weighted tokens to {module} in block {index} ({exc}); check "
+            "its calibration set and token weighting"
+        ) from exc
+
+
+def _mean_drift(sq_sum: float, tok_sum: float, task: str, when: str, found: Fallbacks) -> float:
+    """sq_sum / tok_sum; 0 with a "no_tokens" entry in `found` when no token carries weight."""
+    if tok_sum > 0:
+        return sq_sum / tok_sum
+    found.add("no_tokens", f"no weighted tokens for the drift {when}; reported as 0", task=task)
+    return 0.0
 
 
 def _weighted_tokens(weights: torch.Tensor, *hidden: torch.Tensor):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -15,7 +14,6 @@ import torch
 from tqdm.auto import tqdm
 
 from featcal_core.architectures.base import WEIGHT_MASK
-from featcal_core.atomic import atomic_directory, check_output
 from featcal_core.block import BlockResult, BlockRunner, FeatCalParams, TaskStatistics
 from featcal_core.calibration_data import CalibrationSet, load_calibration_set
 from featcal_core.checkpoint import Checkpoint, sha256_file, sha256_tree
@@ -23,6 +21,8 @@ from featcal_core.errors import FeatCalError
 from featcal_core.export import export_checkpoint
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.model_set import ModelSet
+from featcal_core.names import check_names
+from featcal_core.outputs import check_output, guarded_directory, sweep, temp_path
 from featcal_core.safetensors_io import save_tensors
 from featcal_core.streams import (
     EXPERT,
@@ -50,8 +50,15 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def calibration_inputs(base, merged, experts: dict, calib: dict) -> tuple:
+    """Every folder a calibration reads (no output may be, hold or lie inside one of them)."""
+    return (base, merged, *experts.values(), *calib.values())
+
+
 def check_tasks(experts: dict[str, object], calib: dict[str, object]) -> None:
-    """Every calibration task needs an expert and every expert a calibration set."""
+    """Every calibration task needs an expert and every expert a calibration set; task names
+    are safe names (featcal_core.names)."""
+    check_names([*experts, *calib], "task name")
     for task in calib:
         if task not in experts:
             raise FeatCalError(f"--calib {task}=...: task {task!r} has no --expert {task}=DIR")
@@ -183,17 +190,31 @@ class Calibration:
         settings = asdict(self.settings)
         settings["device"] = str(self.device)
         settings["pooled_position"] = self.arch.pooled_position
-        return _record(self.models, self.sets, self.params, blocks, settings, started)
+        record = _record(self.models, self.sets, self.params, blocks, settings, started)
+        found = [entry for block in blocks for entry in block.get("fallbacks", [])]
+        kinds: dict[str, int] = {}
+        for entry in found:
+            kinds[entry["kind"]] = kinds.get(entry["kind"], 0) + 1
+        record["fallbacks"] = len(found)
+        record["fallbacks_by_kind"] = dict(sorted(kinds.items()))
+        if found:
+            log.warning(
+                "%d solver fallbacks or clamped values (%s); see the blocks' \"fallbacks\" in %s",
+                len(found), ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())), RECORD_NAME,
+            )  # fmt: skip
+        return record
 
 
 def block_summary(result: BlockResult, restored: bool = False) -> dict:
-    """The per-block entry of the record."""
+    """The per-block entry of the record (JSON-able; persisted in state manifests). "fallbacks":
+    the block's solver fallbacks and clamped values (see solvers.Fallbacks), in a fixed order."""
     return {
         "index": result.index,
         "seconds": round(result.seconds, 4),
         "restored": restored,
         "drift_before": result.drift_before,
         "drift_after": result.drift_after,
+        "fallbacks": [dict(entry) for entry in result.fallbacks],
     }
 
 
@@ -201,6 +222,8 @@ def log_block(result: BlockResult, num_blocks: int, restored: bool = False) -> N
     before = sum(result.drift_before.values()) / len(result.drift_before)
     after = sum(result.drift_after.values()) / len(result.drift_after)
     how = "restored" if restored else f"{result.seconds:.1f} s"
+    if result.fallbacks:
+        how += f", {len(result.fallbacks)} fallbacks"
     log.info(
         "block %d/%d: mean drift %.6g -> %.6g (%s)",
         result.index + 1,
@@ -235,7 +258,9 @@ def calibrate(
     leaving `out` as it was."""
     started = time.perf_counter()
     out = Path(out)
-    check_output(out, overwrite)
+    check_names([*experts, *calib], "task name")
+    inputs = calibration_inputs(base, merged, experts, calib)
+    check_output(out, overwrite=overwrite, inputs=inputs)
     settings = Settings(
         num_per_task, batch_size, seed, device, max_length, pooling, token_weighting
     )
@@ -243,10 +268,12 @@ def calibrate(
     log.info(
         "%s, %d blocks, %d tasks, dtype %s", run.arch.name, run.num_blocks, len(run.sets), run.dtype
     )
-    with atomic_directory(out, overwrite) as tmp:
+    with guarded_directory(out, overwrite=overwrite, inputs=inputs) as tmp:
         if spill_dir is not None:
             Path(spill_dir).mkdir(parents=True, exist_ok=True)
-            work = Path(tempfile.mkdtemp(prefix="featcal-", dir=spill_dir))
+            sweep(Path(spill_dir) / "featcal-spill")  # what a killed run left there
+            work = temp_path(Path(spill_dir) / "featcal-spill")
+            work.mkdir()
         else:
             work = tmp / "_work"
             work.mkdir()

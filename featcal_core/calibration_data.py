@@ -1,8 +1,16 @@
-"""Calibration sets: `datasets` directories written with `save_to_disk`, sampled with a seed."""
+"""Calibration sets: `datasets` directories written with `save_to_disk`, sampled with a seed.
+
+Also the row checks shared with featcal_core.calibration_sets: `checked_input` turns one stored
+input (a `datasets.Image` cell or a string) into what calibration reads, or raises one FeatCalError
+line for a null or undecodable row; `input_digest` is the content digest that decides whether two
+rows are the same example (see CONTENT_DIGEST).
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +22,13 @@ from featcal_core.errors import FeatCalError
 COLUMNS = {"image": "image", "text": "text"}
 #: optional column of text sets: the teacher-forced decoder input of encoder-decoder models (T5)
 TARGET = "target"
+#: the column draw_calibration_set writes: each row's row number in its source split
+SOURCE_ROW = "source_row"
+#: how `input_digest` identifies a row's content, per modality (recorded with the digests)
+CONTENT_DIGEST = {
+    "image": "sha256 of b'image', width, height and the decoded RGB pixels (uint8, H x W x 3)",
+    "text": "sha256 of b'text' and the exact UTF-8 string",
+}
 
 
 @dataclass
@@ -68,10 +83,74 @@ def load_calibration_set(
     else:
         indices = list(range(len(data)))
     chosen = data.select(indices)
+    where = f"--calib {task}={path}"
+    source_rows = chosen[SOURCE_ROW] if SOURCE_ROW in data.column_names else None
+
+    def row_name(i: int) -> str:
+        if source_rows is None:
+            return f"row {indices[i]}"
+        return f"row {indices[i]} (source row {source_rows[i]})"
+
+    fix = "drop or repair that row (e.g. Dataset.filter) and save the set again, or redraw it"
+    if isinstance(data.features[column], datasets.Image):  # decode here: one clear error per row
+        cells = chosen.with_format("arrow")[column].to_pylist()
+    else:
+        cells = list(chosen[column])
+    rows = [
+        checked_input(cell, modality, where=where, row=row_name(i), column=column, fix=fix)
+        for i, cell in enumerate(cells)
+    ]
     targets = None
     if modality == "text" and TARGET in data.column_names:
-        targets = [str(t) for t in chosen[TARGET]]
-    return CalibrationSet(task, path, list(chosen[column]), indices, len(data), targets)
+        targets = [
+            checked_input(t, "text", where=where, row=row_name(i), column=TARGET, fix=fix)
+            for i, t in enumerate(chosen[TARGET])
+        ]
+    return CalibrationSet(task, path, rows, indices, len(data), targets)
+
+
+def checked_input(value: Any, modality: str, *, where: str, row: str, column: str, fix: str) -> Any:
+    """One stored input as calibration reads it: a PIL image (from a `datasets.Image` cell, a dict
+    with `bytes`/`path`, or an already decoded image) or a str. A null, undecodable or wrongly
+    typed value raises one FeatCalError line: `where`, `row`, `column`, then `fix`."""
+    problem = None
+    if modality == "text":
+        if isinstance(value, str):
+            return value
+        problem = "no text (null)" if value is None else f"a {type(value).__name__}, not a string"
+    elif value is None or (
+        isinstance(value, dict) and value.get("bytes") is None and value.get("path") is None
+    ):
+        problem = "no image (null)"
+    elif isinstance(value, dict):
+        import datasets
+
+        try:
+            return datasets.Image().decode_example(value)
+        except Exception as exc:
+            detail = re.sub(r"<[^>]*>", "the stored bytes", " ".join(str(exc).split()))
+            problem = f"an undecodable image ({type(exc).__name__}: {detail})"
+    else:
+        return value  # already decoded (a PIL image, or an array of pixels)
+    raise FeatCalError(f"{where}: {row}, column {column!r} holds {problem}; {fix}")
+
+
+def input_digest(value: Any, modality: str) -> bytes:
+    """Content digest (32 bytes) of one checked input (`checked_input`'s result): for images the
+    decoded RGB pixels and size, so the same picture stored in two datasets (any encoding, mode L
+    or RGB) matches; for text the exact string. See CONTENT_DIGEST."""
+    digest = hashlib.sha256()
+    if modality == "text":
+        digest.update(b"text\0")
+        digest.update(value.encode("utf-8"))
+        return digest.digest()
+    from PIL import Image
+
+    image = value if isinstance(value, Image.Image) else Image.fromarray(np.asarray(value))
+    rgb = image.convert("RGB")
+    digest.update(b"image\0%d\0%d\0" % rgb.size)
+    digest.update(rgb.tobytes())
+    return digest.digest()
 
 
 def _saved_without_rows(path: Path) -> bool:

@@ -19,7 +19,18 @@ The written set is a `save_to_disk` directory that `featcal_core.calibration_dat
   encoder-decoder models (T5);
 * `source_row` (int64): the row number of each example in the source split;
 * `calibration_set.json` (RECORD_NAME): task, source, split, rows requested and available, seed,
-  the chosen row ids and `digest`.
+  the chosen row ids, `evaluation_check` (below) and `digest`.
+
+Held out by content: besides refusing a calibration source that names the evaluation source
+(`same_data`), drawing hashes every drawn row's input and every row of the task's evaluation
+source (`featcal_core.calibration_data.input_digest`: decoded RGB pixels + size, or the exact
+string; the evaluation rows are streamed, only their digests are kept) and refuses any calibration
+row that is also an evaluation row, however the data was copied or renamed. `evaluation_check`
+records what was checked: the evaluation source, column, `rows_checked`, `rows_digest` (sha256 of
+the evaluation row digests in row order), `calibration_rows_digest` (the same over the drawn rows)
+and `overlap` (0); it is null when no evaluation source is given. Null or undecodable inputs (and
+null `target` texts) in the drawn rows or the evaluation rows are refused with one line naming the
+source, the row and the column.
 
 Sampling: `numpy.random.default_rng(seed).choice(len, n, replace=False)`, sorted; when n is at
 least the number of rows, every row in order.
@@ -31,7 +42,7 @@ byte-identical files (for the same `datasets`/`pyarrow` versions). `digest` is
 no time stamps or absolute paths: rebuilding an unchanged set leaves the directory's content, and
 therefore the downstream calibration cache keys, unchanged.
 
-Writing is atomic (`atomic_directory`): a failure leaves no output and keeps an earlier set; an
+Writing is atomic (`guarded_directory`): a failure leaves no output and keeps an earlier set; an
 existing set at `out_dir` is always replaced (a pipeline step rebuilds its own output), but only by
 renaming the complete new directory into place.
 
@@ -51,10 +62,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from featcal_core.atomic import atomic_directory
-from featcal_core.calibration_data import TARGET
+from featcal_core.calibration_data import (
+    CONTENT_DIGEST,
+    SOURCE_ROW,
+    TARGET,
+    checked_input,
+    input_digest,
+)
 from featcal_core.data_source import DataSource, as_data_source
 from featcal_core.errors import FeatCalError
+from featcal_core.outputs import guarded_directory
 
 if TYPE_CHECKING:
     import datasets
@@ -74,7 +91,8 @@ RECORD_NAME = "calibration_set.json"
 #: modality -> the column name featcal_core.calibration_data expects
 CANONICAL_COLUMNS = {"image": "image", "text": "text"}
 LABEL = "label"
-SOURCE_ROW = "source_row"
+#: rows per batch when streaming the evaluation source for the content check
+EVALUATION_BATCH = 256
 
 
 # ------------------------------------------------------------------------------------- sources
@@ -257,12 +275,32 @@ def _resolve_columns(
     label_override: str | None,
 ) -> tuple[str, str | None]:
     """(input column, label column or None), checked against the data's columns and features."""
+    field = f"{modality}_column"
+    configured = input_override or getattr(source, field) or CANONICAL_COLUMNS[modality]
+    configured = _input_column(data, source, key, modality, configured)
+    available = data.column_names
+    label_named = label_override or source.label_column
+    label = label_named or LABEL
+    if label not in available:
+        if label_named is not None:
+            raise FeatCalError(
+                f"{key}.label_column: no column {label!r} in {source.describe()} "
+                f"(available: {available}); fix {key}.label_column or remove it"
+            )
+        label = None  # no labels: fine, calibration does not use them
+    if label == configured:
+        label = None
+    return configured, label
+
+
+def _input_column(
+    data: datasets.Dataset, source: DataSource, key: str, modality: str, configured: str
+) -> str:
+    """`configured`, checked: a column of `data` holding images (datasets.Image) or strings."""
     import datasets
 
     available = data.column_names
-    default = CANONICAL_COLUMNS[modality]
     field = f"{modality}_column"
-    configured = input_override or getattr(source, field) or default
     if configured not in available:
         raise FeatCalError(
             f"{key}.{field}: no column {configured!r} in {source.describe()} "
@@ -279,18 +317,7 @@ def _resolve_columns(
             f"{'images (datasets.Image)' if modality == 'image' else 'strings'}; "
             f"set {key}.{field} to the column with the {modality}s"
         )
-    label_named = label_override or source.label_column
-    label = label_named or LABEL
-    if label not in available:
-        if label_named is not None:
-            raise FeatCalError(
-                f"{key}.label_column: no column {label!r} in {source.describe()} "
-                f"(available: {available}); fix {key}.label_column or remove it"
-            )
-        label = None  # no labels: fine, calibration does not use them
-    if label == configured:
-        label = None
-    return configured, label
+    return configured
 
 
 # --------------------------------------------------------------------------------------- drawing
@@ -314,9 +341,10 @@ def draw_calibration_set(
 
     Column overrides take precedence over the source's `image_column` / `text_column` /
     `label_column`. Returns the record written to `out_dir/calibration_set.json`, plus `path`.
-    Refuses (FeatCalError, nothing written): calibration data that is the evaluation data, n < 1,
-    a missing directory, split or column, an empty source, and an `out_dir` that overlaps the
-    source directory.
+    Refuses (FeatCalError, nothing written): calibration data that is the evaluation data (by
+    source identity, or any drawn row whose content is also an evaluation row), n < 1, a missing
+    directory, split or column, an empty source, a null or undecodable input in the drawn rows or
+    the evaluation rows, and an `out_dir` that overlaps the source directory.
     """
     import datasets
 
@@ -331,8 +359,8 @@ def draw_calibration_set(
             f"featcal.num_per_task: the calibration set of task {task!r} needs at least 1 row "
             f"(got {n!r}); set featcal.num_per_task >= 1"
         )
-    if evaluation_source is not None:
-        evaluation = _as_source(evaluation_source)
+    evaluation = None if evaluation_source is None else _as_source(evaluation_source)
+    if evaluation is not None:
         if same_data(source, evaluation):
             raise FeatCalError(
                 f"{key}: calibration and evaluation use the same data ({source.describe()}; "
@@ -358,7 +386,14 @@ def draw_calibration_set(
     rows = data.select_columns(kept).with_format("arrow")
     # gather in memory: `select` on a memory-mapped dataset may write cache files beside the source
     table = rows[:] if len(ids) == total else rows[ids]
-    table = table.select(kept).rename_columns(names)
+    table = table.select(kept)
+    digests = _drawn_digests(table, column, TARGET if target else None, ids, source, key, modality)
+    table = table.rename_columns(names)
+    check = None
+    if evaluation is not None:
+        check = _check_held_out(
+            task, source, evaluation, digests, ids, modality, column, trust_remote_code
+        )
     table = table.append_column(SOURCE_ROW, _int64_array(ids))
     features = datasets.Features(
         {new: data.features[old] for old, new in zip(kept, names, strict=True)}
@@ -384,9 +419,9 @@ def draw_calibration_set(
         fingerprint=fingerprint,
     )
 
-    with atomic_directory(out_dir, overwrite=True, flag=key) as tmp:
+    with guarded_directory(out_dir, overwrite=True, flag=key) as tmp:
         sample.save_to_disk(str(tmp))
-        record = dict(description, digest=sha256_tree(tmp))
+        record = dict(description, evaluation_check=check, digest=sha256_tree(tmp))
         (tmp / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
     log.info(
         "calibration set %s: %d of %d rows of %s (seed %d, column %r) -> %s (sha256 %s)",
@@ -400,6 +435,100 @@ def draw_calibration_set(
         record["digest"][:12],
     )
     return dict(record, path=str(out_dir))
+
+
+def _drawn_digests(
+    table: Any,
+    column: str,
+    target: str | None,
+    ids: list[int],
+    source: DataSource,
+    key: str,
+    modality: str,
+) -> list[bytes]:
+    """Content digests (32 bytes each, in `ids` order) of the drawn rows' inputs (`table`: the
+    drawn rows, pyarrow, source column names), after checking every input and `target` text is
+    present and decodable."""
+    where = f"{key}: {source.describe()}"
+    fix = "drop or repair that row in the source (e.g. Dataset.filter) and draw again"
+    digests = []
+    for row, cell in zip(ids, table.column(column).to_pylist(), strict=True):
+        value = checked_input(
+            cell, modality, where=where, row=f"source row {row}", column=column, fix=fix
+        )
+        digests.append(input_digest(value, modality))
+    if target is not None:
+        for row, cell in zip(ids, table.column(target).to_pylist(), strict=True):
+            checked_input(
+                cell, "text", where=where, row=f"source row {row}", column=target, fix=fix
+            )
+    return digests
+
+
+def _check_held_out(
+    task: str,
+    source: DataSource,
+    evaluation: DataSource,
+    digests: list[bytes],
+    ids: list[int],
+    modality: str,
+    calibration_column: str,
+    trust_remote_code: bool,
+) -> dict[str, Any]:
+    """Refuse drawn rows whose content is also a row of the task's evaluation source; returns the
+    record's `evaluation_check`. The evaluation rows are streamed (EVALUATION_BATCH rows at a
+    time); only a map of each distinct row digest (32 bytes) to its first row number is kept."""
+    key = f"tasks.{task}.evaluation"
+    data, split = _open(evaluation, key, trust_remote_code)
+    field = f"{modality}_column"
+    column = getattr(evaluation, field)
+    if column is None:  # as evaluation reads it; else the calibration source's column name
+        column = CANONICAL_COLUMNS[modality]
+        if column not in data.column_names and calibration_column in data.column_names:
+            column = calibration_column
+    column = _input_column(data, evaluation, key, modality, column)
+    where = f"{key}: {evaluation.describe()}"
+    fix = f"drop or repair that row of the evaluation data (e.g. Dataset.filter) or fix {key}"
+    first_row: dict[bytes, int] = {}  # evaluation row digest -> its first row number
+    rows_digest = hashlib.sha256()
+    row = 0
+    batches = data.select_columns([column]).with_format("arrow").iter(EVALUATION_BATCH)
+    for batch in batches:
+        for cell in batch.column(column).to_pylist():
+            value = checked_input(
+                cell, modality, where=where, row=f"row {row}", column=column, fix=fix
+            )
+            digest = input_digest(value, modality)
+            rows_digest.update(digest)
+            first_row.setdefault(digest, row)
+            row += 1
+    shared = [(i, first_row[d]) for i, d in zip(ids, digests, strict=True) if d in first_row]
+    if shared:
+        examples = ", ".join(f"source row {i} = evaluation row {j}" for i, j in shared[:3])
+        raise FeatCalError(
+            f"tasks.{task}.calibration: {len(shared)} of the {len(ids)} calibration rows drawn "
+            f"from {source.describe()} are also rows of the evaluation data ({key}: "
+            f"{evaluation.describe()}; same {modality} content, e.g. {examples}); draw "
+            "calibration data from train data (e.g. split: train) so evaluation stays held out"
+        )
+    log.info(
+        "calibration set %s: none of its %d rows is among the %d evaluation rows of %s",
+        task,
+        len(ids),
+        row,
+        evaluation.describe(),
+    )
+    return {
+        "source": evaluation.describe(),
+        "source_identity": list(evaluation.identity()),
+        "split": split,
+        "column": column,
+        "method": CONTENT_DIGEST[modality],
+        "rows_checked": row,
+        "rows_digest": rows_digest.hexdigest(),
+        "calibration_rows_digest": hashlib.sha256(b"".join(digests)).hexdigest(),
+        "overlap": 0,
+    }
 
 
 def _int64_array(ids: list[int]):

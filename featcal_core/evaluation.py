@@ -210,6 +210,16 @@ class ExpertHead(Head):
                 self._num_classes = int(AutoConfig.from_pretrained(self.expert_dir).num_labels)
         return self._num_classes
 
+    def require_head(self) -> None:
+        """FeatCalError unless the expert has a classification head to evaluate or refit: a
+        linear head beside the tower, or a transformers *ForSequence/ImageClassification model."""
+        if self.linear_file is None and not self.class_name.endswith("Classification"):
+            raise FeatCalError(
+                f"expert {self.expert_dir} has no classification head (no classifier.safetensors "
+                f"beside it, and {self.class_name} is not a classification model); give experts "
+                "with heads or leave out head calibration (--heads / featcal.heads)"
+            )
+
     def describe(self) -> str:
         kind = "linear head" if self.linear_file is not None else "expert head"
         return f"{kind} {self.class_name} from {self.expert_dir}"

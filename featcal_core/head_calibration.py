@@ -145,6 +145,17 @@ def calibrate_head(
     return weight.float(), new_bias.float()
 
 
+def check_expert_heads(
+    experts: dict[str, str | Path], tokenizer_dir: str | Path | None = None
+) -> None:
+    """Before any work: every expert has a head to refit (FeatCalError naming the first that
+    has none)."""
+    from featcal_core.evaluation import ExpertHead
+
+    for expert in experts.values():
+        ExpertHead(expert, tokenizer_dir=tokenizer_dir).require_head()
+
+
 def refit_expert_heads(
     student_dir: str | Path,
     experts: dict[str, str | Path],
@@ -165,17 +176,24 @@ def refit_expert_heads(
     from featcal_core.calibration_data import load_calibration_set
     from featcal_core.evaluation import ExpertHead
     from featcal_core.linear_head import save_linear_head
+    from featcal_core.names import check_names
+    from featcal_core.outputs import guarded_directory
 
+    check_names(experts, "--expert")
     written = {}
-    for task, expert in experts.items():
-        if task not in calib:
-            raise FeatCalError(f"head calibration: task {task!r} has no calibration set; add one")
-        head = ExpertHead(expert, tokenizer_dir=tokenizer_dir)
-        rows = load_calibration_set(task, calib[task], head.modality, num_per_task, seed).rows
-        weight, bias = calibrate_head(
-            head, expert, student_dir, rows, lam=lam, batch_size=batch_size, device=device
-        )
-        target = Path(out_dir) / task
-        save_linear_head(target, weight, bias, [str(i) for i in range(weight.shape[0])])
-        written[task] = str(target)
+    inputs = (*experts.values(), *calib.values())  # the student: usually OUT, heads in OUT/heads
+    with guarded_directory(out_dir, overwrite=True, inputs=inputs, flag="heads folder") as tmp:
+        for task, expert in experts.items():
+            if task not in calib:
+                raise FeatCalError(
+                    f"head calibration: task {task!r} has no calibration set; add one"
+                )
+            head = ExpertHead(expert, tokenizer_dir=tokenizer_dir)
+            head.require_head()
+            rows = load_calibration_set(task, calib[task], head.modality, num_per_task, seed).rows
+            weight, bias = calibrate_head(
+                head, expert, student_dir, rows, lam=lam, batch_size=batch_size, device=device
+            )
+            save_linear_head(tmp / task, weight, bias, [str(i) for i in range(weight.shape[0])])
+            written[task] = str(Path(out_dir) / task)
     return written

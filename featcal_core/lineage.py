@@ -40,15 +40,14 @@ import json
 import logging
 import math
 import numbers
-import os
 import re
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from featcal_core.checkpoint import sha256_file
 from featcal_core.errors import FeatCalError
+from featcal_core.outputs import MARKER, read_marker, verify_output, write_file
 
 __all__ = [
     "CARD_NAME",
@@ -132,14 +131,15 @@ _RERUN = "restore the recorded input or rerun the pipeline (featcal run) so the 
 
 def _tree_digests(directory: Path, exclude: str) -> tuple[str, str]:
     """(featcal_core.checkpoint.sha256_tree of `directory`, the same without the top-level file
-    `exclude`: what calibration_set.json's digest covers); every file is read once."""
+    `exclude` and the guarded writer's marker: what calibration_set.json's digest covers); every
+    file is read once."""
     full, without = hashlib.sha256(), hashlib.sha256()
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         relative = str(path.relative_to(directory)).encode()
         content = bytes.fromhex(sha256_file(path))
         full.update(relative)
         full.update(content)
-        if relative != exclude.encode():
+        if relative not in (exclude.encode(), MARKER.encode()):
             without.update(relative)
             without.update(content)
     return full.hexdigest(), without.hexdigest()
@@ -458,6 +458,15 @@ def trace(path: str | Path) -> dict[str, Any]:
         for record in sorted((root / "calibration_sets").glob(f"*/{SET_RECORD}")):
             task = record.parent.name
             chain["calibration_sets"][task] = _verify_set(task, record.parent, {}, None, tracer)
+
+    # every featcal-written folder in the chain still holds what it held when written
+    for entry in (chain["calibrated"], chain["merged"]):  # (sets: their digests, above)
+        directory = Path(entry["path"]) if isinstance(entry, dict) and entry.get("path") else None
+        if directory is None or not directory.is_dir() or read_marker(directory) is None:
+            continue
+        wrong = verify_output(directory)
+        if wrong is not None:
+            tracer.problem(directory, "changed", f"{wrong}; {_RERUN}", directory / MARKER)
 
     # evaluation and provenance
     if root is not None and (root / EVALUATION_NAME).is_file():
@@ -1210,18 +1219,8 @@ def _metrics_table(metrics: Mapping[str, Any]) -> list[str]:
 
 
 def _write_text(path: Path, text: str) -> None:
-    """Write `text` (UTF-8) atomically: a temporary file beside `path`, then os.replace."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write `text` (UTF-8) through the guarded writer (atomic; registered in the folder's marker)."""
+    write_file(path, text)
 
 
 def write_model_card(

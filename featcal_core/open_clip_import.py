@@ -33,9 +33,9 @@ from featcal_core.architectures.open_clip import (
     OpenCLIPSettings,
     OpenCLIPVision,
 )
-from featcal_core.atomic import atomic_directory, check_output
 from featcal_core.checkpoint import SINGLE_NAME, sha256_file
 from featcal_core.errors import FeatCalError
+from featcal_core.outputs import check_output, guarded_directory
 from featcal_core.safetensors_io import (
     NAMES,
     Reader,
@@ -71,7 +71,8 @@ def import_open_clip(
     returns its config. Raises FeatCalError (naming the file) on bad input, leaving `out_dir` as
     it was."""
     source, out = Path(source), Path(out_dir)
-    check_output(out, overwrite)
+    inputs = (source, model_cfg if isinstance(model_cfg, str | Path) else None)
+    check_output(out, overwrite=overwrite, inputs=inputs)
     if not source.is_file():
         raise FeatCalError(
             f"{source} is not a file; pass an open_clip checkpoint (.safetensors, "
@@ -83,7 +84,7 @@ def import_open_clip(
     tensors = _vision_tensors(state, source)
     _check_against_config(tensors, arch, source)
     config["open_clip_source"] = {"file": source.name, "sha256": sha256_file(source)}
-    with atomic_directory(out, overwrite) as tmp:
+    with guarded_directory(out, overwrite=overwrite, inputs=inputs) as tmp:
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         save_tensors(tmp / SINGLE_NAME, tensors, {"format": "pt"})
     log.info("imported %d tensors of %s into %s", len(tensors), source, out)

@@ -8,7 +8,7 @@
         lock=lock,                 # featcal_core/resolve.py lock file, or None
     )
 
-The directory is written atomically (`atomic_directory`, overwrite=True): every file is written
+The directory is written atomically (`guarded_directory`, overwrite=True): every file is written
 under a temporary name beside it and only a complete report replaces the old one, so a failed
 write leaves the previous report as it was. The directory belongs to the report: one that holds
 anything but report files is refused rather than replaced.
@@ -34,8 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from featcal_core.atomic import atomic_directory
-from featcal_core.errors import FeatCalError
+from featcal_core.outputs import check_output, guarded_directory
 
 __all__ = [
     "DASH",
@@ -616,20 +615,6 @@ def plot_drift(path: str | Path, calibration: Mapping[str, Any]) -> None:
 # ------------------------------------------------------------------------------------ report
 
 
-def _check_out_dir(out: Path) -> None:
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise FeatCalError(f"report directory {out} is a file; choose a directory for the report")
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in REPORT_FILES)
-    if foreign:
-        raise FeatCalError(
-            f"report directory {out} holds files that are not part of a report "
-            f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}); the report replaces "
-            "its whole directory, so choose an empty or report-only directory (left untouched)"
-        )
-
-
 def write_report(
     out_dir: str | Path,
     *,
@@ -650,7 +635,7 @@ def write_report(
     report is left as it was.
     """
     out = Path(out_dir)
-    _check_out_dir(out)
+    check_output(out, overwrite=True, flag="report directory")  # before any work
     rows = _rows(evaluation)
     notes = _average_notes(rows)
     summary = _summary(rows, calibration is not None)
@@ -664,7 +649,7 @@ def write_report(
     if (extra_section := _extra_section(extra)) is not None:
         sections.append(extra_section)
 
-    with atomic_directory(out, overwrite=True, flag="report directory") as tmp:
+    with guarded_directory(out, overwrite=True, flag="report directory") as tmp:
         plot_accuracy(tmp / "accuracy.png", evaluation)
         if has_drift:
             plot_drift(tmp / "drift.png", calibration)

@@ -41,7 +41,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -65,6 +64,7 @@ from huggingface_hub.errors import (
 
 from featcal_core.checkpoint import Checkpoint, sha256_file
 from featcal_core.errors import FeatCalError
+from featcal_core.outputs import write_file
 
 try:  # the HTTP client of huggingface_hub 2.x; older releases use httpx or requests
     import httpx2 as _http
@@ -733,18 +733,7 @@ def write_lock(
     # the JSON round trip makes the digest the one read_lock will recompute
     lock = json.loads(json.dumps(lock, ensure_ascii=False))
     lock["lock_digest"] = lock_digest(lock)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(lock, handle, indent=2, ensure_ascii=False)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_file(path, json.dumps(lock, indent=2, ensure_ascii=False) + "\n", "lock file")
     log.info("wrote %s (lock_digest %s)", path, lock["lock_digest"][:12])
     return lock
 

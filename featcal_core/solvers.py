@@ -6,13 +6,45 @@ Symbols: d_in/d_out are a Linear's input/output widths, d a norm's width. λ is 
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
+
 import torch
 
 from featcal_core.errors import FeatCalError
 
+log = logging.getLogger(__name__)
+
 DTYPE = torch.float64
 #: right-hand-side columns solved at a time against a Cholesky factor (bounds the solver's copies)
 SOLVE_COLUMNS = 512
+
+
+class Fallbacks:
+    """Every place a solve fell back or clamped a value, as JSON-able entries (a block summary's
+    "fallbacks"); each `add` also logs one WARNING, prefixed with `where` (e.g. "block 3")."""
+
+    def __init__(self, where: str = ""):
+        self.where = where
+        self.entries: list[dict] = []
+
+    def add(
+        self,
+        kind: str,
+        reason: str,
+        modules: Sequence[str | None] = (None,),
+        parameter: str | None = None,
+        task: str | None = None,
+        count: int = 1,
+    ) -> None:
+        """Record one entry per module (one log line for all): kind, module, parameter, task,
+        count (affected channels, else 1) and reason."""
+        names = ", ".join(m + (f".{parameter}" if parameter else "") for m in modules if m)
+        parts = [self.where, f"task {task!r}" if task is not None else "", names, reason]
+        log.warning("FeatCal fallback (%s): %s", kind, ": ".join(p for p in parts if p))
+        for module in modules:
+            self.entries.append({"kind": kind, "module": module, "parameter": parameter,
+                                 "task": task, "count": int(count), "reason": reason})  # fmt: skip
 
 
 def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:
@@ -20,21 +52,42 @@ def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor
     return merged.to(DTYPE, copy=True).mul_(rho).add_(base.to(DTYPE), alpha=1.0 - rho)
 
 
+def ensure_fallbacks(fallbacks: Fallbacks | None) -> Fallbacks:
+    """`fallbacks`, or one that only logs (a direct call of a solver still warns)."""
+    return Fallbacks() if fallbacks is None else fallbacks
+
+
 class SPDSystem:
     """A factored symmetric positive (semi)definite matrix A (d × d), to solve A·X = B repeatedly.
 
     Cholesky first; if it fails (singular A, e.g. λ = 0 with too few tokens) solves fall back to
-    least squares, which returns the minimum-norm solution. With `in_place`, A's storage is reused.
+    least squares, which returns the minimum-norm solution: `fallback` then holds the reason, and
+    the fallback is logged and recorded in `fallbacks` (kind "lstsq", one entry per module).
     """
 
-    def __init__(self, lhs: torch.Tensor, positive_definite: bool = False):
+    def __init__(
+        self,
+        lhs: torch.Tensor,
+        positive_definite: bool = False,
+        *,
+        fallbacks: Fallbacks | None = None,
+        modules: Sequence[str | None] = (None,),
+    ):
         """Factor `lhs` (symmetric, owned by this object). positive_definite: A is known to be
         positive definite (a ridge λ > 0 on its diagonal), so it is factored in place: LAPACK
         works on its column-major view and writes L (L·Lᵀ = A) over it, with no copy of A.
-        Otherwise the factor is a new matrix and A is kept for the least-squares fallback."""
+        Otherwise the factor is a new matrix and A is kept for the least-squares fallback.
+        modules: the Linear modules whose weights this system solves (named in the record)."""
+        self.fallback: str | None = None
         if not positive_definite:
             factor, info = torch.linalg.cholesky_ex(lhs)
             self.factor, self.matrix = (factor, None) if int(info) == 0 else (None, lhs)
+            if self.factor is None:
+                self.fallback = (
+                    f"Cholesky failed at column {int(info)} (λ = 0 and a singular or indefinite "
+                    "system); solved by least squares (minimum-norm solution)"
+                )
+                ensure_fallbacks(fallbacks).add("lstsq", self.fallback, modules, "weight")
             return
         info = torch.empty((), dtype=torch.int32, device=lhs.device)
         view = lhs.mT
@@ -49,9 +102,11 @@ class SPDSystem:
     def solve(self, rhs: torch.Tensor) -> torch.Tensor:
         """X with A·X = rhs (d × k); with a factor, two triangular solves per SOLVE_COLUMNS
         columns, written over `rhs` (so the solver never copies the whole right-hand side or
-        the factor)."""
+        the factor). The least-squares fallback runs on the CPU (gelsd, the SVD driver that
+        handles rank-deficient A; CUDA offers only gels, which assumes full rank)."""
         if self.factor is None:
-            return torch.linalg.lstsq(self.matrix, rhs, driver="gelsd").solution
+            solution = torch.linalg.lstsq(self.matrix.cpu(), rhs.cpu(), driver="gelsd").solution
+            return solution.to(rhs.device)
         for start in range(0, rhs.shape[1], SOLVE_COLUMNS):
             part = rhs[:, start : start + SOLVE_COLUMNS]
             y = torch.linalg.solve_triangular(self.factor, part, upper=False)
@@ -59,11 +114,20 @@ class SPDSystem:
         return rhs
 
 
-def ridge_system(gram: torch.Tensor, lam: float, eps: float, in_place: bool = False) -> SPDSystem:
-    """The factored left-hand side Σ s_t C_t + (λ + ε) I of the Linear weight equation."""
+def ridge_system(
+    gram: torch.Tensor,
+    lam: float,
+    eps: float,
+    in_place: bool = False,
+    *,
+    fallbacks: Fallbacks | None = None,
+    modules: Sequence[str | None] = (None,),
+) -> SPDSystem:
+    """The factored left-hand side Σ s_t C_t + (λ + ε) I of the Linear weight equation
+    (fallbacks, modules: see `SPDSystem`)."""
     lhs = gram if in_place else gram.clone()
     lhs.diagonal().add_(lam + eps)
-    return SPDSystem(lhs, positive_definite=lam > 0)
+    return SPDSystem(lhs, positive_definite=lam > 0, fallbacks=fallbacks, modules=modules)
 
 
 def solve_linear_weight(
@@ -119,11 +183,14 @@ def solve_layernorm(
     eps: float,
     anchor_gamma: torch.Tensor | None,
     anchor_beta: torch.Tensor | None,
+    *,
+    fallbacks: Fallbacks | None = None,
+    module: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-channel 2×2 solve for LayerNorm (γ, β), each of shape (d).
 
     [Σe + λ, Σm; Σm, T + λ] [γ; β] = [Σ(e_t γ_t + m_t β_t) + λ a(γ); Σ(m_t γ_t + β_t) + λ a(β)],
-    with the determinant clamped at ε.
+    with the determinant clamped at ε (recorded in `fallbacks` as "clamped_determinant").
     """
     a11 = e_sum + lam
     a12 = m_sum
@@ -134,7 +201,17 @@ def solve_layernorm(
         r1 += lam * anchor_gamma.to(DTYPE)
         r2 += lam * anchor_beta.to(DTYPE)
     det = a11 * a22 - a12 * a12
-    det = torch.where(det.abs() < eps, torch.full_like(det, eps), det)
+    clamped = det.abs() < eps
+    count = int(clamped.sum())
+    if count:
+        reason = (
+            f"|det| < ε = {eps:g} in {count} of {det.numel()} channels of the 2×2 (γ, β) "
+            "system; the determinant was clamped to ε"
+        )
+        ensure_fallbacks(fallbacks).add(
+            "clamped_determinant", reason, (module,), "weight,bias", count=count
+        )
+    det = torch.where(clamped, torch.full_like(det, eps), det)
     gamma = (a22 * r1 - a12 * r2) / det
     beta = (a11 * r2 - a12 * r1) / det
     return gamma, beta
@@ -146,9 +223,23 @@ def solve_rmsnorm(
     lam: float,
     eps: float,
     anchor_gamma: torch.Tensor | None,
+    *,
+    fallbacks: Fallbacks | None = None,
+    module: str | None = None,
 ) -> torch.Tensor:
-    """Scale-only norm (RMSNorm / T5LayerNorm): γ = (Σ e_t γ_t + λ a(γ)) / (Σ e_t + λ), per channel."""
+    """Scale-only norm (RMSNorm / T5LayerNorm): γ = (Σ e_t γ_t + λ a(γ)) / (Σ e_t + λ), per channel,
+    the denominator clamped at ε (recorded in `fallbacks` as "clamped_denominator")."""
     numerator = rhs_gamma.clone()
     if lam > 0:
         numerator += lam * anchor_gamma.to(DTYPE)
-    return numerator / torch.clamp(e_sum + lam, min=eps)
+    denominator = e_sum + lam
+    count = int((denominator < eps).sum())
+    if count:
+        reason = (
+            f"Σ e_t + λ < ε = {eps:g} in {count} of {denominator.numel()} channels; the "
+            "denominator was clamped to ε"
+        )
+        ensure_fallbacks(fallbacks).add(
+            "clamped_denominator", reason, (module,), "weight", count=count
+        )
+    return numerator / torch.clamp(denominator, min=eps)

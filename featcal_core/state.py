@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from featcal_core import failpoints
 from featcal_core.checkpoint import sha256_file
+from featcal_core.outputs import swap_in, temp_path
 from featcal_core.safetensors_io import Reader, save_tensors
 from featcal_core.streams import HiddenStreams
 
@@ -36,7 +35,9 @@ STREAMS = "streams"
 def new_state_dir(parent: Path, name: str) -> Path:
     """A fresh temporary directory beside the final `parent/name` (renamed by `commit_state`)."""
     parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent))
+    tmp = temp_path(parent / name)
+    tmp.mkdir()
+    return tmp
 
 
 def streams_of(directory: Path) -> HiddenStreams:
@@ -62,9 +63,8 @@ def commit_state(tmp: Path, final: Path, index: int, summary: dict) -> str:
     }
     manifest = {"index": index, "summary": summary, "files": files}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    failpoints.hit("commit", "state")
+    swap_in(tmp, final)
     return digest_of(final)
 
 

@@ -19,6 +19,8 @@ import torch
 from featcal_core.solvers import (
     DTYPE,
     SOLVE_COLUMNS,
+    Fallbacks,
+    ensure_fallbacks,
     ridge_system,
     solve_layernorm,
     solve_linear_bias,
@@ -209,9 +211,13 @@ class LinearInputStats:
         eps: float,
         alpha: float,
         expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+        *,
+        fallbacks: Fallbacks | None = None,
+        task: str | None = None,
     ) -> dict[str, torch.Tensor]:
         """Close the current task: its scaled terms, s_t = 1 / max(‖C_t‖_F, ε), as float64 tensors
         keyed `gram`, `student_mean`, `scale` (1,), `cross:<module>`, `target:<module>`.
+        A clamped s_t is recorded in `fallbacks` ("clamped_task_scale", naming `task`).
 
         The tensors may share memory with the per-task buffers: `merge` (or save) them before
         the next task's first `add`."""
@@ -219,7 +225,12 @@ class LinearInputStats:
         if total <= 0 or not self._task_open:
             raise ValueError("a task contributed no weighted tokens to a Linear input")
         gram = self._task_gram  # upper block rows only when wide: linear in the sums below
-        s_t = 1.0 / max(gram_norm(gram) / total, eps)
+        norm = gram_norm(gram) / total
+        if norm < eps:
+            reason = f"‖C_t‖_F = {norm:.3g} < ε = {eps:g}: the task scale s_t was clamped to 1/ε"
+            found = ensure_fallbacks(fallbacks)
+            found.add("clamped_task_scale", reason, tuple(self.targets), task=task)
+        s_t = 1.0 / max(norm, eps)
         scale = s_t / total
         teacher_mean = (alpha * self._task_expert + (1.0 - alpha) * self._task_student) / total
         if self.via_x:  # Σ ω x_s x_tᵀ, over the per-task buffer
@@ -285,18 +296,21 @@ class LinearInputStats:
         lam: float,
         eps: float,
         anchors: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]],
+        fallbacks: Fallbacks | None = None,
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """Closed-form (W, b) in float64 for every module (b None for a bias-free Linear).
 
         anchors: name → (a(W), a(b)), unused when λ = 0. The shared left-hand side is factored
-        once, in place: the running sums are consumed.
+        once, in place: the running sums are consumed. A least-squares fallback (λ = 0, singular
+        system) is recorded in `fallbacks`, one entry per module.
         """
         if self.gram is None:
             raise ValueError("no task was merged into this Linear input's statistics")
         for target in self.targets.values():
             target.task_cross = None
         self._task_gram = self._task_mixed = None
-        system = ridge_system(symmetrize_(self.gram), lam, eps, in_place=True)
+        system = ridge_system(symmetrize_(self.gram), lam, eps, in_place=True,
+                              fallbacks=fallbacks, modules=tuple(self.targets))  # fmt: skip
         self.gram = None
         out = {}
         for name, target in self.targets.items():
@@ -393,9 +407,14 @@ class NormStats:
         eps: float,
         anchor_gamma: torch.Tensor | None,
         anchor_beta: torch.Tensor | None,
+        fallbacks: Fallbacks | None = None,
+        module: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(γ, β) in float64 (β None for a scale-only norm); clamps are recorded in `fallbacks`
+        under `module`."""
+        found = {"fallbacks": fallbacks, "module": module}
         if self.rms or not self.has_bias:
-            return solve_rmsnorm(self.e_sum, self.rhs_gamma, lam, eps, anchor_gamma), None
+            return solve_rmsnorm(self.e_sum, self.rhs_gamma, lam, eps, anchor_gamma, **found), None
         return solve_layernorm(
             self.e_sum,
             self.m_sum,
@@ -406,4 +425,5 @@ class NormStats:
             eps,
             anchor_gamma,
             anchor_beta,
+            **found,
         )

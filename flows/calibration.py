@@ -15,21 +15,19 @@ filesystem every worker can reach). Both give the same checkpoint, bit for bit.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
-import os
 import shutil
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 
-from featcal_core.atomic import atomic_directory, check_output
 from featcal_core.block import FeatCalParams
-from featcal_core.calibration import RECORD_NAME, Settings, check_tasks
+from featcal_core.calibration import RECORD_NAME, Settings, calibration_inputs, check_tasks
 from featcal_core.errors import FeatCalError
+from featcal_core.outputs import check_output, guarded_directory, prepare_root, sweep_tree
+from featcal_core.run_lock import run_lock
 from featcal_core.safetensors_io import read_header
 from featcal_core.state import BLOCK, digest_of, verify
 
@@ -90,41 +88,17 @@ def task_runner(spec: dict):
     return DaskTaskRunner(cluster_kwargs=cluster)
 
 
-@contextmanager
-def results_lock(results_dir: Path) -> Iterator[None]:
-    """Exclusive use of a results directory; a second run fails at once with a clear message."""
-    results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / ".featcal.lock"
-    handle = open(path, "a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.close()
-        raise FeatCalError(
-            f"{results_dir} is in use by another featcal run (lock {path}); wait for it to finish "
-            "or use another results directory"
-        ) from None
-    try:
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
-        yield
-    finally:
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        handle.close()
-
-
 def _remove_partial_states(results_dir: Path) -> None:
     """Temporary state and work directories left by a killed run (only called while holding the
     lock)."""
-    for partial in (results_dir / "states").glob(".*.tmp-*"):
-        shutil.rmtree(partial, ignore_errors=True)
+    sweep_tree(results_dir / "states", depth=2)
     shutil.rmtree(results_dir / WORK, ignore_errors=True)
 
 
 #: per-block folders of the distributed runner's per-task results (removed once the block is done)
 WORK = "work"
+#: what a calibration results folder holds (an unmarked folder holding only these is adopted)
+RESULTS_LAYOUT = ("states", "prefect-results", WORK)
 
 
 def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
@@ -141,11 +115,14 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
 
     started = time.perf_counter()
     out_path = Path(out)
-    check_output(out_path, overwrite)
-    results_dir = Path(spec["results_dir"])
+    inputs = calibration_inputs(spec["base"], spec["merged"], spec["experts"], spec["calib"])
+    check_output(out_path, overwrite=overwrite, inputs=inputs)
+    results_dir = prepare_root(
+        spec["results_dir"], inputs=(*inputs, out_path), layout=RESULTS_LAYOUT, flag="--results-dir"
+    )
     storage = results_dir / "prefect-results"
-    storage.mkdir(parents=True, exist_ok=True)
-    with results_lock(results_dir), ExitStack() as stack:
+    with run_lock(results_dir, "featcal calibration"), ExitStack() as stack:
+        storage.mkdir(parents=True, exist_ok=True)
         _remove_partial_states(results_dir)
         cal = spec_calibration(spec)  # validates everything before heavy work
         digest = inputs_digest(spec)
@@ -206,7 +183,7 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
             block_file = path / BLOCK
             replaced.update(dict.fromkeys(read_header(block_file)[0], block_file))
             previous = path
-        with atomic_directory(out_path, overwrite) as tmp:
+        with guarded_directory(out_path, overwrite=overwrite, inputs=inputs) as tmp:
             cal.export(replaced, tmp)
             record = cal.record(blocks, started)
             record["results_dir"] = str(results_dir)

@@ -27,9 +27,11 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PrivateAttr,
+    Strict,
     ValidationError,
     field_validator,
     model_validator,
@@ -38,6 +40,8 @@ from pydantic_core import PydanticCustomError
 
 from featcal_core.data_source import DataSource as CoreDataSource
 from featcal_core.errors import FeatCalError
+from featcal_core.names import name_problem
+from featcal_core.outputs import check_target
 
 _SOURCE_FIELDS = (
     "hub", "config", "path", "split", "image_column", "text_column", "label_column",
@@ -47,7 +51,6 @@ __all__ = [
     "DataSource",
     "EvaluationSettings",
     "FeatCalSettings",
-    "MERGE_METHODS",
     "MergeSettings",
     "ModelRef",
     "ModelsSpec",
@@ -60,13 +63,11 @@ __all__ = [
     "load_params",
 ]
 
-MERGE_METHODS = ("task_arithmetic", "ties", "average")
 
 # Hub ids: letters, digits, "-", "_", "."; starting with a letter or digit; at most 96 characters.
 _HUB_PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
 _HUB_MODEL_RE = re.compile(rf"^(?P<repo>{_HUB_PART}/{_HUB_PART})(?:@(?P<rev>[A-Za-z0-9._/-]+))?$")
 _HUB_DATASET_RE = re.compile(rf"^(?:{_HUB_PART}/)?{_HUB_PART}$")
-_TASK_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _LOCAL_PREFIXES = ("/", "./", "../", "~")
 _OPEN_CLIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # featcal_core.open_clip_import
 _MAX_FLAT_LIST_CHARS = 500  # longer lists are logged as a count and a digest (MLflow value limits)
@@ -80,6 +81,22 @@ def _fail(message: str) -> typing.NoReturn:
 def _error(message: str, at: str = "") -> PydanticCustomError:
     """A validation error; `at` is a dotted key below the validated object (e.g. 'dask_address')."""
     return PydanticCustomError("featcal", message, {_AT: at})
+
+
+#: strict types: no bool-as-number, no float-as-int, no string-as-number; floats finite
+StrictInt = Annotated[int, Strict()]
+StrictBool = Annotated[bool, Strict()]
+_NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+
+
+def _yaml_number(value: Any) -> Any:
+    """PyYAML (YAML 1.1) reads `1e-6` (no dot) as a string: take such strings as numbers."""
+    if isinstance(value, str) and _NUMBER_RE.match(value.strip()):
+        return float(value)
+    return value
+
+
+FiniteFloat = Annotated[float, BeforeValidator(_yaml_number), Strict(), Field(allow_inf_nan=False)]
 
 
 class _Section(BaseModel):
@@ -106,7 +123,7 @@ class ModelRef(_Section):
     """
 
     ref: str = Field(description="Hub id `owner/name[@revision]` or a local directory")
-    trust_remote_code: bool = Field(
+    trust_remote_code: StrictBool = Field(
         False,
         description="allow the model's own code from the Hub (transformers trust_remote_code)",
     )
@@ -125,7 +142,7 @@ class ModelRef(_Section):
         description="open_clip only: a local open_clip_config.json (default: the one beside the "
         "weights, else, for experts, the base's)",
     )
-    trust_pickle: bool = Field(
+    trust_pickle: StrictBool = Field(
         False,
         description="open_clip only: allow unpickling a whole pickled module (runs code from the "
         "file; only for files you trust)",
@@ -256,7 +273,7 @@ class ModelsSpec(_Section):
         description="Hugging Face cache folder for Hub references (null: HF_HOME/HF_HUB_CACHE's); "
         "the offline zoo publishes its models into such a folder",
     )
-    hub_offline: bool = Field(
+    hub_offline: StrictBool = Field(
         False, description="resolve Hub references from the cache only (as HF_HUB_OFFLINE=1)"
     )
 
@@ -388,16 +405,33 @@ class RunSettings(_Section):
 
     name: str = Field("featcal", min_length=1, description="run name (MLflow run, results folder)")
     results_dir: str = Field("data/results", min_length=1, description="where results are written")
-    seed: int = Field(0, ge=0, description="seed of the calibration sample and other randomness")
+    seed: StrictInt = Field(
+        0, ge=0, description="seed of the calibration sample and other randomness"
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        problem = name_problem(name)
+        if problem is not None:
+            raise _error(f"run name {problem} (reports/<name>/)")
+        return name
+
+    @field_validator("results_dir")
+    @classmethod
+    def _safe_results_dir(cls, results_dir: str) -> str:
+        try:
+            check_target(results_dir, flag="run.results_dir")
+        except FeatCalError as exc:
+            raise _error(str(exc)) from None
+        return results_dir
 
 
 class MergeSettings(_Section):
     """How the experts are merged before calibration (methods: featcal_core.merging)."""
 
-    method: Literal["task_arithmetic", "ties", "average"] = Field(
-        "task_arithmetic", description="merging method"
-    )
-    hyperparameters: dict[str, float] = Field(
+    method: str = Field("task_arithmetic", description="merging method (featcal_core.merging)")
+    hyperparameters: dict[str, FiniteFloat] = Field(
         default_factory=dict,
         description="method hyperparameters, e.g. scale (task_arithmetic, ties), top_k (ties); "
         "when omitted: {scale: 0.3} for task_arithmetic, else {} (the method's own defaults)",
@@ -409,6 +443,13 @@ class MergeSettings(_Section):
         # its own default scale, so other methods start from featcal_core.merging's defaults.
         if "hyperparameters" not in self.model_fields_set and self.method == "task_arithmetic":
             self.hyperparameters = {"scale": 0.3}
+        from featcal_core.merging import get  # the registry: its methods check their own values
+
+        try:
+            get(self.method).check(dict(self.hyperparameters))
+        except FeatCalError as exc:
+            at = "method" if "unknown merge method" in str(exc) else "hyperparameters"
+            raise _error(str(exc), at) from None
         return self
 
 
@@ -420,17 +461,26 @@ _CALIBRATION_FIELDS = ("alpha", "rho", "lam", "eps", "num_per_task", "max_length
 class FeatCalSettings(_Section):
     """FeatCal hyperparameters and how the calibration runs (see featcal_core.block.FeatCalParams)."""
 
-    enabled: bool = Field(
+    enabled: StrictBool = Field(
         True, description="calibrate the merged model (false: evaluate merge only)"
     )
-    alpha: float = Field(0.25, ge=0.0, le=1.0, description="teacher interpolation α in [0, 1]")
-    rho: float = Field(2.2, description="anchor blend ρ")
-    lam: float = Field(0.05, ge=0.0, description="ridge weight λ (≥ 0)")
-    eps: float = Field(1e-8, gt=0.0, description="jitter ε (> 0)")
-    num_per_task: int = Field(256, ge=1, description="calibration inputs per task (seeded sample)")
-    batch_size: int = Field(16, ge=1, description="calibration batch size")
+    alpha: FiniteFloat = Field(
+        0.25, ge=0.0, le=1.0, description="teacher interpolation α in [0, 1]"
+    )
+    rho: FiniteFloat = Field(
+        2.2,
+        ge=0.0,
+        le=10.0,
+        description="anchor blend ρ in [0, 10] (ρ > 1 extrapolates past the merge)",
+    )
+    lam: FiniteFloat = Field(0.05, ge=0.0, description="ridge weight λ (≥ 0)")
+    eps: FiniteFloat = Field(1e-8, ge=0.0, le=1.0, description="jitter ε in [0, 1]")
+    num_per_task: StrictInt = Field(
+        256, ge=1, description="calibration inputs per task (seeded sample)"
+    )
+    batch_size: StrictInt = Field(16, ge=1, description="calibration batch size")
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="where calibration runs")
-    max_length: int = Field(128, ge=1, description="token limit for text models")
+    max_length: StrictInt = Field(128, ge=1, description="token limit for text models")
     pooling: Literal["cls", "mean"] | None = Field(
         None, description="output pooling; null: the architecture's default"
     )
@@ -439,17 +489,17 @@ class FeatCalSettings(_Section):
         description="causal LMs: weigh every real token (all) or only the positions predicting "
         "the calibration set's `target` tokens (answer)",
     )
-    heads: bool = Field(
+    heads: StrictBool = Field(
         False,
         description="also refit each task's classification head on the calibration inputs "
         "(head calibration, beyond the paper; for experts with their own linear heads)",
     )
-    head_lam: float = Field(0.05, ge=0.0, description="ridge weight λ of head calibration")
+    head_lam: FiniteFloat = Field(0.05, ge=0.0, description="ridge weight λ of head calibration")
     runner: Literal["local", "dask"] = Field("local", description="Prefect task runner")
     dask_address: str | None = Field(
         None, description="scheduler address for runner dask; null: a local Dask cluster"
     )
-    dask_workers: int = Field(2, ge=1, description="workers of the local Dask cluster")
+    dask_workers: StrictInt = Field(2, ge=1, description="workers of the local Dask cluster")
 
     @model_validator(mode="after")
     def _dask_only(self) -> FeatCalSettings:
@@ -471,9 +521,9 @@ class FeatCalSettings(_Section):
 class EvaluationSettings(_Section):
     """Evaluation of the base, experts, merged and calibrated models."""
 
-    enabled: bool = Field(True, description="evaluate the models")
-    batch_size: int = Field(64, ge=1, description="evaluation batch size")
-    max_examples_per_task: int | None = Field(
+    enabled: StrictBool = Field(True, description="evaluate the models")
+    batch_size: StrictInt = Field(64, ge=1, description="evaluation batch size")
+    max_examples_per_task: StrictInt | None = Field(
         None, ge=1, description="evaluate on the first N examples per task; null: all"
     )
 
@@ -481,7 +531,7 @@ class EvaluationSettings(_Section):
 class TrackingSettings(_Section):
     """MLflow tracking."""
 
-    enabled: bool = Field(True, description="log params, metrics and artifacts to MLflow")
+    enabled: StrictBool = Field(True, description="log params, metrics and artifacts to MLflow")
     mlflow_tracking_uri: str | None = Field(
         None, description="MLflow tracking URI; null: the local sqlite store inside the project"
     )
@@ -497,7 +547,7 @@ class ZooSettings(_Section):
 
     preset: Literal["vision", "text"] = Field("vision", description="which zoo to build")
     dir: str | None = Field(None, description="where the zoo lives; null: data/zoo/<preset>")
-    seed: int = Field(0, ge=0, description="seed of the zoo's data splits and training")
+    seed: StrictInt = Field(0, ge=0, description="seed of the zoo's data splits and training")
     evaluation_split: Literal["test", "validation"] = Field(
         "test",
         description="split the evaluate step scores (validation: for choosing hyperparameters)",
@@ -509,8 +559,25 @@ class ZooSettings(_Section):
     )
     name: str | None = Field(None, description="zoo name (Hub ids featcal-zoo/<name>-...)")
     base: str | None = Field(None, description="model to fine-tune from; null: preset default")
-    pretrain_steps: int | None = Field(None, ge=1, description="vision base pretraining steps")
-    expert_steps: int | None = Field(None, ge=1, description="fine-tuning steps per expert")
+    pretrain_steps: StrictInt | None = Field(
+        None, ge=1, description="vision base pretraining steps"
+    )
+    expert_steps: StrictInt | None = Field(None, ge=1, description="fine-tuning steps per expert")
+
+    @field_validator("datasets")
+    @classmethod
+    def _dataset_names(cls, datasets: dict[str, str] | None) -> dict[str, str] | None:
+        if datasets is not None:
+            _check_task_names(datasets)
+        return datasets
+
+    @field_validator("name")
+    @classmethod
+    def _zoo_name(cls, name: str | None) -> str | None:
+        problem = None if name is None else name_problem(name)
+        if problem is not None:
+            raise _error(f"zoo name {problem}")
+        return name
 
     @property
     def path(self) -> Path:
@@ -650,12 +717,26 @@ def _model_key(ref: ModelRef) -> str | dict[str, Any]:
 
 def _check_task_names(mapping: Mapping[str, Any]) -> None:
     for task in mapping:
-        if not _TASK_RE.match(task):
-            raise _error(
-                f"task name {task!r} may hold only letters, digits, '_', '-' and '.' "
-                "(it names folders and MLflow keys)",
-                task,
-            )
+        problem = name_problem(task)
+        if problem is not None:
+            raise _error(f"task name {problem}", task)
+
+
+# -------------------------------------------------------------------------- command-line flags
+
+
+def featcal_from_flags(values: Mapping[str, Any]) -> FeatCalSettings:
+    """`featcal calibrate`'s flags checked by the model params.yaml's `featcal:` goes through
+    (same bounds, same strict types); `values` maps field names (alpha, num_per_task, ...) to the
+    parsed flag values. A problem is one FeatCalError naming the flag (e.g. --num-per-task)."""
+    try:
+        return FeatCalSettings.model_validate(dict(values))
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        key = str(first["loc"][0]) if first["loc"] else ""
+        flag = "--" + key.replace("_", "-") if key else "(flags)"
+        value = f" {_short(first.get('input'))}" if key else ""
+        _fail(f"{flag}{value}: {first['msg']} (the bound of featcal.{key} in params.yaml)")
 
 
 # ------------------------------------------------------------------------------- loading, errors

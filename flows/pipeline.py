@@ -11,9 +11,10 @@ import hashlib
 import logging
 from pathlib import Path
 
+from featcal_core.outputs import write_json
 from flows.environment import PROJECT_ROOT, configure
 from flows.params import Params, load_params
-from flows.steps import Steps, write_json
+from flows.steps import Steps
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +42,12 @@ def run_pipeline(params: Params, project_root: Path = PROJECT_ROOT) -> dict:
     def featcal_run() -> dict:
         summary: dict = {"paths": {k: str(v) for k, v in steps.paths.items()}}
         tags = {"prefect_flow_run_id": flow_run.get_id()}
-        with parent_run(
-            params, run_name=params.run.name, tags=tags, project_root=project_root
-        ) as run:
+        with (
+            steps.session(),
+            parent_run(
+                params, run_name=params.run.name, tags=tags, project_root=project_root
+            ) as run,
+        ):
             summary["mlflow_run_id"] = run.info.run_id if run is not None else None
             if run is not None:
                 import mlflow
@@ -66,6 +70,7 @@ def run_pipeline(params: Params, project_root: Path = PROJECT_ROOT) -> dict:
                 lock = steps.download()
             summary["lock_digest"] = lock_digest(lock)
             log_tags(lineage_tags(lock))
+            steps.check_heads()  # before any heavy work
             with step_run("calibration-sets"):
                 sets = steps.calibration_sets()
             log_tags({f"calibration_set.{t}.sha256": r["digest"] for t, r in sets.items()})
@@ -96,7 +101,8 @@ def run_pipeline(params: Params, project_root: Path = PROJECT_ROOT) -> dict:
                 summary["report"] = str(files["report.html"].resolve())
         return summary
 
-    return featcal_run()
+    with steps.session():  # before Prefect starts the flow run: a second run stops in one line
+        return featcal_run()
 
 
 def _files_digest(files: dict[str, str]) -> str:

@@ -3,7 +3,9 @@
 Prefect's temporary per-process server never fires schedules and dies with its process, so
 `featcal serve` (and the tests, to share one server between many flow processes) run this one
 instead: stopped when the `with` block ends and, on Linux, also when the process that started it
-dies however it dies (the parent-death signal). This module does not import Prefect itself.
+dies however it dies (the parent-death signal). Given an auth string (`api_auth_string`: a random
+token kept in a user-only file in PREFECT_HOME), the server refuses every API request without it
+(HTTP basic auth; only GET /health and /ready stay open). This module does not import Prefect.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import ctypes
 import ctypes.util
 import logging
 import os
+import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -25,6 +29,68 @@ from pathlib import Path
 from featcal_core.errors import FeatCalError
 
 log = logging.getLogger(__name__)
+
+
+#: the basic-auth user name; the password is the token in TOKEN_FILE
+AUTH_USER = "featcal"
+#: the file in PREFECT_HOME holding the local server's API token (mode 0600)
+TOKEN_FILE = "featcal-api-token"
+
+
+def api_auth_string(home: str | Path) -> str:
+    """The local server's basic-auth string `featcal:TOKEN`, its token read from `home`/TOKEN_FILE
+    or, the first time, generated and written there (created user-only, mode 0600). FeatCalError
+    if the file is a symlink, empty, or not private to this user (owner or mode)."""
+    path = Path(home) / TOKEN_FILE
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        token = _read_token(path)
+    except OSError as err:
+        raise FeatCalError(f"cannot create the Prefect API token file {path}: {err}") from err
+    else:
+        with os.fdopen(fd, "w") as file:
+            file.write(token + "\n")
+        log.info("generated the local Prefect server's API token in %s", path)
+    return f"{AUTH_USER}:{token}"
+
+
+def _read_token(path: Path) -> str:
+    """The token in an existing token file, after checking that only this user can read it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as err:  # a symlink (ELOOP) included
+        raise FeatCalError(
+            f"cannot read the Prefect API token file {path} ({err}); delete it and a new token "
+            "is generated at the next start"
+        ) from err
+    with os.fdopen(fd) as file:
+        info = os.fstat(file.fileno())  # the opened file itself: no check-then-open race
+        if info.st_uid != os.getuid():
+            raise FeatCalError(
+                f"the Prefect API token file {path} is owned by uid {info.st_uid}, not by you "
+                f"(uid {os.getuid()}); delete it (a new token is generated) or, as its owner, "
+                f"run `chmod 600 {path}`"
+            )
+        if not stat.S_ISREG(info.st_mode):
+            raise FeatCalError(
+                f"the Prefect API token file {path} is not a regular file; remove it"
+            )
+        if info.st_mode & 0o077:
+            raise FeatCalError(
+                f"the Prefect API token file {path} has mode {stat.filemode(info.st_mode)}: "
+                f"other users can read it; run `chmod 600 {path}` (and consider deleting it so "
+                "that a new token is generated)"
+            )
+        token = file.read().strip()
+    if not token:
+        raise FeatCalError(
+            f"the Prefect API token file {path} is empty; delete it and a new token is generated "
+            "at the next start"
+        )
+    return token
 
 
 def _free_port() -> int:
@@ -73,17 +139,24 @@ def wait_healthy(api_url: str, timeout_s: float, server: subprocess.Popen | None
 
 
 def start_server(
-    *, port: int | None = None, home: str | Path | None = None
+    *, port: int | None = None, home: str | Path | None = None, auth: str | None = None
 ) -> tuple[subprocess.Popen, str]:
     """Start `prefect server start` on 127.0.0.1 and return at once (not waiting for it to
     answer: see `wait_healthy`) with the process and its API URL; stop it with `stop_server`.
 
     port: None picks a free one. home: the server's PREFECT_HOME (its SQLite database); None keeps
-    this process's. On Linux the server gets SIGTERM when the calling thread's process dies."""
+    this process's. auth: a basic-auth string `user:password` (`api_auth_string`) that every API
+    request must carry, passed in the server's environment (never its command line); None leaves
+    the API open. On Linux the server gets SIGTERM when the calling thread's process dies."""
     port = _free_port() if port is None else port
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                "--port", str(port), "--no-ui", "--analytics-off"]  # fmt: skip
-    env = None if home is None else {**os.environ, "PREFECT_HOME": str(home)}
+    env = dict(os.environ)
+    if home is not None:
+        env["PREFECT_HOME"] = str(home)
+    if auth is not None:
+        env["PREFECT_SERVER_API_AUTH_STRING"] = auth  # the server checks requests against it
+        env["PREFECT_API_AUTH_STRING"] = auth  # and its own clients, if any, send it
     server = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL, env=env,
                               preexec_fn=_parent_death_signal())  # fmt: skip
@@ -101,13 +174,18 @@ def stop_server(server: subprocess.Popen) -> None:
 
 @contextmanager
 def local_server(
-    timeout_s: float = 180.0, *, port: int | None = None, home: str | Path | None = None
+    timeout_s: float = 180.0,
+    *,
+    port: int | None = None,
+    home: str | Path | None = None,
+    auth: str | None = None,
 ) -> Iterator[str]:
     """A supervised `start_server`; yields its API URL once it answers, stops it on exit."""
-    server, api_url = start_server(port=port, home=home)
+    server, api_url = start_server(port=port, home=home, auth=auth)
     try:
         wait_healthy(api_url, timeout_s, server)
-        log.info("local Prefect server at %s (pid %d)", api_url, server.pid)
+        log.info("local Prefect server at %s (pid %d, %s)", api_url, server.pid,
+                 "basic auth" if auth else "no auth")  # fmt: skip
         yield api_url
     finally:
         stop_server(server)

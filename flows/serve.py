@@ -3,7 +3,11 @@
 Prefect's temporary per-process server never fires schedules, so when PREFECT_API_URL is unset this
 starts a local `prefect server start` (flows.prefect_server: SQLite in PREFECT_HOME, stopped when
 serving ends or `featcal serve` is killed) and points the deployment at it. With PREFECT_API_URL
-set, the deployment is served against that server. Each scheduled run executes
+set, the deployment is served against that server (with the user's PREFECT_API_AUTH_STRING, if
+any). The local server requires HTTP basic auth: its token is generated once and kept in
+PREFECT_HOME (`flows.prefect_server.api_auth_string`, a user-only file); the server gets it as
+PREFECT_SERVER_API_AUTH_STRING, this process and its flow runs as PREFECT_API_AUTH_STRING, so other
+local users cannot start runs with their own params. Each scheduled run executes
 `featcal_scheduled_run`, the same pipeline as `featcal run`, with the params file and overrides
 given here.
 """
@@ -16,10 +20,15 @@ from pathlib import Path
 
 from featcal_core.errors import FeatCalError
 from flows.environment import configure
-from flows.prefect_server import local_server
+from flows.prefect_server import api_auth_string, local_server
 
 configure()  # before prefect is imported
 from prefect import flow  # noqa: E402
+from prefect.settings import (  # noqa: E402
+    PREFECT_API_AUTH_STRING,
+    PREFECT_API_URL,
+    temporary_settings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +59,13 @@ def serve(
     if os.environ.get("PREFECT_API_URL"):
         _serve(params_path, overrides, cron, interval_s)
         return
-    with local_server() as api_url:
-        os.environ["PREFECT_API_URL"] = api_url
-        _serve(params_path, overrides, cron, interval_s)
+    auth = api_auth_string(os.environ["PREFECT_HOME"])  # set by configure()
+    with local_server(auth=auth) as api_url:
+        # the environment for the flow-run processes; the settings for this process, whose
+        # Prefect settings were read at import
+        os.environ.update(PREFECT_API_URL=api_url, PREFECT_API_AUTH_STRING=auth)
+        with temporary_settings(updates={PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth}):
+            _serve(params_path, overrides, cron, interval_s)
 
 
 def _serve(params_path, overrides, cron, interval_s) -> None:

@@ -16,12 +16,25 @@ and the report in reports/<run name>/ (report.md, report.html and two plots).
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from featcal_core.errors import FeatCalError
+from featcal_core.outputs import check_target, prepare_root, sweep_tree, write_json
+from featcal_core.run_lock import run_lock
 from flows.params import Params
+
+__all__ = ["REPORTS_ROOT", "RESULTS_LAYOUT", "Steps", "layout", "write_json"]
+
+#: every report goes below this folder (of the working directory)
+REPORTS_ROOT = Path("reports")
+#: the names a results folder holds (an unmarked folder holding only these is adopted)
+RESULTS_LAYOUT = (
+    "models.lock.json", "calibration_sets", "merged", "calibration", "calibrated",
+    "evaluation.json", "refit_heads", "heads", "evaluation_data", "provenance.json",
+)  # fmt: skip
 
 
 def layout(params: Params) -> dict[str, Path]:
@@ -34,16 +47,8 @@ def layout(params: Params) -> dict[str, Path]:
         "calibration": root / "calibration",
         "calibrated": root / "calibrated",
         "evaluation": root / "evaluation.json",
-        "report": Path("reports") / params.run.name,
+        "report": REPORTS_ROOT / params.run.name,
     }
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Write JSON atomically (temporary file, then rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 class Steps:
@@ -70,6 +75,37 @@ class Steps:
                 f"the zoo in {zoo.path} is not built yet; run `featcal zoo --params FILE` "
                 "(or `featcal run`) first"
             )
+
+    def inputs(self) -> list[Path]:
+        """The local folders this run reads (models, data, the zoo, the Hub cache): no output
+        may be one of them, lie inside one, or hold one."""
+        found: list[Path] = []
+        zoo = self.params.zoo_settings
+        if zoo is not None:
+            found.append(zoo.path)
+        models = self.params.models
+        if models is not None:
+            refs = [models.base, *models.experts.values()]
+            found += [ref.path for ref in refs if ref.path is not None]
+            if models.hub_cache is not None:
+                found.append(Path(models.hub_cache).expanduser())
+        for spec in (self.params.tasks or {}).values():
+            found += [
+                Path(s.path).expanduser() for s in (spec.calibration, spec.evaluation) if s.path
+            ]
+        return found
+
+    @contextlib.contextmanager
+    def session(self, what: str = "featcal run") -> Iterator[None]:
+        """The guarantees around every step: the results folder checked (never an input, never
+        a folder of the user's), the report folder checked, the run lock held, and what killed
+        runs left behind swept; all before the first write."""
+        inputs = self.inputs()
+        check_target(self.paths["report"], inputs=inputs, root=REPORTS_ROOT, flag="report folder")
+        root = prepare_root(self.paths["root"], inputs=inputs, layout=RESULTS_LAYOUT)
+        with run_lock(root, what):
+            sweep_tree(root, depth=3)
+            yield
 
     def _call(self, task, *args, **kwargs):
         return task(*args, **kwargs) if self.in_flow else task.fn(*args, **kwargs)
@@ -137,6 +173,21 @@ class Steps:
             dict(merge.hyperparameters),
         )  # fmt: skip
 
+    def check_heads(self) -> None:
+        """With featcal.heads: every task whose head is its expert's own has one (checked
+        before the calibration starts, not after it)."""
+        if not self.params.featcal.heads:
+            return
+        from featcal_core.evaluation import ExpertHead
+        from tasks.evaluate import is_open_clip
+
+        base, experts = self.models()
+        if is_open_clip(Path(base)):
+            return  # zero-shot heads from the base's text tower
+        for task, spec in self.params.tasks.items():
+            if spec.class_names is None and spec.templates is None:  # else: zero-shot
+                ExpertHead(experts[task], tokenizer_dir=base).require_head()
+
     def calibration_spec(self) -> dict:
         from featcal_core.block import FeatCalParams
         from featcal_core.calibration import Settings
@@ -173,7 +224,7 @@ class Steps:
 
     def heads(self) -> dict[str, dict[str, str]]:
         """Head calibration (featcal.heads): refit heads for the merged and calibrated models."""
-        (self.paths["root"] / "refit_heads").mkdir(parents=True, exist_ok=True)
+        (self.paths["root"] / "refit_heads").mkdir(parents=True, exist_ok=True)  # a DVC out
         if not self.params.featcal.heads:
             return {}  # before importing the task: off, `featcal heads` costs no torch start-up
         from tasks.heads import calibrate_heads
@@ -207,6 +258,7 @@ class Steps:
                 f"{root}: no refit head for {missing[0]}; run the head calibration "
                 "(`featcal heads --params FILE` or `featcal run`) or set featcal.heads: false"
             )
+        from featcal_core.outputs import verify_output
         from tasks.heads import FITTED_ON, weight_digests
 
         for name, directory in self._evaluated_models().items():
@@ -216,6 +268,12 @@ class Steps:
                 raise FeatCalError(
                     f"{root / name}: the refit heads were fit on other {name} weights than "
                     f"{directory} holds now; run `featcal heads --params FILE` again"
+                )
+            wrong = verify_output(root / name)
+            if wrong is not None:
+                raise FeatCalError(
+                    f"{root / name}: the refit heads do not verify ({wrong}); run "
+                    "`featcal heads --params FILE` again"
                 )
         return found
 

@@ -16,7 +16,6 @@ import logging
 import os
 import shutil
 import socket
-import tempfile
 from pathlib import Path
 
 from prefect import task
@@ -26,6 +25,7 @@ import featcal_core
 from featcal_core.block import FeatCalParams
 from featcal_core.calibration import Calibration, Settings, block_summary, log_block
 from featcal_core.checkpoint import sha256_file, sha256_tree
+from featcal_core.outputs import temp_path
 from featcal_core.safetensors_io import save_tensors
 from featcal_core.state import (
     BLOCK,
@@ -61,12 +61,20 @@ def _calibration(spec_json: str) -> Calibration:
 
 
 def code_version() -> str:
-    """Digest of the calibration code (featcal_core sources): a change invalidates every block."""
-    digest = hashlib.sha256()
+    """Digest of all code that shapes a state (featcal_core's sources, this module and
+    flows/calibration.py): a change invalidates every block. Files are named by their path in the
+    project, never an absolute one."""
+    import flows.calibration  # imports featcal_core only (it reaches this module lazily)
+
     root = Path(featcal_core.__file__).parent
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
+    files = [(f"featcal_core/{p.relative_to(root).as_posix()}", p) for p in root.rglob("*.py")]
+    files += [("tasks/calibration.py", Path(__file__)),
+              ("flows/calibration.py", Path(flows.calibration.__file__))]  # fmt: skip
+    digest = hashlib.sha256()
+    for name, path in sorted(files):
+        data = path.read_bytes()
+        digest.update(f"{name}\0{len(data)}\0".encode())
+        digest.update(data)
     return digest.hexdigest()
 
 
@@ -198,7 +206,8 @@ def block_task(
         def precomputed(task_name: str) -> Path:  # folded group by group from the file
             return statistics_file(work, task_name)
 
-    scratch = Path(tempfile.mkdtemp(prefix=".statistics-", dir=final.parent))
+    scratch = temp_path(final.parent / "statistics")
+    scratch.mkdir(parents=True)
     try:
         result = cal.block(index, streams_of(source), target, masks, precomputed, scratch)
     finally:

@@ -58,7 +58,7 @@ def task_head(
     bare vision towers). base_source: the base's `open_clip_source` lock record (None: read from
     `root`/models.lock.json when the pool is open_clip)."""
     data, split = _evaluation_data(task_name, spec.evaluation, root / "evaluation_data")
-    open_clip = _is_open_clip(Path(base))
+    open_clip = is_open_clip(Path(base))
     prompts_given = spec.class_names is not None or spec.templates is not None
     if not prompts_given and not open_clip:
         return ExpertHead(expert, tokenizer_dir=base), False
@@ -84,7 +84,7 @@ def task_head(
     return ZeroShotHead(base, names, templates, root / "heads"), True
 
 
-def _is_open_clip(base: Path) -> bool:
+def is_open_clip(base: Path) -> bool:
     from featcal_core.architectures.open_clip import MODEL_TYPE
 
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from featcal_core.calibration_data import load_calibration_set
 from featcal_core.head_calibration import calibrate_head
 from featcal_core.linear_head import save_linear_head
+from featcal_core.outputs import guarded_directory
 from tasks.evaluate import task_head
 
 log = logging.getLogger(__name__)
@@ -37,27 +39,33 @@ def calibrate_heads(
     root = Path(results_dir)
     featcal = params.featcal
     out: dict[str, dict[str, str]] = {name: {} for name in models}
-    for task_name, spec in params.tasks.items():
-        head, zero_shot = task_head(task_name, spec, Path(base), Path(experts[task_name]), root)
-        features = "clip_image_embeds" if zero_shot else "pooler_output"
-        rows = load_calibration_set(
-            task_name, calibration_sets[task_name], head.modality, featcal.num_per_task,
-            params.run.seed,
-        ).rows  # fmt: skip
-        labels = [str(i) for i in range(head.num_classes)]
-        for name, directory in models.items():
-            weight, bias = calibrate_head(
-                head, experts[task_name], directory, rows, lam=featcal.head_lam,
-                batch_size=featcal.batch_size, device=featcal.device,
-            )  # fmt: skip
-            target = root / "refit_heads" / name / task_name
-            save_linear_head(target, weight, bias, labels, features=features)
-            out[name][task_name] = str(target)
-        log.info("calibrate-heads %s: %d inputs, models %s", task_name, len(rows), list(models))
-    for name, directory in models.items():  # what the heads were fit on (stale-head check)
-        record = {"model": directory, "weights": weight_digests(directory)}
-        path = root / "refit_heads" / name / FITTED_ON
-        path.write_text(json.dumps(record, indent=2) + "\n")
+    inputs = (base, *experts.values(), *models.values(), *calibration_sets.values())
+    with ExitStack() as stack:  # one guarded folder per model: refit_heads/<model>/<task>/
+        folders = {
+            name: stack.enter_context(guarded_directory(
+                root / "refit_heads" / name, overwrite=True, inputs=inputs,
+                flag=f"refit heads of {name}"))
+            for name in models
+        }  # fmt: skip
+        for task_name, spec in params.tasks.items():
+            head, zero_shot = task_head(task_name, spec, Path(base), Path(experts[task_name]), root)
+            features = "clip_image_embeds" if zero_shot else "pooler_output"
+            rows = load_calibration_set(
+                task_name, calibration_sets[task_name], head.modality, featcal.num_per_task,
+                params.run.seed,
+            ).rows  # fmt: skip
+            labels = [str(i) for i in range(head.num_classes)]
+            for name, directory in models.items():
+                weight, bias = calibrate_head(
+                    head, experts[task_name], directory, rows, lam=featcal.head_lam,
+                    batch_size=featcal.batch_size, device=featcal.device,
+                )  # fmt: skip
+                save_linear_head(folders[name] / task_name, weight, bias, labels, features=features)
+                out[name][task_name] = str(root / "refit_heads" / name / task_name)
+            log.info("calibrate-heads %s: %d inputs, models %s", task_name, len(rows), list(models))
+        for name, directory in models.items():  # what the heads were fit on (stale-head check)
+            record = {"model": directory, "weights": weight_digests(directory)}
+            (folders[name] / FITTED_ON).write_text(json.dumps(record, indent=2) + "\n")
     return out
 
 

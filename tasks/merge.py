@@ -1,7 +1,8 @@
 """Prefect task for the merge step: a thin wrapper over featcal_core.merging.run.
 
 The merged checkpoint is reused when its `merge.json` names the same method, hyperparameters and
-input weight files (by sha256) as this run would: the key is content, not paths.
+input weight files (by sha256) as this run would (the key is content, not paths) and every file
+still matches the digest recorded when it was written; otherwise it is merged again.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from prefect import task
 from featcal_core.checkpoint import Checkpoint, sha256_file
 from featcal_core.merging import get
 from featcal_core.merging.run import RECORD_NAME, merge_checkpoints
+from featcal_core.outputs import verify_output
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,9 @@ def merge_task(
     expert_paths = {t: Path(p) for t, p in experts.items()}
     wanted = _fingerprint(Path(base), expert_paths, method, hyperparameters)
     if _recorded(out_path) == wanted:
-        log.info("merge: %s already holds this merge; reused", out_path)
-        return json.loads((out_path / RECORD_NAME).read_text())
+        wrong = verify_output(out_path)  # reused only when its files match their digests
+        if wrong is None:
+            log.info("merge: %s already holds this merge; reused (verified)", out_path)
+            return json.loads((out_path / RECORD_NAME).read_text())
+        log.warning("merge: %s does not verify (%s); merging again", out_path, wrong)
     return merge_checkpoints(base, experts, out, method, hyperparameters, overwrite=True)

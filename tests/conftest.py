@@ -24,7 +24,13 @@ SHARED_API = "FEATCAL_TEST_PREFECT_API"
 
 #: test files whose tests use the `prefect_api` fixture: an xdist run that selects one of them (or
 #: a whole directory) starts the shared server; any other use starts a server in its worker
-SERVER_FILES = {"test_pipeline.py", "test_resume.py", "test_dvc.py", "test_open_clip_pipeline.py"}
+SERVER_FILES = {
+    "test_pipeline.py",
+    "test_resume.py",
+    "test_dvc.py",
+    "test_open_clip_pipeline.py",
+    "test_faults.py",
+}
 
 
 @pytest.fixture(scope="session")

@@ -181,19 +181,27 @@ def test_existing_out_is_left_untouched(zoo, tmp_path, capsys):
 
 def test_failed_overwrite_keeps_the_old_output(zoo, tmp_path, capsys):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "precious.txt").write_text("keep me")
+    assert main(zoo.cli_args(out)) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     zoo.calib["alpha"] = tmp_path / "no_set"
     _fails(zoo.cli_args(out) + ["--overwrite"], capsys, "--calib alpha=")
-    assert (out / "precious.txt").read_text() == "keep me"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_overwrite_refuses_a_folder_featcal_did_not_write(zoo, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    _fails(zoo.cli_args(out) + ["--overwrite"], capsys, str(out), "was not written by featcal")
+    assert [p.name for p in out.iterdir()] == ["precious.txt"]
 
 
 def test_overwrite_replaces(zoo, tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    assert main(zoo.cli_args(out)) == 0
+    (out / "model.safetensors").write_bytes(b"stale")  # ours, even when changed
     assert main(zoo.cli_args(out) + ["--overwrite"]) == 0
-    assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
+    assert (out / "model.safetensors").read_bytes() != b"stale"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == []
 
 

@@ -21,6 +21,7 @@ from featcal_core.calibration_sets import (
 )
 from featcal_core.checkpoint import sha256_tree
 from featcal_core.errors import FeatCalError
+from featcal_core.outputs import MARKER
 from flows.params import DataSource, Params
 
 N_TRAIN, N_TEST = 12, 5
@@ -56,6 +57,16 @@ def text_dir(tmp_path) -> Path:
     path = tmp_path / "src" / "texts"
     datasets.Dataset.from_dict(
         {"sentence": [f"sentence {i}" for i in range(N_TRAIN)], "label": list(range(N_TRAIN))}
+    ).save_to_disk(str(path))
+    return path
+
+
+@pytest.fixture
+def text_eval_dir(tmp_path) -> Path:
+    """Held-out texts for `text_dir` (the content check loads the evaluation source)."""
+    path = tmp_path / "src" / "texts_eval"
+    datasets.Dataset.from_dict(
+        {"sentence": [f"held out {i}" for i in range(N_TEST)], "label": list(range(N_TEST))}
     ).save_to_disk(str(path))
     return path
 
@@ -136,6 +147,7 @@ def test_record_file_and_digest(image_dir, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
     (copy / RECORD_NAME).unlink()
+    (copy / MARKER).unlink()  # the guarded writer's marker, added when the set is committed
     assert record["digest"] == sha256_tree(copy)
 
 
@@ -166,12 +178,12 @@ def test_source_directory_untouched(image_dir, tmp_path):
     assert files_of(image_dir) == before  # no datasets cache files written beside the source
 
 
-def test_text_column_renamed(text_dir, tmp_path):
+def test_text_column_renamed(text_dir, text_eval_dir, tmp_path):
     out = tmp_path / "sst2"
     record = draw_calibration_set(
         "sst2",
         local(text_dir, text_column="sentence"),
-        DataSource(hub="glue/sst2", split="validation"),
+        local(text_eval_dir, text_column="sentence"),
         out,
         5,
         1,
@@ -339,10 +351,13 @@ def test_existing_set_replaced_atomically(image_dir, tmp_path):
     error_of(draw, image_dir, out, seed=2, image_column="picture")
     assert files_of(out) == before
     assert leftovers(tmp_path / "sets") == ["mnist"]
-    # a successful rebuild replaces it
+    # a file featcal did not write is never deleted: the rebuild stops and names it
     (out / "stale.txt").write_text("old")
+    assert "stale.txt" in error_of(draw, image_dir, out, seed=2)
+    assert (out / "stale.txt").read_text() == "old"
+    (out / "stale.txt").unlink()
+    # a successful rebuild replaces it
     second = draw(image_dir, out, seed=2)
-    assert not (out / "stale.txt").exists()
     assert json.loads((out / RECORD_NAME).read_text())["row_ids"] == second["row_ids"]
     assert second["row_ids"] != first["row_ids"]
     assert leftovers(tmp_path / "sets") == ["mnist"]
@@ -356,7 +371,8 @@ def test_hub_source_loaded_with_its_split(monkeypatch, tmp_path):
 
     def fake_load_dataset(path, name=None, **kwargs):
         calls.append((path, name, kwargs))
-        return datasets.Dataset.from_dict({"text": [f"t{i}" for i in range(8)]}, split="train")
+        split = kwargs["split"]
+        return datasets.Dataset.from_dict({"text": [f"{split} {i}" for i in range(8)]}, split=split)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     source = DataSource(hub="glue", config="sst2", split="train")
@@ -369,11 +385,16 @@ def test_hub_source_loaded_with_its_split(monkeypatch, tmp_path):
         0,
         "text",
     )
-    assert calls == [("glue", "sst2", {"split": "train", "trust_remote_code": False})]
+    # the calibration split, then the evaluation split for the content check
+    assert calls == [
+        ("glue", "sst2", {"split": "train", "trust_remote_code": False}),
+        ("glue", "sst2", {"split": "validation", "trust_remote_code": False}),
+    ]
     assert record["source"] == "hub glue, config sst2, split train"
     assert record["source_identity"] == ["hub", "glue", "sst2", "train"]
+    assert record["evaluation_check"]["rows_checked"] == 8
     assert datasets.load_from_disk(str(tmp_path / "o"))["text"] == [
-        f"t{i}" for i in record["row_ids"]
+        f"train {i}" for i in record["row_ids"]
     ]
 
 
@@ -400,7 +421,7 @@ def test_hub_failure_is_one_line(monkeypatch, tmp_path):
 # ------------------------------------------------------------------------------- Prefect task
 
 
-def test_prefect_task_builds_every_task(image_dir, text_dir, tmp_path):
+def test_prefect_task_builds_every_task(image_dir, text_dir, text_eval_dir, tmp_path):
     from tasks.calibration_sets import build_calibration_sets
 
     params = Params.model_validate(
@@ -421,7 +442,7 @@ def test_prefect_task_builds_every_task(image_dir, text_dir, tmp_path):
                 },
                 "sst2": {
                     "calibration": {"path": str(text_dir), "text_column": "sentence"},
-                    "evaluation": {"hub": "glue", "config": "sst2", "split": "validation"},
+                    "evaluation": {"path": str(text_eval_dir)},
                 },
             },
             "featcal": {"num_per_task": 3},

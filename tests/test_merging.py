@@ -578,24 +578,35 @@ def test_existing_out_is_left_untouched(zoo, tmp_path):
 
 def test_failed_overwrite_keeps_the_old_output(zoo, tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "precious.txt").write_text("keep me")
+    merge_checkpoints(zoo.base, zoo.experts, out, "average", progress=False)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
     key = "encoder.layers.0.mlp.fc2.weight"
     _edit(zoo.experts["beta"] / "model.safetensors", lambda t: t[key].fill_(float("inf")))
     call = lambda: merge_checkpoints(  # noqa: E731
         zoo.base, zoo.experts, out, "ties", overwrite=True, progress=False
     )
     _fails(call, out, key, "NaN or Inf", "expert 'beta'")
-    assert (out / "precious.txt").read_text() == "keep me"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_overwrite_replaces(zoo, tmp_path):
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "old.txt").write_text("old")
+    merge_checkpoints(zoo.base, zoo.experts, out, "average", progress=False)
     merge_checkpoints(zoo.base, zoo.experts, out, "ties", overwrite=True, progress=False)
-    assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
+    assert json.loads((out / "merge.json").read_text())["method"] == "ties"
     assert _leftovers(out) == []
+
+
+def test_overwrite_refuses_a_folder_featcal_did_not_write(zoo, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    call = lambda: merge_checkpoints(  # noqa: E731
+        zoo.base, zoo.experts, out, "ties", overwrite=True, progress=False
+    )
+    with pytest.raises(FeatCalError, match="was not written by featcal"):
+        call()
+    assert [p.name for p in out.iterdir()] == ["precious.txt"]
 
 
 def test_out_may_not_be_an_input(zoo):
@@ -603,7 +614,7 @@ def test_out_may_not_be_an_input(zoo):
     call = lambda: merge_checkpoints(  # noqa: E731
         zoo.base, zoo.experts, out, "ties", overwrite=True, progress=False
     )
-    _fails(call, out, "expert 'alpha'", "elsewhere")
+    _fails(call, out, "is an input of this command", "choose another --out")
 
 
 def test_base_files_that_are_not_copied(zoo, tmp_path):

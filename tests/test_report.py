@@ -270,7 +270,8 @@ def test_rewrite_replaces_report(tmp_path):
     out = tmp_path / "report"
     _write(out)
     paths = _write(out, run_name="second run", calibration=None)
-    assert sorted(p.name for p in out.iterdir()) == ["accuracy.png", "report.html", "report.md"]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [".featcal-output.json", "accuracy.png", "report.html", "report.md"]
     assert "second run" in paths["report.md"].read_text(encoding="utf-8")
 
 
@@ -278,6 +279,6 @@ def test_refuses_directory_with_other_files(tmp_path):
     out = tmp_path / "results"
     out.mkdir()
     (out / "evaluation.json").write_text("{}")
-    with pytest.raises(FeatCalError, match="not part of a report"):
+    with pytest.raises(FeatCalError, match="was not written by featcal"):
         _write(out)
     assert [p.name for p in out.iterdir()] == ["evaluation.json"]

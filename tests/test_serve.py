@@ -1,28 +1,48 @@
 """`featcal serve --interval`: with no PREFECT_API_URL it starts and supervises a local Prefect
-server, serves the pipeline as a deployment, and scheduled runs complete."""
+server, serves the pipeline as a deployment, and scheduled runs complete. The local server's API
+refuses requests without the token kept (mode 0600) in PREFECT_HOME."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import psutil
+import pytest
 from test_pipeline import write_params
 
+from featcal_core.errors import FeatCalError
+from flows.prefect_server import TOKEN_FILE, api_auth_string, local_server
 
-def _completed_runs(api_url: str) -> int:
-    body = json.dumps({"flow_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}).encode()
-    request = urllib.request.Request(f"{api_url}/flow_runs/filter", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-    with urllib.request.urlopen(request, timeout=10) as response:
-        runs = json.loads(response.read())
+
+def _post(api_url: str, path: str, body: dict, auth: str | None) -> tuple[int, object]:
+    """POST `body` to the API with basic auth `auth` (None: no Authorization header)."""
+    headers = {"Content-Type": "application/json"}
+    if auth is not None:
+        headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
+    request = urllib.request.Request(f"{api_url}{path}", data=json.dumps(body).encode(),
+                                     method="POST", headers=headers)  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, None
+
+
+def _completed_runs(api_url: str, auth: str) -> int:
+    body = {"flow_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}
+    status, runs = _post(api_url, "/flow_runs/filter", body, auth)
+    assert status == 200, status
     # scheduled runs of the deployment, not their subflows
     return sum(
         1 for run in runs if run.get("deployment_id") and run.get("parent_task_run_id") is None
@@ -41,14 +61,18 @@ def test_serve_runs_on_a_schedule(tmp_path):
              "--interval", "5"],
             env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-    api_url, completed = None, 0
+    api_url, completed, refused = None, 0, None
+    token_file = tmp_path / "prefect" / TOKEN_FILE
     try:
         deadline = time.monotonic() + 400
         while time.monotonic() < deadline and proc.poll() is None:
             if api_url is None:
                 found = re.search(r"local Prefect server at (\S+)", log_path.read_text())
                 api_url = found.group(1) if found else None
-            elif (completed := _completed_runs(api_url)) >= 2:
+                if api_url:  # without the token the API refuses to list (or start) runs
+                    refused = _post(api_url, "/flow_runs/filter", {}, None)[0]
+                    auth = api_auth_string(token_file.parent)  # the token serve generated
+            elif (completed := _completed_runs(api_url, auth)) >= 2:
                 break
             time.sleep(2)
     finally:
@@ -59,6 +83,8 @@ def test_serve_runs_on_a_schedule(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
         leftovers = _outlived(_servers(api_url)) if api_url else []
     assert api_url, log_path.read_text()[-3000:]
+    assert refused == 401
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     assert completed >= 2, log_path.read_text()[-3000:]
     assert not leftovers, "the supervised Prefect server outlived featcal serve"
 
@@ -104,3 +130,31 @@ def test_supervised_server_dies_with_a_killed_featcal_serve(tmp_path):
         proc.kill()
         proc.wait()
     assert not _outlived(servers), "the local Prefect server outlived the killed supervisor"
+
+
+def test_local_server_refuses_requests_without_the_token(tmp_path):
+    """With auth, the API answers only requests carrying the token (GET /health stays open)."""
+    home = tmp_path / "prefect"
+    auth = api_auth_string(home)
+    assert api_auth_string(home) == auth, "the token is generated once and then reused"
+    assert stat.S_IMODE((home / TOKEN_FILE).stat().st_mode) == 0o600
+    user = auth.split(":")[0]
+    with local_server(home=home, auth=auth) as api_url:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=10) as response:
+            assert response.status == 200
+        assert _post(api_url, "/flows/filter", {}, None)[0] == 401
+        assert _post(api_url, "/flows/filter", {}, f"{user}:wrong-token")[0] == 401
+        assert _post(api_url, "/flows/filter", {}, auth) == (200, [])
+
+
+def test_token_file_readable_by_others_is_refused(tmp_path):
+    api_auth_string(tmp_path)
+    path = tmp_path / TOKEN_FILE
+    path.chmod(0o640)
+    with pytest.raises(FeatCalError, match=re.escape(f"chmod 600 {path}")):
+        api_auth_string(tmp_path)
+    path.chmod(0o600)
+    if os.getuid() == 0:  # as root, a file owned by someone else can be made
+        os.chown(path, 4242, -1)
+        with pytest.raises(FeatCalError, match="owned by uid 4242"):
+            api_auth_string(tmp_path)

@@ -173,8 +173,17 @@ def test_git_commit():
 def test_parent_steps_and_record(tmp_path):
     from mlflow import MlflowClient
 
-    long_name = "n" * 7000
-    params = make_params(tmp_path, run={"name": long_name})
+    params = make_params(tmp_path)
+    long_prompt = "n" * 7000 + " {text}"  # a value longer than MLflow's 6000 characters
+    task = next(iter(params.tasks))
+    params = params.model_copy(
+        update={
+            "tasks": {
+                **params.tasks,
+                task: params.tasks[task].model_copy(update={"prompt": long_prompt}),
+            }
+        }
+    )
     record = fake_record()
     report = tmp_path / "report.md"
     report.write_text("# report\n")
@@ -221,7 +230,7 @@ def test_parent_steps_and_record(tmp_path):
     assert set(flat) <= set(parent.data.params)
     assert parent.data.params["featcal.alpha"] == "0.25"
     assert parent.data.params["models.experts.svhn"] == "./zoo/svhn"
-    truncated = parent.data.params["run.name"]
+    truncated = parent.data.params[f"tasks.{task}.prompt"]
     assert len(truncated) == 6000 and truncated.startswith("nnn") and "sha256" in truncated
 
     commit = parent.data.tags["git_commit"]

@@ -170,8 +170,14 @@ def test_existing_out_dir_refused_and_kept(base, toys, tmp_path):
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
     assert (out / "keep.txt").read_text() == "mine"
 
+    # overwrite replaces only a folder featcal wrote: the user's file stops it
+    with pytest.raises(FeatCalError, match="was not written by featcal"):
+        _finetune(base_dir, toys["gray"], out, steps=2, overwrite=True)
+    assert (out / "keep.txt").read_text() == "mine"
+    (out / "keep.txt").unlink()
     _finetune(base_dir, toys["gray"], out, steps=2, overwrite=True)
-    assert not (out / "keep.txt").exists() and (out / "classifier.json").is_file()
+    _finetune(base_dir, toys["gray"], out, steps=2, overwrite=True)  # its own output: replaced
+    assert (out / "classifier.json").is_file()
     _siblings_clean(out)
 
 

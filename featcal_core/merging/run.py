@@ -27,12 +27,13 @@ import torch
 from tqdm.auto import tqdm
 
 from featcal_core.architectures import detect
-from featcal_core.atomic import atomic_directory, check_output
 from featcal_core.checkpoint import INDEX_NAME, Checkpoint, sha256_file
 from featcal_core.errors import FeatCalError
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.merging import get
 from featcal_core.merging.base import MergeMethod, as_compute
+from featcal_core.names import check_names
+from featcal_core.outputs import check_output, guarded_directory
 from featcal_core.safetensors_io import DTYPES, Reader, SafetensorsFormatError, write_streaming
 
 log = logging.getLogger(__name__)
@@ -70,21 +71,18 @@ def merge_checkpoints(
     hp = merger.check(hyperparameters)
     if not experts:
         raise FeatCalError("no experts to merge: pass at least one --expert TASK=DIR")
-    check_output(out, overwrite)
+    check_names(experts, "--expert")
+    inputs = (base, *experts.values())
+    check_output(out, overwrite=overwrite, inputs=inputs)
     base_ckpt = Checkpoint(base, "base model")
     expert_ckpts = {task: Checkpoint(path, f"expert {task!r}") for task, path in experts.items()}
-    for checkpoint in (base_ckpt, *expert_ckpts.values()):
-        if out.resolve() == checkpoint.directory.resolve():
-            raise FeatCalError(
-                f"--out {out} is the {checkpoint.role} directory; write the merge elsewhere"
-            )
     key_maps = {task: _key_map(base_ckpt, c) for task, c in expert_ckpts.items()}
     log.info(
         "merging %d experts into %s with %s %s (%d tensors)",
         len(expert_ckpts), out, merger.name, hp, len(base_ckpt.tensors),
     )  # fmt: skip
 
-    with atomic_directory(out, overwrite) as tmp:
+    with guarded_directory(out, overwrite=overwrite, inputs=inputs) as tmp:
         counts = _write_weights(merger, hp, base_ckpt, expert_ckpts, key_maps, tmp, progress)
         _copy_other_files(base_ckpt, tmp)
         record = {

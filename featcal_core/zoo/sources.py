@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from featcal_core.atomic import atomic_directory
 from featcal_core.errors import FeatCalError
+from featcal_core.outputs import guarded_directory
 
 logger = logging.getLogger(__name__)
 
@@ -631,7 +631,7 @@ def save_source(name: str, out_dir, seed: int = 0, max_train: int | None = None)
             "fix: choose another output folder or remove it"
         )
     data = load_source(name, seed=seed, max_train=max_train)
-    with atomic_directory(out, overwrite=True) as tmp:
+    with guarded_directory(out, overwrite=True) as tmp:
         data.save_to_disk(str(tmp))
         meta = {
             "source": name,

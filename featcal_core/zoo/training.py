@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from featcal_core.atomic import atomic_directory
 from featcal_core.errors import FeatCalError
 from featcal_core.linear_head import save_linear_head
+from featcal_core.outputs import check_replaceable, guarded_directory
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def pretrain_vision_base(
             name: _rotation_accuracy(model, rotation_head, store, pixels)
             for name, pixels in validation.items()
         }
-        with atomic_directory(out_dir, overwrite=overwrite, flag="out_dir") as tmp:
+        with guarded_directory(out_dir, overwrite=overwrite, flag="out_dir") as tmp:
             model.save_pretrained(tmp)
             processor.save_pretrained(tmp)
     stats = {
@@ -253,7 +253,7 @@ def finetune_vision_expert(
             return head(model(pixel_values=store.pixels(val_x[index])).pooler_output)
 
         val_accuracy, val_loss = _evaluate(logits, val_y)
-        with atomic_directory(out_dir, overwrite=overwrite, flag="out_dir") as tmp:
+        with guarded_directory(out_dir, overwrite=overwrite, flag="out_dir") as tmp:
             model.save_pretrained(tmp)
             processor.save_pretrained(tmp)
             save_linear_head(tmp, head.weight, head.bias, names)
@@ -343,7 +343,7 @@ def finetune_text_expert(
         )  # fmt: skip
         model.eval()
         val_accuracy, val_loss = _evaluate(lambda index: model(**val_x.batch(index)).logits, val_y)
-        with atomic_directory(out_dir, overwrite=overwrite, flag="out_dir") as tmp:
+        with guarded_directory(out_dir, overwrite=overwrite, flag="out_dir") as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
     stats = {
@@ -659,6 +659,7 @@ def _check_out(out_dir: Path, overwrite: bool) -> None:
         raise FeatCalError(
             f"out_dir {out_dir} already exists; pass overwrite=True to replace it (left untouched)"
         )
+    check_replaceable(out_dir, "out_dir")  # only a folder featcal wrote is replaced
 
 
 def _check_run(steps: int, batch_size: int, lr: float) -> None:

@@ -1,0 +1,436 @@
+"""The one guarded writer: every file and directory featcal writes goes through this module.
+
+Guarantees, each kept here and nowhere else:
+- **Checked before any work** (`check_target`): an output is never `/`, the home directory, an
+  input, the inside of an input, a folder that holds an input, or outside its declared root.
+- **Only our own files are replaced**: a directory written here carries a marker, `MARKER`
+  (`.featcal-output.json`: the tool, and each file's sha256). An existing output is replaced only
+  when every file in it is listed in the marker of its nearest marked folder; anything else (a
+  folder of the user's, a file the user added) stops the command with the path named.
+- **Atomic**: a directory is written under a temporary name beside its target, then swapped in by
+  rename; the old one is kept (renamed) until the new one is in place. Files likewise.
+- **Recognisable leftovers**: temporary names are `.<name>.featcal-tmp-<pid>-<random>` and
+  `.<name>.featcal-old-<pid>-<random>`; `sweep` removes those of dead processes (an orphaned
+  `-old-` whose target is missing is renamed back first) at the start of the next write of the
+  same target.
+- **Reuse only what verifies**: `verify_output` re-hashes a marked directory against its marker.
+- **OSError becomes one line**: a failed write (disk full, read-only, permission) raises
+  FeatCalError naming the target and what is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from featcal_core import failpoints
+from featcal_core.errors import FeatCalError
+
+#: the marker file of every directory this tool writes
+MARKER = ".featcal-output.json"
+TEMP_TAG = ".featcal-tmp-"
+OLD_TAG = ".featcal-old-"
+_HASH_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------ temporary names
+
+
+def temp_path(target: Path, tag: str = TEMP_TAG) -> Path:
+    """A fresh name beside `target`: `.<name><tag><pid>-<random>` (not created)."""
+    target = Path(target)
+    return target.with_name(f".{target.name}{tag}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def _owner_alive(name: str, tag: str) -> bool:
+    try:
+        pid = int(name.rsplit(tag, 1)[1].split("-", 1)[0])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def sweep(target: Path) -> list[Path]:
+    """Remove the leftovers of dead processes beside `target`; returns what was removed.
+
+    An `-old-` leftover whose target is missing (killed mid-swap) is renamed back to `target`.
+    """
+    target = Path(target)
+    removed: list[Path] = []
+    if not target.parent.is_dir():
+        return removed
+    for tag in (OLD_TAG, TEMP_TAG):
+        for path in sorted(target.parent.glob(f".{_glob_escape(target.name)}{tag}*")):
+            if _owner_alive(path.name, tag):
+                continue
+            if tag == OLD_TAG and not target.exists() and not target.is_symlink():
+                os.replace(path, target)  # the swap was cut between its two renames
+                continue
+            _remove(path)
+            removed.append(path)
+    return removed
+
+
+def sweep_tree(root: Path, depth: int = 3) -> list[Path]:
+    """`sweep` every leftover of a dead process found in `root` down to `depth` levels."""
+    removed: list[Path] = []
+    root = Path(root)
+    if not root.is_dir() or depth < 1:
+        return removed
+    targets = set()
+    for path in root.iterdir():
+        for tag in (TEMP_TAG, OLD_TAG):
+            if tag in path.name and path.name.startswith("."):
+                targets.add(root / path.name[1:].rsplit(tag, 1)[0])
+    for target in sorted(targets):
+        removed += sweep(target)
+    for path in sorted(root.iterdir()):
+        if path.is_dir() and not path.is_symlink():
+            removed += sweep_tree(path, depth - 1)
+    return removed
+
+
+def _glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+# ------------------------------------------------------------------------------- target checks
+
+
+def check_target(
+    out: str | Path,
+    *,
+    inputs: Iterable[str | Path | None] = (),
+    root: str | Path | None = None,
+    flag: str = "--out",
+) -> Path:
+    """`out` resolved, after checking it is a place this tool may write (see the module doc).
+
+    inputs: files or folders the command reads (never written, never inside `out`, never holding
+    `out`). root: the folder `out` must lie in (e.g. reports/). Raises FeatCalError naming `flag`.
+    """
+    path = Path(out).expanduser().resolve()
+    fix = f"choose another {flag}"
+    if path == Path(path.anchor):
+        raise FeatCalError(f"{flag} {out} is the filesystem root; {fix}")
+    home = Path.home().resolve()
+    if path == home or path in home.parents:
+        raise FeatCalError(f"{flag} {out} is your home folder or above it; {fix}")
+    for item in inputs:
+        if item is None:
+            continue
+        source = Path(item).expanduser().resolve()
+        if path == source:
+            raise FeatCalError(f"{flag} {out} is an input of this command ({item}); {fix}")
+        if source in path.parents:
+            raise FeatCalError(f"{flag} {out} lies inside the input {item}; {fix}")
+        if path in source.parents:
+            raise FeatCalError(
+                f"{flag} {out} holds the input {item}; replacing it would delete that input; {fix}"
+            )
+    if root is not None:
+        base = Path(root).expanduser().resolve()
+        if path != base and base not in path.parents:
+            raise FeatCalError(f"{flag} {out} is outside {root}; keep it under {root}")
+    return path
+
+
+def read_marker(directory: Path) -> dict | None:
+    """The marker of `directory` ({"tool", "files": {relative path: sha256}}), or None."""
+    try:
+        marker = json.loads((Path(directory) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(marker, dict) or marker.get("tool") != "featcal":
+        return None
+    if not isinstance(marker.get("files"), dict):
+        return None
+    return marker
+
+
+def foreign_files(directory: Path) -> list[Path]:
+    """Files under `directory` that no marker lists (the nearest marked folder above each file
+    decides); all of them when `directory` itself has no marker."""
+    directory = Path(directory)
+    foreign: list[Path] = []
+
+    def visit(folder: Path, marker: dict | None, prefix: Path) -> None:
+        own = read_marker(folder)
+        if own is not None:
+            marker, prefix = own, Path()
+        for path in sorted(folder.iterdir()):
+            name = prefix / path.name
+            if path.is_dir() and not path.is_symlink():
+                visit(path, marker, name)
+            elif path.name == MARKER and own is not None:
+                continue
+            elif marker is None or str(name) not in marker["files"]:
+                foreign.append(path)
+
+    visit(directory, None, Path())
+    return foreign
+
+
+def check_replaceable(out: Path, flag: str = "--out") -> None:
+    """An existing `out` may be replaced: a directory holding only files this tool wrote."""
+    out = Path(out)
+    if not out.exists() and not out.is_symlink():
+        return
+    if out.is_symlink() or not out.is_dir():
+        raise FeatCalError(
+            f"{flag} {out} exists and is not a folder featcal wrote; move it away or choose "
+            f"another {flag} (left untouched)"
+        )
+    if read_marker(out) is None:
+        if not any(out.iterdir()):
+            return
+        raise FeatCalError(
+            f"{flag} {out} exists and was not written by featcal (no {MARKER}); move it away "
+            f"or choose another {flag} (left untouched)"
+        )
+    foreign = foreign_files(out)
+    if foreign:
+        raise FeatCalError(
+            f"{flag} {out} holds {foreign[0]}, which featcal did not write; move that file away "
+            f"or choose another {flag} (left untouched)"
+        )
+
+
+def verify_output(directory: Path) -> str | None:
+    """None when every file the marker lists exists with its sha256 and nothing else is there;
+    otherwise one line saying what is wrong (a missing, changed or unlisted file)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return f"{directory} does not exist"
+    marker = read_marker(directory)
+    if marker is None:
+        return f"{directory} has no {MARKER}"
+    for name, digest in sorted(marker["files"].items()):
+        path = directory / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if sha256_file(path) != digest:
+            return f"{path} changed since it was written (sha256 differs)"
+    foreign = foreign_files(directory)
+    if foreign:
+        return f"{foreign[0]} was not written by featcal"
+    return None
+
+
+# ------------------------------------------------------------------------------------- writers
+
+
+def _write_marker(directory: Path, files: dict[str, str]) -> None:
+    tmp = temp_path(directory / MARKER)
+    tmp.write_text(json.dumps({"tool": "featcal", "files": dict(sorted(files.items()))},
+                              indent=1) + "\n")  # fmt: skip
+    os.replace(tmp, directory / MARKER)
+
+
+def mark_directory(directory: Path) -> None:
+    """Write the marker of `directory`: every file below it (but marked subfolders' files)."""
+    directory = Path(directory)
+    files: dict[str, str] = {}
+
+    def visit(folder: Path, prefix: Path) -> None:
+        for path in sorted(folder.iterdir()):
+            if path.is_dir() and not path.is_symlink():
+                if read_marker(path) is None:
+                    visit(path, prefix / path.name)
+            elif path.name != MARKER or folder != directory:
+                files[str(prefix / path.name)] = sha256_file(path)
+
+    visit(directory, Path())
+    _write_marker(directory, files)
+
+
+def _oserror(exc: OSError, target: Path, flag: str) -> FeatCalError:
+    need = {
+        errno.ENOSPC: "free space on that filesystem",
+        errno.EDQUOT: "free space on that filesystem (quota)",
+        errno.EROFS: "the filesystem is read-only; choose a writable place",
+        errno.EACCES: "you lack permission there; choose a place you can write",
+        errno.EPERM: "you lack permission there; choose a place you can write",
+    }.get(exc.errno, "check the path")
+    what = exc.strerror or str(exc)
+    return FeatCalError(f"cannot write {flag} {target}: {what}; {need} (left as it was)")
+
+
+def check_output(
+    out: str | Path,
+    *,
+    overwrite: bool,
+    inputs: Iterable[str | Path | None] = (),
+    root: str | Path | None = None,
+    flag: str = "--out",
+) -> Path:
+    """Every check `guarded_directory` makes before writing, for commands to call before their
+    work starts: `check_target`, an existing `out` needs `overwrite` and only this tool's files."""
+    path = check_target(out, inputs=inputs, root=root, flag=flag)
+    out = Path(out)
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        raise FeatCalError(
+            f"{flag} {out} already exists; pass --overwrite to replace it (left untouched)"
+        )
+    check_replaceable(out, flag)
+    return path
+
+
+@contextlib.contextmanager
+def guarded_directory(
+    out: str | Path,
+    *,
+    overwrite: bool,
+    inputs: Iterable[str | Path | None] = (),
+    root: str | Path | None = None,
+    flag: str = "--out",
+) -> Iterator[Path]:
+    """Yield an empty temporary folder beside `out`; on success it becomes `out`, with a marker.
+
+    Checked before the caller's work starts: `check_target`, an existing `out` needs `overwrite`
+    and must hold only this tool's files. On any error the temporary folder is removed and an
+    existing `out` is left as it was.
+    """
+    out = Path(out)
+    check_output(out, overwrite=overwrite, inputs=inputs, root=root, flag=flag)
+    sweep(out)
+    tmp = temp_path(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as exc:
+        raise _oserror(exc, out, flag) from exc
+    try:
+        yield tmp
+        mark_directory(tmp)
+        failpoints.hit("commit", out.name)
+        swap_in(tmp, out)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _oserror(exc, out, flag) from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def swap_in(tmp: Path, out: Path) -> None:
+    """Rename `tmp` to `out`; an existing `out` is renamed aside first and removed after."""
+    if out.exists() or out.is_symlink():
+        old = temp_path(out, OLD_TAG)
+        os.replace(out, old)
+        os.replace(tmp, out)
+        _remove(old)
+    else:
+        os.replace(tmp, out)
+
+
+def write_file(path: str | Path, data: str | bytes, flag: str = "output file") -> Path:
+    """Write `data` to `path` atomically (temporary file beside it, fsync, rename).
+
+    When the folder carries a marker, an existing file must be one the marker lists (else
+    FeatCalError: it is the user's), and the marker is updated with the new file's sha256.
+    """
+    path = Path(path)
+    marker = read_marker(path.parent) if path.parent.is_dir() else None
+    if marker is not None and path.exists() and path.name not in marker["files"]:
+        raise FeatCalError(
+            f"{path} exists and was not written by featcal; move it away (left untouched)"
+        )
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    tmp = temp_path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        failpoints.hit("commit", path.name)
+        os.replace(tmp, path)
+        if marker is not None:
+            marker = read_marker(path.parent) or marker
+            files = dict(marker["files"], **{path.name: hashlib.sha256(payload).hexdigest()})
+            _write_marker(path.parent, files)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise _oserror(exc, path, flag) from exc
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(path: str | Path, data: object, flag: str = "output file") -> Path:
+    """`write_file` of `data` as indented JSON (UTF-8, trailing newline)."""
+    return write_file(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n", flag)
+
+
+def register_files(directory: Path, names: Iterable[str]) -> None:
+    """Add files already written into marked `directory` to its marker (with their sha256)."""
+    directory = Path(directory)
+    marker = read_marker(directory)
+    if marker is None:
+        return
+    files = dict(marker["files"])
+    for name in names:
+        files[name] = sha256_file(directory / name)
+    _write_marker(directory, files)
+
+
+def prepare_root(root: str | Path, *, inputs: Iterable[str | Path | None] = (),
+                 layout: Iterable[str] = (), flag: str = "run.results_dir") -> Path:  # fmt: skip
+    """Create or adopt a results folder: missing or empty, already marked, or holding only the
+    `layout` names (e.g. folders restored by `dvc pull`; every later write into it is guarded
+    on its own: a file there that no marker lists is never replaced). Marks it. Returns it."""
+    path = check_target(root, inputs=inputs, flag=flag)
+    if path.exists() and not path.is_dir():
+        raise FeatCalError(f"{flag} {root} is a file, not a folder; choose another {flag}")
+    if path.is_dir() and read_marker(path) is None:
+        names = set(layout)
+        for entry in sorted(path.iterdir()):
+            adoptable = entry.name in names  # each write below still guards its own target
+            leftover = entry.name.startswith(".") and (
+                TEMP_TAG in entry.name or OLD_TAG in entry.name or entry.name == ".featcal.lock"
+            )
+            if not (adoptable or leftover):
+                raise FeatCalError(
+                    f"{flag} {root} is a folder featcal did not create (it holds {entry}); "
+                    f"choose a new or empty folder for {flag} (left untouched)"
+                )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if read_marker(path) is None:
+            _write_marker(path, {})
+    except OSError as exc:
+        raise _oserror(exc, path, flag) from exc
+    return path

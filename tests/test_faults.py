@@ -1,0 +1,399 @@
+"""Fault injection: the guarantees of docs/reliability.md, one test (or more) per case of the
+reliability issue. Whole `featcal run`s use the tests' shared Prefect server; the kills are real
+SIGKILLs at named places (featcal_core.failpoints), the runs real Prefect flows, MLflow stores and
+safetensors checkpoints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from test_pipeline import write_params
+
+import factories
+from featcal_cli.main import main
+from featcal_core.errors import FeatCalError
+from featcal_core.outputs import MARKER, OLD_TAG, TEMP_TAG, guarded_directory, sweep
+from featcal_core.run_lock import run_lock
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def _run(tmp_path: Path, params: Path, api: str, *extra: str, failpoint: str | None = None,
+         background: bool = False):  # fmt: skip
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api,
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # fmt: skip
+    env.pop("FEATCAL_FAILPOINT", None)
+    if failpoint is not None:
+        env["FEATCAL_FAILPOINT"] = failpoint
+    cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params), *extra]
+    if background:
+        return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+
+
+def _weights(results: Path) -> dict[str, bytes]:
+    """Every weight file and calibration set file of a results folder, by relative path."""
+    found = {}
+    for sub in ("merged", "calibrated", "calibration_sets"):
+        for path in sorted((results / sub).rglob("*")):
+            if path.is_file() and (path.suffix == ".safetensors" or sub == "calibration_sets"):
+                found[str(path.relative_to(results))] = path.read_bytes()
+    return found
+
+
+def _accuracies(results: Path) -> dict:
+    table = json.loads((results / "evaluation.json").read_text())
+    return {task: {model: row.get("accuracy") for model, row in models.items()}
+            for task, models in table.items() if isinstance(models, dict)}  # fmt: skip
+
+
+def _stat_tree(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
+def _leftovers(*roots: Path) -> list[str]:
+    return [str(p) for root in roots if root.exists() for p in root.rglob("*")
+            if TEMP_TAG in p.name or OLD_TAG in p.name or p.name == "work"]  # fmt: skip
+
+
+def _one_line(proc, *needles: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("featcal: error: "), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for needle in needles:
+        assert needle in line, (needle, line)
+    return line
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """A params file (tiny CLIP base, two experts, two image datasets) and a lone reference run."""
+    root = tmp_path_factory.mktemp("faults")
+    params = write_params(root)
+    return root, params
+
+
+@pytest.fixture(scope="module")
+def reference(project, prefect_api):
+    root, params = project
+    proc = _run(root, params, prefect_api)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = root / "results"
+    return _weights(results), _accuracies(results)
+
+
+def _fresh(project, tmp_path: Path, **changes) -> Path:
+    """The project's params with results and reports below tmp_path (and `changes` applied)."""
+    root, params = project
+    data = yaml.safe_load(params.read_text())
+    data["run"]["results_dir"] = str(tmp_path / "results")
+    for key, value in changes.items():
+        section, _, name = key.partition(".")
+        data[section][name] = value
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+# ------------------------------------------------ SIGKILL at each step, then a clean rerun (9)
+
+
+def test_sigkill_at_every_step_then_rerun_is_bitwise_identical(
+    project, reference, tmp_path, prefect_api
+):
+    params = _fresh(project, tmp_path)
+    results, reports = tmp_path / "results", tmp_path / "reports"
+    # each run dies at a later place; the next one recovers what the last one left behind
+    for point in ("commit:alpha", "commit:merged", "commit:state", "commit:calibrated",
+                  "commit:evaluation.json", "commit:e2e"):  # fmt: skip
+        proc = _run(tmp_path, params, prefect_api, failpoint=point)
+        assert proc.returncode == -9, (point, proc.returncode, proc.stderr[-2000:])
+        assert _leftovers(results, reports), f"{point}: the kill left no temporary files"
+    proc = _run(tmp_path, params, prefect_api)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    weights, accuracies = reference
+    assert _weights(results) == weights
+    assert _accuracies(results) == accuracies
+    assert _leftovers(results, reports) == []
+    assert (reports / "e2e" / "report.md").is_file()
+
+
+# ------------------------------------------------------------- two runs on one folder (5)
+
+
+def test_second_run_stops_before_writing_and_the_first_is_unchanged(
+    project, reference, tmp_path, prefect_api
+):
+    params = _fresh(project, tmp_path)
+    other = tmp_path / "other.yaml"  # a different merge scale, the same results folder
+    other.write_text(params.read_text().replace("scale: 0.3", "scale: 0.5"))
+    release = tmp_path / "release"
+    first = _run(tmp_path, params, prefect_api, failpoint=f"commit:merged:wait={release}",
+                 background=True)  # fmt: skip
+    lock = tmp_path / "results" / ".featcal.lock"
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "results" / "calibration_sets" / "beta").is_dir():
+        assert first.poll() is None, first.communicate()[1][-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    time.sleep(2)  # the first run is now paused before renaming merged/ into place
+    try:
+        before = _stat_tree(tmp_path / "results")
+        for second_params in (params, other):
+            proc = _run(tmp_path, second_params, prefect_api)
+            line = _one_line(proc, "is in use by another featcal run", f"pid {first.pid}")
+            assert str(tmp_path / "results") in line
+        assert _stat_tree(tmp_path / "results") == before  # the second runs wrote nothing
+        assert json.loads(lock.read_text())["pid"] == first.pid
+    finally:
+        release.touch()
+    _, err = first.communicate(timeout=900)
+    assert first.returncode == 0, err[-3000:]
+    weights, accuracies = reference
+    assert _weights(tmp_path / "results") == weights
+    assert _accuracies(tmp_path / "results") == accuracies
+    provenance = json.loads((tmp_path / "results" / "provenance.json").read_text())
+    assert provenance["params"] == "e2e"
+
+
+def test_run_lock_names_its_holder_and_a_dead_holder_is_taken_over(tmp_path):
+    code = (
+        "import sys, time; from featcal_core.run_lock import run_lock\n"
+        f"with run_lock({str(tmp_path)!r}):\n"
+        "    print('held', flush=True); time.sleep(60)\n"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(FeatCalError, match=f"pid {holder.pid} on "):
+            with run_lock(tmp_path):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with run_lock(tmp_path):  # the kernel released the dead holder's lock
+        with run_lock(tmp_path):  # re-entrant within one process
+            assert json.loads((tmp_path / ".featcal.lock").read_text())["pid"] == os.getpid()
+
+
+# ------------------------------------------------------- corrupted and deleted artifacts (4)
+
+
+def test_corrupt_or_deleted_merged_checkpoint_is_merged_again(
+    project, reference, tmp_path, prefect_api
+):
+    params = _fresh(project, tmp_path)
+    assert _run(tmp_path, params, prefect_api).returncode == 0
+    weights = tmp_path / "results" / "merged" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF  # a flipped byte in a tensor
+    weights.write_bytes(bytes(data))
+    # lineage of the calibrated model names the merged checkpoint that no longer verifies
+    assert main(["lineage", str(tmp_path / "results" / "calibrated")]) == 2
+    proc = _run(tmp_path, params, prefect_api)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "does not verify" in proc.stderr
+    assert _weights(tmp_path / "results") == reference[0]
+    weights.unlink()
+    proc = _run(tmp_path, params, prefect_api)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _weights(tmp_path / "results") == reference[0]
+    assert main(["lineage", str(tmp_path / "results" / "calibrated")]) == 0
+
+
+# ---------------------------------------------------------------------- dangerous paths (1-3)
+
+
+@pytest.fixture
+def zoo(tmp_path):
+    return factories.clip_zoo(tmp_path / "clip")
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("command", ["calibrate", "merge"])
+def test_out_holding_the_inputs_is_refused_and_nothing_is_lost(zoo, command, capsys):
+    folder = zoo.base.parent  # holds base, merged, experts and calibration sets
+    (folder / "notes.txt").write_text("the user's own file")
+    before = _snapshot(folder)
+    args = zoo.cli_args(folder) if command == "calibrate" else [
+        "merge", "--base", str(zoo.base), "--method", "task_arithmetic", "--out", str(folder),
+        *[a for t, p in zoo.experts.items() for a in ("--expert", f"{t}={p}")]]  # fmt: skip
+    capsys.readouterr()
+    assert main(args + ["--overwrite"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds the input" in err and "\n" not in err, err
+    assert _snapshot(folder) == before
+
+
+def test_out_equal_to_merged_is_refused(zoo, capsys):
+    before = _snapshot(zoo.merged)
+    args = zoo.cli_args(zoo.merged) + ["--overwrite"]
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "is an input of this command" in capsys.readouterr().err
+    assert _snapshot(zoo.merged) == before
+
+
+@pytest.mark.parametrize("name", ["../../x", "/tmp/abs", "a/b", ".hidden"])
+def test_task_names_that_are_paths_are_refused(zoo, tmp_path, name, capsys):
+    expert = zoo.experts["alpha"]
+    before = _snapshot(expert)
+    args = ["calibrate", "--base", str(zoo.base), "--merged", str(zoo.merged),
+            "--expert", f"{name}={expert}", "--calib", f"{name}={zoo.calib['alpha']}",
+            "--out", str(tmp_path / "out"), "--heads"]  # fmt: skip
+    factories.cli_fails(args, capsys, "task name", "may hold only letters")
+    assert _snapshot(expert) == before
+
+
+def test_results_dir_of_the_user_is_refused(project, tmp_path, capsys):
+    results = tmp_path / "mine"
+    (results / "merged").mkdir(parents=True)
+    (results / "merged" / "weights.bin").write_text("user data")
+    (results / "evaluation.json").write_text("{}")
+    (results / "thesis.tex").write_text("user data")
+    before = _snapshot(results)
+    params = _fresh(project, tmp_path)
+    for command in (["run"], ["merge"], ["download"]):
+        capsys.readouterr()
+        assert main([*command, "--params", str(params), "--set",
+                     f"run.results_dir={results}"]) == 2  # fmt: skip
+        err = capsys.readouterr().err
+        assert "did not create" in err and str(results) in err, err
+    assert _snapshot(results) == before
+
+
+def test_results_root_and_run_name_outside_reports_are_refused(project, tmp_path, capsys):
+    params = _fresh(project, tmp_path)
+    for override, needle in (("run.results_dir=/", "filesystem root"),
+                             ("run.name=../../x", "may hold only letters"),
+                             (f"run.results_dir={Path.home()}", "home folder")):  # fmt: skip
+        capsys.readouterr()
+        assert main(["run", "--params", str(params), "--set", override]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err
+
+
+def test_user_file_inside_a_marked_output_is_never_deleted(tmp_path):
+    out = tmp_path / "merged"
+    with guarded_directory(out, overwrite=False) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"weights")
+    (out / "mine.txt").write_text("user data")
+    with pytest.raises(FeatCalError, match="mine.txt"):
+        with guarded_directory(out, overwrite=True) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"new")
+    assert (out / "mine.txt").read_text() == "user data"
+    assert (out / "model.safetensors").read_bytes() == b"weights"
+
+
+def test_a_swap_cut_between_its_renames_restores_the_old_output(tmp_path):
+    out = tmp_path / "calibrated"
+    with guarded_directory(out, overwrite=False) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"old")
+    dead = 2**22 + 12345  # no such process
+    old = tmp_path / f".calibrated{OLD_TAG}{dead}-abcd"
+    os.replace(out, old)  # what a kill between the two renames leaves
+    (tmp_path / f".calibrated{TEMP_TAG}{dead}-ef01").mkdir()
+    sweep(out)
+    assert (out / "model.safetensors").read_bytes() == b"old" and (out / MARKER).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calibrated"]
+
+
+# ------------------------------------------------------------------------- bad values (6)
+
+
+@pytest.mark.parametrize(
+    "flag,value,needle",
+    [("--alpha", "5", "less than or equal to 1"), ("--alpha", "-1", "greater than or equal to 0"),
+     ("--lam", "-1", "greater than or equal to 0"), ("--rho", "-1", "greater than or equal to 0"),
+     ("--rho", "nan", "--rho nan:"), ("--eps", "-1", "greater than or equal to 0")],
+)  # fmt: skip
+def test_calibrate_flags_have_the_params_bounds(zoo, tmp_path, flag, value, needle, capsys):
+    args = zoo.cli_args(tmp_path / "out") + [flag, value]
+    factories.cli_fails(args, capsys, flag, needle)
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [("featcal.num_per_task=true", "valid integer"), ("featcal.lam=.inf", "finite"),
+     ("merge.hyperparameters.scale=.nan", "finite"),
+     ("merge.hyperparameters.top_k=20", "'top_k' (--top-k) is not used by merge method"),
+     ("featcal.heads=1", "valid boolean")],
+)  # fmt: skip
+def test_params_are_strict(project, tmp_path, override, needle, capsys):
+    params = _fresh(project, tmp_path)
+    capsys.readouterr()
+    assert main(["run", "--params", str(params), "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
+
+
+# -------------------------------------------------------------- failures are one line (10)
+
+
+def _mount_tmpfs(path: Path, options: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                          capture_output=True)  # fmt: skip
+    return proc.returncode == 0
+
+
+@pytest.mark.parametrize("options,needle", [("size=64k", "No space left on device"),
+                                            ("ro,size=1m", "Read-only file system")])  # fmt: skip
+def test_full_or_read_only_disk_is_one_line_and_leaves_nothing(zoo, tmp_path, options, needle):
+    mount = tmp_path / "disk"
+    if not _mount_tmpfs(mount, options):
+        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
+    try:
+        out = mount / "merged"
+        args = ["merge", "--base", str(zoo.base), "--method", "task_arithmetic", "--out", str(out),
+                *[a for t, p in zoo.experts.items() for a in ("--expert", f"{t}={p}")]]  # fmt: skip
+        proc = subprocess.run([sys.executable, "-m", "featcal_cli.main", *args],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        line = _one_line(proc, needle)
+        assert str(out) in line
+        assert list(mount.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_heads_without_heads_fails_before_calibrating(zoo, tmp_path, capsys):
+    out = tmp_path / "out"
+    started = time.perf_counter()
+    factories.cli_fails(zoo.cli_args(out) + ["--heads"], capsys, "classifier.safetensors")
+    assert not out.exists() and time.perf_counter() - started < 60
+
+
+def test_null_images_in_a_calibration_set_are_one_line(zoo, tmp_path, capsys):
+    import datasets
+
+    broken = tmp_path / "broken_set"
+    data = datasets.load_from_disk(str(zoo.calib["alpha"]))
+    data = data.cast_column("image", datasets.Image(decode=False))
+    rows = data.to_dict()
+    rows["image"][0] = None
+    datasets.Dataset.from_dict(rows, features=data.features).save_to_disk(str(broken))
+    zoo.calib["alpha"] = broken
+    factories.cli_fails(zoo.cli_args(tmp_path / "out"), capsys, str(broken), "image")
+
+
+# ---------------------------------------------------------------- what stays untouched
+
+
+def test_shared_leftovers_of_live_processes_are_kept(tmp_path):
+    out = tmp_path / "merged"
+    mine = tmp_path / f".merged{TEMP_TAG}{os.getpid()}-0000"
+    mine.mkdir()
+    sweep(out)
+    assert mine.is_dir()  # a live writer's temporary folder is never swept

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from featcal_core.errors import FeatCalError
+from featcal_core.hyperparameters import FeatCalParams
 from featcal_core.model_set import ModelSet
 from featcal_core.safetensors_io import Reader, read_header, save_tensors
 from featcal_core.solvers import Fallbacks, anchor
@@ -38,16 +39,6 @@ from featcal_core.streams import (
 )
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class FeatCalParams:
-    """FeatCal hyperparameters (defaults: the authors' demo)."""
-
-    alpha: float = 0.25  # teacher interpolation α
-    rho: float = 2.2  # anchor blend ρ
-    lam: float = 0.05  # ridge λ
-    eps: float = 1e-8  # jitter ε
 
 
 @dataclass

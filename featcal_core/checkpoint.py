@@ -10,13 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from featcal_core.errors import FeatCalError
+from featcal_core.outputs import sha256_file
 from featcal_core.safetensors_io import Entry, Reader, SafetensorsFormatError, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -144,26 +144,6 @@ class Checkpoint:
         if (self.directory / INDEX_NAME).is_file():
             paths.append(self.directory / INDEX_NAME)
         return paths
-
-
-#: sha256 of files already read by this process, keyed by (device, inode, size, mtime, ctime):
-#: any write or rename changes ctime, so a changed file is always read again
-_DIGESTS: dict[tuple[int, int, int, int, int], str] = {}
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file's bytes (memoised per process while the file is unchanged)."""
-    with open(path, "rb") as handle:
-        st = os.fstat(handle.fileno())
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        cached = _DIGESTS.get(key)
-        if cached is not None:
-            return cached
-        digest = hashlib.sha256()
-        while block := handle.read(chunk):
-            digest.update(block)
-    _DIGESTS[key] = digest.hexdigest()
-    return _DIGESTS[key]
 
 
 def sha256_tree(directory: Path) -> str:

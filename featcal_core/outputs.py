@@ -37,15 +37,24 @@ from featcal_core.errors import FeatCalError
 MARKER = ".featcal-output.json"
 TEMP_TAG = ".featcal-tmp-"
 OLD_TAG = ".featcal-old-"
-_HASH_CHUNK = 1 << 20
+#: digests of files this process has hashed, keyed by (device, inode, size, mtime, ctime): any
+#: write or rename changes ctime, so a changed file is always read again
+_DIGESTS: dict[tuple[int, int, int, int, int], str] = {}
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file's bytes (memoised per process while the file is unchanged)."""
     with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        st = os.fstat(handle.fileno())
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        cached = _DIGESTS.get(key)
+        if cached is not None:
+            return cached
+        digest = hashlib.sha256()
+        while block := handle.read(chunk):
+            digest.update(block)
+    _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
 
 
 # ------------------------------------------------------------------------------ temporary names

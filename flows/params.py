@@ -40,6 +40,7 @@ from pydantic_core import PydanticCustomError
 
 from featcal_core.data_source import DataSource as CoreDataSource
 from featcal_core.errors import FeatCalError
+from featcal_core.hyperparameters import BOUNDS, DEFAULTS
 from featcal_core.names import name_problem
 from featcal_core.outputs import check_target
 
@@ -458,23 +459,23 @@ _CALIBRATION_FIELDS = ("alpha", "rho", "lam", "eps", "num_per_task", "max_length
                        "token_weighting")  # fmt: skip
 
 
+def _method_field(name: str, description: str) -> Any:
+    """A FeatCal hyperparameter's field: default and bounds from featcal_core.hyperparameters."""
+    low, high = BOUNDS[name]
+    where = f"[{low:g}, {high:g}]" if high is not None else f"≥ {low:g}"
+    return Field(DEFAULTS[name], ge=low, le=high, description=f"{description}, in {where}")
+
+
 class FeatCalSettings(_Section):
     """FeatCal hyperparameters and how the calibration runs (see featcal_core.block.FeatCalParams)."""
 
     enabled: StrictBool = Field(
         True, description="calibrate the merged model (false: evaluate merge only)"
     )
-    alpha: FiniteFloat = Field(
-        0.25, ge=0.0, le=1.0, description="teacher interpolation α in [0, 1]"
-    )
-    rho: FiniteFloat = Field(
-        2.2,
-        ge=0.0,
-        le=10.0,
-        description="anchor blend ρ in [0, 10] (ρ > 1 extrapolates past the merge)",
-    )
-    lam: FiniteFloat = Field(0.05, ge=0.0, description="ridge weight λ (≥ 0)")
-    eps: FiniteFloat = Field(1e-8, ge=0.0, le=1.0, description="jitter ε in [0, 1]")
+    alpha: FiniteFloat = _method_field("alpha", "teacher interpolation α")
+    rho: FiniteFloat = _method_field("rho", "anchor blend ρ (ρ > 1 extrapolates past the merge)")
+    lam: FiniteFloat = _method_field("lam", "ridge weight λ")
+    eps: FiniteFloat = _method_field("eps", "jitter ε")
     num_per_task: StrictInt = Field(
         256, ge=1, description="calibration inputs per task (seeded sample)"
     )

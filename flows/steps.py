@@ -121,10 +121,29 @@ class Steps:
         return read_lock(self.paths["lock"])
 
     def models(self) -> tuple[str, dict[str, str]]:
-        from featcal_core.resolve import models_from_lock
+        """The locked base and experts, after checking every locked file still has its sha256."""
+        from featcal_core.resolve import models_from_lock, verify_lock
 
-        base, experts = models_from_lock(self.lock())
+        lock = self.lock()
+        problems = verify_lock(lock)  # digests memoised: free right after the download step
+        if problems:
+            raise FeatCalError(
+                f"{self.paths['lock']} does not verify ({problems[0]}); run `featcal download` "
+                "(or `featcal run`) again"
+            )
+        base, experts = models_from_lock(lock)
         return str(base.path), {task: str(model.path) for task, model in experts.items()}
+
+    @staticmethod
+    def verified(directory: Path, what: str, step: str) -> Path:
+        """`directory` when it still holds what featcal wrote there (its marker's digests), else
+        a FeatCalError naming the first mismatching file and the step that rewrites it."""
+        from featcal_core.outputs import verify_output
+
+        wrong = verify_output(directory)
+        if wrong is not None:
+            raise FeatCalError(f"{what} does not verify ({wrong}); run `{step}` again")
+        return directory
 
     def calibration_set_dirs(self) -> dict[str, str]:
         self._require_models()
@@ -135,6 +154,7 @@ class Steps:
                 raise FeatCalError(
                     f"{path} (calibration set of {task!r}) does not exist; run `featcal calib-set`"
                 )
+            self.verified(path, f"calibration set {path}", "featcal calib-set --params FILE")
         return {task: str(path) for task, path in dirs.items()}
 
     # ----- the steps --------------------------------------------------------------------------
@@ -217,10 +237,18 @@ class Steps:
         return record
 
     def _evaluated_models(self) -> dict[str, str]:
-        models = {"merged": str(self.paths["merged"])}
+        """The merged (and calibrated) checkpoint, each verified against its marker."""
+        models = {"merged": self.paths["merged"]}
         if self.params.featcal.enabled:
-            models["calibrated"] = str(self.paths["calibrated"])
-        return models
+            models["calibrated"] = self.paths["calibrated"]
+        step = {
+            "merged": "featcal merge --params FILE",
+            "calibrated": "featcal calibrate --params FILE",
+        }
+        for name, path in models.items():
+            if path.is_dir():
+                self.verified(path, f"the {name} checkpoint {path}", step[name])
+        return {name: str(path) for name, path in models.items()}
 
     def heads(self) -> dict[str, dict[str, str]]:
         """Head calibration (featcal.heads): refit heads for the merged and calibrated models."""
@@ -258,7 +286,6 @@ class Steps:
                 f"{root}: no refit head for {missing[0]}; run the head calibration "
                 "(`featcal heads --params FILE` or `featcal run`) or set featcal.heads: false"
             )
-        from featcal_core.outputs import verify_output
         from tasks.heads import FITTED_ON, weight_digests
 
         for name, directory in self._evaluated_models().items():
@@ -269,12 +296,9 @@ class Steps:
                     f"{root / name}: the refit heads were fit on other {name} weights than "
                     f"{directory} holds now; run `featcal heads --params FILE` again"
                 )
-            wrong = verify_output(root / name)
-            if wrong is not None:
-                raise FeatCalError(
-                    f"{root / name}: the refit heads do not verify ({wrong}); run "
-                    "`featcal heads --params FILE` again"
-                )
+            self.verified(
+                root / name, f"the refit heads {root / name}", "featcal heads --params FILE"
+            )
         return found
 
     def evaluate(self) -> dict:

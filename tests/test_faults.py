@@ -189,7 +189,7 @@ def test_run_lock_names_its_holder_and_a_dead_holder_is_taken_over(tmp_path):
 
 
 def test_corrupt_or_deleted_merged_checkpoint_is_merged_again(
-    project, reference, tmp_path, prefect_api
+    project, reference, tmp_path, prefect_api, capsys
 ):
     params = _fresh(project, tmp_path)
     assert _run(tmp_path, params, prefect_api).returncode == 0
@@ -208,6 +208,22 @@ def test_corrupt_or_deleted_merged_checkpoint_is_merged_again(
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _weights(tmp_path / "results") == reference[0]
     assert main(["lineage", str(tmp_path / "results" / "calibrated")]) == 0
+    # the single steps (the DVC stages) verify what they read: a changed calibration set, a
+    # changed calibrated checkpoint, a changed locked expert
+    results = tmp_path / "results"
+    for damaged, command in (
+        (next((results / "calibration_sets" / "alpha").glob("*.arrow")), "calibrate"),
+        (results / "calibrated" / "model.safetensors", "evaluate"),
+        (next(Path(yaml.safe_load(params.read_text())["models"]["experts"]["beta"]).glob(
+            "*.safetensors")), "merge"),
+    ):  # fmt: skip
+        original = damaged.read_bytes()
+        damaged.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+        capsys.readouterr()
+        assert main([command, "--params", str(params)]) == 2
+        err = capsys.readouterr().err
+        assert "does not verify" in err and damaged.name in err and err.count("\n") == 1, err
+        damaged.write_bytes(original)
 
 
 # ---------------------------------------------------------------------- dangerous paths (1-3)
@@ -322,6 +338,15 @@ def test_a_swap_cut_between_its_renames_restores_the_old_output(tmp_path):
 def test_calibrate_flags_have_the_params_bounds(zoo, tmp_path, flag, value, needle, capsys):
     args = zoo.cli_args(tmp_path / "out") + [flag, value]
     factories.cli_fails(args, capsys, flag, needle)
+
+
+@pytest.mark.parametrize("values", [{"alpha": 5}, {"rho": -1}, {"lam": float("nan")},
+                                    {"eps": True}, {"alpha": "0.5"}])  # fmt: skip
+def test_library_params_have_the_same_bounds(values):
+    from featcal_core import FeatCalParams
+
+    with pytest.raises(FeatCalError, match=f"FeatCal {next(iter(values))} must be"):
+        FeatCalParams(**values)
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,10 @@ Guarantees, each kept here and nowhere else:
   (`.featcal-output.json`: the tool, and each file's sha256). An existing output is replaced only
   when every file in it is listed in the marker of its nearest marked folder; anything else (a
   folder of the user's, a file the user added) stops the command with the path named.
-- **Atomic**: a directory is written under a temporary name beside its target, then swapped in by
-  rename; the old one is kept (renamed) until the new one is in place. Files likewise.
+- **Atomic**: a directory is written under a temporary name beside its target, then swapped in:
+  exchanged with the old one in one step (Linux `renameat2`), or where that is not offered, the
+  old one renamed aside first; the old one is removed only once the new one is in place. Files are
+  renamed over their target.
 - **Recognisable leftovers**: temporary names are `.<name>.featcal-tmp-<pid>-<random>` and
   `.<name>.featcal-old-<pid>-<random>`; `sweep` removes those of dead processes (an orphaned
   `-old-` whose target is missing is renamed back first) at the start of the next write of the
@@ -21,6 +23,7 @@ Guarantees, each kept here and nowhere else:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import json
@@ -352,9 +355,32 @@ def guarded_directory(
         raise
 
 
+def exchange(first: Path, second: Path) -> bool:
+    """Swap two existing paths in one atomic step (Linux `renameat2(RENAME_EXCHANGE)`); False
+    where the system or filesystem does not offer it (nothing changed then)."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint]  # fmt: skip
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange):
+        code = ctypes.get_errno()
+        if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            return False
+        raise OSError(code, os.strerror(code), str(second))
+    return True
+
+
 def swap_in(tmp: Path, out: Path) -> None:
-    """Rename `tmp` to `out`; an existing `out` is renamed aside first and removed after."""
+    """Rename `tmp` to `out`. An existing `out` is exchanged with `tmp` in one atomic step where
+    the system allows (so `out` never goes missing), else renamed aside first; the old one is
+    removed once the new one is in place."""
     if out.exists() or out.is_symlink():
+        if exchange(tmp, out):
+            _remove(tmp)  # now the old output, under a temporary name
+            return
         old = temp_path(out, OLD_TAG)
         os.replace(out, old)
         os.replace(tmp, out)

@@ -117,9 +117,13 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
     out_path = Path(out)
     inputs = calibration_inputs(spec["base"], spec["merged"], spec["experts"], spec["calib"])
     check_output(out_path, overwrite=overwrite, inputs=inputs)
-    results_dir = prepare_root(
-        spec["results_dir"], inputs=(*inputs, out_path), layout=RESULTS_LAYOUT, flag="--results-dir"
-    )
+    results = Path(spec["results_dir"]).resolve()
+    if results == out_path.resolve() or out_path.resolve() in results.parents:
+        raise FeatCalError(
+            f"--results-dir {results} lies in --out {out_path}, which the calibrated model "
+            "replaces; put the results folder elsewhere"
+        )
+    results_dir = prepare_root(results, inputs=inputs, layout=RESULTS_LAYOUT, flag="--results-dir")
     storage = results_dir / "prefect-results"
     with run_lock(results_dir, "featcal calibration"), ExitStack() as stack:
         storage.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,11 @@ PREFECT_HOME (here: `.prefect/` in the project, git-ignored). Values already set
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
+
+from featcal_core.errors import FeatCalError
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,7 +24,21 @@ DEFAULTS = {
 
 def configure(prefect_home: str | Path | None = None) -> None:
     """Set Prefect's environment defaults (not overriding what the user set)."""
+    for name in ("prefect.flow_runs", "prefect.task_runs"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _NoTracebackForBadInput) for f in logger.filters):
+            logger.addFilter(_NoTracebackForBadInput())
     home = prefect_home or PROJECT_ROOT / ".prefect"
     os.environ.setdefault("PREFECT_HOME", str(home))
     for key, value in DEFAULTS.items():
         os.environ.setdefault(key, value)
+
+
+class _NoTracebackForBadInput(logging.Filter):
+    """Prefect logs a failed flow or task run with its traceback; for bad input (FeatCalError,
+    whose one line the CLI prints) the record keeps its message and loses the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], FeatCalError):
+            record.exc_info, record.exc_text = None, None
+        return True

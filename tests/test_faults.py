@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -313,6 +314,19 @@ def test_user_file_inside_a_marked_output_is_never_deleted(tmp_path):
     assert (out / "model.safetensors").read_bytes() == b"weights"
 
 
+def test_replacing_an_output_never_leaves_its_path_missing(tmp_path):
+    from featcal_core.outputs import exchange
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    (first / "x").write_text("first")
+    (second / "x").write_text("second")
+    if not exchange(first, second):
+        pytest.skip("no renameat2(RENAME_EXCHANGE) here: the two-rename swap is used")
+    assert (first / "x").read_text() == "second" and (second / "x").read_text() == "first"
+
+
 def test_a_swap_cut_between_its_renames_restores_the_old_output(tmp_path):
     out = tmp_path / "calibrated"
     with guarded_directory(out, overwrite=False) as tmp:
@@ -391,6 +405,16 @@ def test_full_or_read_only_disk_is_one_line_and_leaves_nothing(zoo, tmp_path, op
         assert list(mount.iterdir()) == []
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_bad_input_inside_the_flow_is_one_line_without_traceback(project, tmp_path, prefect_api):
+    root, _ = project
+    broken = tmp_path / "broken_expert"
+    shutil.copytree(root / "expert_alpha", broken)
+    (broken / "config.json").write_text("{broken")
+    params = _fresh(project, tmp_path)
+    proc = _run(tmp_path, params, prefect_api, "--set", f"models.experts.alpha={broken}")
+    _one_line(proc, str(broken / "config.json"), "not valid JSON")
 
 
 def test_heads_without_heads_fails_before_calibrating(zoo, tmp_path, capsys):

@@ -1,5 +1,6 @@
 """Fault injection: the guarantees of docs/reliability.md, one test (or more) per case of the
-reliability issue. Whole `featcal run`s use the tests' shared Prefect server; the kills are real
+reliability issue (the solver fallbacks of case 8 are in test_fallbacks.py, the served API's token
+of case 11 in test_serve.py, the row-level hygiene checks in test_calibration_hygiene.py). Whole `featcal run`s use the tests' shared Prefect server; the kills are real
 SIGKILLs at named places (featcal_core.failpoints), the runs real Prefect flows, MLflow stores and
 safetensors checkpoints."""
 
@@ -119,6 +120,9 @@ def test_sigkill_at_every_step_then_rerun_is_bitwise_identical(
         proc = _run(tmp_path, params, prefect_api, failpoint=point)
         assert proc.returncode == -9, (point, proc.returncode, proc.stderr[-2000:])
         assert _leftovers(results, reports), f"{point}: the kill left no temporary files"
+    # what a killed statistics pass leaves in the state cache is swept too
+    dead = 2**22 + 4321
+    (results / "calibration" / "states" / f".statistics{TEMP_TAG}{dead}-0000").mkdir(parents=True)
     proc = _run(tmp_path, params, prefect_api)
     assert proc.returncode == 0, proc.stderr[-3000:]
     weights, accuracies = reference
@@ -376,6 +380,24 @@ def test_params_are_strict(project, tmp_path, override, needle, capsys):
     assert main(["run", "--params", str(params), "--set", override]) == 2
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1, err
+
+
+def test_calibrating_on_a_copy_of_the_test_split_is_refused(project, tmp_path, capsys):
+    import datasets
+
+    root, _ = project
+    copy = tmp_path / "looks_like_train"  # the test rows, saved as a plain Dataset
+    datasets.load_from_disk(str(root / "data_alpha"))["test"].save_to_disk(str(copy))
+    params = _fresh(project, tmp_path)
+    data = yaml.safe_load(params.read_text())
+    data["tasks"]["alpha"]["calibration"] = {"path": str(copy), "split": None}
+    params.write_text(yaml.safe_dump(data))
+    assert main(["download", "--params", str(params)]) == 0
+    capsys.readouterr()
+    assert main(["calib-set", "--params", str(params)]) == 2
+    err = capsys.readouterr().err
+    assert "also rows of the evaluation data" in err and err.count("\n") == 1, err
+    assert not (tmp_path / "results" / "calibration_sets" / "alpha").exists()
 
 
 # -------------------------------------------------------------- failures are one line (10)

@@ -29,7 +29,11 @@ TINY_BERT = dict(
     max_position_embeddings=64,
 )
 
-__all__ = ["Zoo", "bert_zoo", "clip_zoo", "run_featcal"]
+__all__ = ["Zoo", "bert_zoo", "clip_zoo", "grey_image", "grey_images", "run_featcal",
+           "save_grey_image_splits"]  # fmt: skip
+
+#: rows of the tiny train and test splits of `save_grey_image_splits`
+N_TRAIN, N_TEST = 12, 5
 
 
 def run_featcal(tmp_path: Path, params_path: Path, api_url: str | None = None, *extra: str):
@@ -153,3 +157,35 @@ def cli_fails(args: list[str], capsys, *needles: str) -> str:
         assert needle in err, (needle, err)
     assert not Path(args[args.index("--out") + 1]).exists()
     return err
+
+
+def grey_image(value: int, mode: str = "RGB"):
+    """A 4×4 image whose pixels all equal `value` (as `mode`)."""
+    import numpy as np
+    from PIL import Image
+
+    return Image.fromarray(np.full((4, 4, 3), value, dtype=np.uint8)).convert(mode)
+
+
+def grey_images(values, mode: str = "RGB"):
+    """A datasets.Dataset: `img` = grey_image(v), `label` = v % 3 (classes a, b, c)."""
+    import datasets
+
+    values = list(values)
+    features = datasets.Features(
+        {"img": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])}
+    )
+    return datasets.Dataset.from_dict(
+        {"img": [grey_image(v, mode) for v in values], "label": [v % 3 for v in values]},
+        features=features,
+    )
+
+
+def save_grey_image_splits(path: Path) -> Path:
+    """A DatasetDict at `path`: train pixel values 0..N_TRAIN-1, test 100..100+N_TEST-1."""
+    import datasets
+
+    datasets.DatasetDict(
+        {"train": grey_images(range(N_TRAIN)), "test": grey_images(range(100, 100 + N_TEST))}
+    ).save_to_disk(str(path))
+    return path

@@ -11,43 +11,28 @@ import json
 from pathlib import Path
 
 import datasets
-import numpy as np
 import pytest
 from PIL import Image
 
+import factories
+from factories import grey_image, grey_images, save_grey_image_splits
 from featcal_core import calibration_sets
 from featcal_core.calibration_data import CONTENT_DIGEST, input_digest, load_calibration_set
 from featcal_core.calibration_sets import RECORD_NAME, draw_calibration_set
 from featcal_core.data_source import DataSource
 from featcal_core.errors import FeatCalError
 
-N_TRAIN, N_TEST = 12, 5
+N_TRAIN, N_TEST = factories.N_TRAIN, factories.N_TEST
 FEATURES = datasets.Features(
     {"img": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])}
 )
-
-
-def _image(value: int, mode: str = "RGB") -> Image.Image:
-    """A 4×4 grey image whose pixels all equal `value` (as `mode`)."""
-    return Image.fromarray(np.full((4, 4, 3), value, dtype=np.uint8)).convert(mode)
-
-
-def _images(values, mode: str = "RGB") -> datasets.Dataset:
-    values = list(values)
-    return datasets.Dataset.from_dict(
-        {"img": [_image(v, mode) for v in values], "label": [v % 3 for v in values]},
-        features=FEATURES,
-    )
+_image, _images = grey_image, grey_images
 
 
 @pytest.fixture
 def image_dir(tmp_path) -> Path:
-    """A DatasetDict: train pixel values 0..11, test 100..104."""
-    path = tmp_path / "src" / "images"
-    datasets.DatasetDict(
-        {"train": _images(range(N_TRAIN)), "test": _images(range(100, 100 + N_TEST))}
-    ).save_to_disk(str(path))
-    return path
+    """A DatasetDict: train pixel values 0..11, test 100..104 (factories)."""
+    return save_grey_image_splits(tmp_path / "src" / "images")
 
 
 def local(path: Path, **fields) -> DataSource:

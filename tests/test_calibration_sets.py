@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import factories
+from factories import grey_image, grey_images, save_grey_image_splits
 from featcal_core.calibration_data import load_calibration_set
 from featcal_core.calibration_sets import (
     RECORD_NAME,
@@ -24,31 +26,14 @@ from featcal_core.errors import FeatCalError
 from featcal_core.outputs import MARKER
 from flows.params import DataSource, Params
 
-N_TRAIN, N_TEST = 12, 5
-
-
-def _image(value: int) -> Image.Image:
-    return Image.fromarray(np.full((4, 4, 3), value, dtype=np.uint8))
-
-
-def _images(values) -> datasets.Dataset:
-    values = list(values)
-    return datasets.Dataset.from_dict(
-        {"img": [_image(v) for v in values], "label": [v % 3 for v in values]},
-        features=datasets.Features(
-            {"img": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b", "c"])}
-        ),
-    )
+N_TRAIN, N_TEST = factories.N_TRAIN, factories.N_TEST
+_image, _images = grey_image, grey_images
 
 
 @pytest.fixture
 def image_dir(tmp_path) -> Path:
-    """A DatasetDict: train rows 0..11, test rows 100..104; pixel value = row id (+100 for test)."""
-    path = tmp_path / "src" / "images"
-    datasets.DatasetDict(
-        {"train": _images(range(N_TRAIN)), "test": _images(range(100, 100 + N_TEST))}
-    ).save_to_disk(str(path))
-    return path
+    """A DatasetDict: train pixel values 0..11, test 100..104 (factories)."""
+    return save_grey_image_splits(tmp_path / "src" / "images")
 
 
 @pytest.fixture

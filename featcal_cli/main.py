@@ -217,6 +217,11 @@ def _synthetic_demo(args: argparse.Namespace) -> int:
     pool = None if args.rebuild else load_pool(pool_dir)
     if pool is None:
         logging.getLogger("featcal").info("building a synthetic pool in %s", pool_dir)
+        if pool_dir.is_dir() and any(pool_dir.iterdir()) and not (pool_dir / "pool.json").is_file():
+            raise FeatCalError(
+                f"{pool_dir} exists and is not a synthetic pool (no pool.json); choose another "
+                "--work (left untouched)"
+            )
         shutil.rmtree(pool_dir, ignore_errors=True)
         config = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4,
                       num_attention_heads=4, image_size=64, patch_size=16)  # fmt: skip

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ from torch import nn
 from featcal_core.errors import FeatCalError
 from featcal_core.hyperparameters import FeatCalParams
 from featcal_core.model_set import ModelSet
+from featcal_core.outputs import atomic_file
 from featcal_core.safetensors_io import Reader, read_header, save_tensors
 from featcal_core.solvers import Fallbacks, anchor
 from featcal_core.statistics import LinearInputStats, NormStats, Scratch
@@ -77,9 +77,8 @@ class TaskStatistics:
                         for k, v in c.items()})  # fmt: skip
         meta = {"task": self.task, "index": self.index, "layout": self.layout,
                 "drift_before": self.drift_before, "fallbacks": self.fallbacks}  # fmt: skip
-        tmp = path.with_name(path.name + ".tmp")
-        save_tensors(tmp, tensors, {self._META: json.dumps(meta)})
-        os.replace(tmp, path)
+        with atomic_file(path, "task statistics") as tmp:
+            save_tensors(tmp, tensors, {self._META: json.dumps(meta)})
 
     @classmethod
     def load(cls, path: Path) -> TaskStatistics:

@@ -24,8 +24,6 @@ import copy
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +43,7 @@ from featcal_core.architectures.base import (
 )
 from featcal_core.checkpoint import Checkpoint, sha256_file
 from featcal_core.errors import FeatCalError
+from featcal_core.outputs import atomic_file
 from featcal_core.safetensors_io import DTYPES
 
 logger = logging.getLogger(__name__)
@@ -555,17 +554,10 @@ def write_embedding_cache(
     from safetensors.torch import save_file
 
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(handle)
-        try:
-            out = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
-            save_file(out, tmp, metadata=metadata)
-            os.replace(tmp, path)  # atomic: concurrent evaluations see whole files only
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    except OSError as exc:
+        out = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
+        with atomic_file(path, "class-embedding cache") as tmp:  # whole files only, for readers
+            save_file(out, str(tmp), metadata=metadata)
+    except (OSError, FeatCalError) as exc:
         raise FeatCalError(
             f"cannot write the class-embedding cache {path} ({exc}); pass a writable cache_dir"
         ) from exc

@@ -13,8 +13,6 @@ name in the same directory and renamed into place with os.replace.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +20,7 @@ from pathlib import Path
 import torch
 
 from featcal_core.errors import FeatCalError
+from featcal_core.outputs import atomic_file
 
 WEIGHTS_NAME = "classifier.safetensors"
 CONFIG_NAME = "classifier.json"
@@ -215,17 +214,10 @@ def _read_config(path: Path) -> dict:
 
 
 def _atomic_write(target: Path, write) -> None:
-    """Call write(temporary path) beside `target`, then rename the result onto `target`."""
-    handle, name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
-    os.close(handle)
-    temporary = Path(name)
-    try:
+    """Call write(temporary path) beside `target`, then rename the result onto `target` (the
+    guarded writer's `atomic_file`)."""
+    with atomic_file(target, "linear head file") as temporary:
         write(temporary)
-        os.chmod(temporary, 0o644)  # mkstemp creates 0600; match an ordinary file
-        os.replace(temporary, target)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
 
 
 def _shape(value: object) -> str:

@@ -389,11 +389,14 @@ def swap_in(tmp: Path, out: Path) -> None:
         os.replace(tmp, out)
 
 
-def write_file(path: str | Path, data: str | bytes, flag: str = "output file") -> Path:
-    """Write `data` to `path` atomically (temporary file beside it, fsync, rename).
+@contextlib.contextmanager
+def atomic_file(path: str | Path, flag: str = "output file") -> Iterator[Path]:
+    """Yield a temporary path beside `path` for the caller to write (any writer: safetensors,
+    `save_to_disk`, plain bytes); on success it is renamed onto `path`.
 
     When the folder carries a marker, an existing file must be one the marker lists (else
-    FeatCalError: it is the user's), and the marker is updated with the new file's sha256.
+    FeatCalError: it is the user's), and the marker is updated with the new file's sha256. On any
+    error the temporary file is removed and `path` is left as it was.
     """
     path = Path(path)
     marker = read_marker(path.parent) if path.parent.is_dir() else None
@@ -401,28 +404,36 @@ def write_file(path: str | Path, data: str | bytes, flag: str = "output file") -
         raise FeatCalError(
             f"{path} exists and was not written by featcal; move it away (left untouched)"
         )
-    payload = data.encode("utf-8") if isinstance(data, str) else data
     tmp = temp_path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
+        yield tmp
+        if tmp.is_file():
+            os.chmod(tmp, 0o644)
         failpoints.hit("commit", path.name)
-        os.replace(tmp, path)
-        if marker is not None:
+        if tmp.is_dir():
+            swap_in(tmp, path)
+        else:
+            os.replace(tmp, path)
+        if marker is not None and path.is_file():
             marker = read_marker(path.parent) or marker
-            files = dict(marker["files"], **{path.name: hashlib.sha256(payload).hexdigest()})
-            _write_marker(path.parent, files)
+            _write_marker(path.parent, dict(marker["files"], **{path.name: sha256_file(path)}))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise _oserror(exc, path, flag) from exc
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        _remove(tmp)
         raise
-    return path
+
+
+def write_file(path: str | Path, data: str | bytes, flag: str = "output file") -> Path:
+    """Write `data` to `path` through `atomic_file` (fsync'd before the rename)."""
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    with atomic_file(path, flag) as tmp, open(tmp, "wb") as handle:
+        handle.write(payload)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return Path(path)
 
 
 def write_json(path: str | Path, data: object, flag: str = "output file") -> Path:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from featcal_core.outputs import atomic_file
 from featcal_core.safetensors_io import Entry, read_header, read_tensor, save_tensors
 
 STUDENT = "student"
@@ -67,10 +68,8 @@ class HiddenStreams:
         if self.directory is None:
             self._memory[(kind, task)] = tensor
             return
-        path = self.path(kind, task)
-        tmp = path.with_name(path.name + ".tmp")
-        save_tensors(tmp, {_KEY: tensor})
-        os.replace(tmp, path)
+        with atomic_file(self.path(kind, task), "hidden-state stream") as tmp:
+            save_tensors(tmp, {_KEY: tensor})
         self._headers.pop((kind, task), None)
 
     def _entry(self, kind: str, task: str) -> Entry:

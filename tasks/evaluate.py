@@ -29,6 +29,7 @@ from featcal_core.errors import FeatCalError
 from featcal_core.evaluation import ExpertHead, ZeroShotHead, evaluate, normalized_accuracy
 from featcal_core.linear_head import load_linear_head
 from featcal_core.lm_evaluation import DEFAULT_TEMPLATE, evaluate_lm_dataset, generation_kind
+from featcal_core.outputs import guarded_directory, verify_output
 
 log = logging.getLogger(__name__)
 
@@ -40,8 +41,11 @@ def _evaluation_data(task_name: str, source: Any, data_root: Path) -> tuple[Path
     if source.hub is None:
         return Path(source.path).expanduser(), source.split
     target = data_root / task_name
-    if not (target / "state.json").is_file():
-        open_source(source, key=f"tasks.{task_name}.evaluation").save_to_disk(str(target))
+    if verify_output(target) is not None:  # missing, partial or changed: saved (again)
+        with guarded_directory(
+            target, overwrite=True, flag=f"tasks.{task_name} evaluation data"
+        ) as tmp:
+            open_source(source, key=f"tasks.{task_name}.evaluation").save_to_disk(str(tmp))
     return target, None
 
 

@@ -23,15 +23,15 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from featcal_core import failpoints
 from featcal_core.errors import FeatCalError
+from featcal_core.outputs import swap_in, sweep, temp_path
 from featcal_core.zoo import hub_cache
 
 logger = logging.getLogger(__name__)
@@ -253,7 +253,9 @@ def build_zoo(
 
     started = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    sweep(out)  # what a killed build left
+    tmp = temp_path(out)
+    tmp.mkdir()
     try:
         data: dict[str, Any] = {}
         skipped: dict[str, str] = {}
@@ -340,7 +342,8 @@ def build_zoo(
             "seconds": round(time.perf_counter() - started, 1),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        _replace(tmp, out)
+        failpoints.hit("commit", out.name)
+        swap_in(tmp, out)  # an older zoo there is removed only once the new one is in place
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("zoo %s written to %s in %.0f s", spec.name, out, manifest["seconds"])
@@ -363,17 +366,6 @@ def _text_base(source: Path, target: Path) -> Path:
     if not (target / "config.json").is_file():
         raise FeatCalError(f"text zoo base {source} has no config.json; pass a BertModel folder")
     return target
-
-
-def _replace(tmp: Path, out: Path) -> None:
-    """Move the finished zoo into place; an older zoo there is removed only after the rename."""
-    old = None
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{os.getpid()}")
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def zoo_models_and_tasks(manifest: dict[str, Any], out_dir: str | Path, evaluation_split: str):

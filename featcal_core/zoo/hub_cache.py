@@ -14,13 +14,12 @@ give the same commit and any change gives a new one.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from featcal_core.checkpoint import sha256_file
 from featcal_core.errors import FeatCalError
+from featcal_core.outputs import atomic_file, sweep, write_file
 
 __all__ = ["content_commit", "publish", "repo_folder"]
 
@@ -63,20 +62,11 @@ def publish(source: str | Path, cache_dir: str | Path, repo_id: str) -> str:
     repo = repo_folder(cache_dir, repo_id)
     snapshot = repo / "snapshots" / commit
     if not snapshot.is_dir():
-        snapshot.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=snapshot.parent, prefix=".tmp-"))
-        try:
+        sweep(snapshot)  # what a killed publish left
+        with atomic_file(snapshot, "Hub cache snapshot") as tmp:
             for path in _files(source):
                 target = tmp / path.relative_to(source)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(path, target)
-            os.replace(tmp, snapshot)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    refs = repo / "refs"
-    refs.mkdir(parents=True, exist_ok=True)
-    handle, tmp_ref = tempfile.mkstemp(dir=refs, prefix=".main-")
-    with os.fdopen(handle, "w") as out:
-        out.write(commit)
-    os.replace(tmp_ref, refs / "main")
+    write_file(repo / "refs" / "main", commit, "Hub cache ref")
     return commit

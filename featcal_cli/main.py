@@ -8,32 +8,11 @@ import logging
 import shutil
 import sys
 
+from featcal_cli.arguments import pairs, task_path
 from featcal_core.errors import FeatCalError
 from featcal_core.memory import tune_allocator
 
 EXIT_BAD_INPUT = 2
-
-
-def _task_path(flag: str):
-    def parse(value: str) -> tuple[str, str]:
-        task, sep, path = value.partition("=")
-        if not sep or not task or not path:
-            raise argparse.ArgumentTypeError(f"{flag} expects TASK=DIR, got {value!r}")
-        return task, path
-
-    return parse
-
-
-def _pairs(flag: str, values: list[tuple[str, str]] | None) -> dict[str, str]:
-    from featcal_core.names import check_names
-
-    out: dict[str, str] = {}
-    for task, path in values or []:
-        check_names([task], f"{flag} {task}=...: task name")
-        if task in out:
-            raise FeatCalError(f"{flag} {task}=... is given twice; name each task once")
-        out[task] = path
-    return out
 
 
 STEP_HELP = {
@@ -85,8 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="FeatCal-calibrate a merged model against its experts")
     cal.add_argument("--base", help="base model directory (with its preprocessor)")
     cal.add_argument("--merged", help="merged model directory")
-    cal.add_argument("--expert", action="append", type=_task_path("--expert"), metavar="TASK=DIR")
-    cal.add_argument("--calib", action="append", type=_task_path("--calib"), metavar="TASK=DIR")
+    cal.add_argument("--expert", action="append", type=task_path("--expert"), metavar="TASK=DIR")
+    cal.add_argument("--calib", action="append", type=task_path("--calib"), metavar="TASK=DIR")
     cal.add_argument("--out", help="output directory (save_pretrained layout)")
     cal.add_argument("--alpha", type=float, default=0.25, help="teacher interpolation α")
     cal.add_argument("--rho", type=float, default=2.2, help="anchor blend ρ")
@@ -148,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         "zoo", help="build the offline model zoo: a base and task experts fine-tuned here"
     )
     zoo.add_argument("--preset", choices=["vision", "text"], help="a built-in zoo")
-    zoo.add_argument("--dataset", action="append", type=_task_path("--dataset"),
+    zoo.add_argument("--dataset", action="append", type=task_path("--dataset"),
                      metavar="TASK=DIR", help="your own task: a save_to_disk DatasetDict with "
                      "train and test splits and image or text plus label columns")  # fmt: skip
     zoo.add_argument("--modality", choices=["image", "text"], help="with --dataset")
@@ -275,7 +254,7 @@ def _zoo(args: argparse.Namespace) -> int:
             raise FeatCalError("--dataset needs --modality image or --modality text")
         template = PRESETS["vision" if args.modality == "image" else "text"]
         spec = dataclasses.replace(
-            template, name=args.name, tasks=_pairs("--dataset", args.dataset), base=args.base,
+            template, name=args.name, tasks=pairs("--dataset", args.dataset), base=args.base,
             optional=(), max_train=None,
         )  # fmt: skip
     elif args.preset is not None:
@@ -322,7 +301,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         return _calibrate_flow(args)
     if args.runner != "local" or args.dask_address is not None:
         raise FeatCalError("--runner dask / --dask-address need --results-dir (the Prefect flow)")
-    experts, calib = _pairs("--expert", args.expert), _pairs("--calib", args.calib)
+    experts, calib = pairs("--expert", args.expert), pairs("--calib", args.calib)
     if args.heads:  # before the calibration, not after it
         from featcal_core.head_calibration import check_expert_heads
 
@@ -355,7 +334,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         from featcal_core.head_calibration import refit_expert_heads
 
         heads = refit_expert_heads(
-            args.out, _pairs("--expert", args.expert), _pairs("--calib", args.calib),
+            args.out, pairs("--expert", args.expert), pairs("--calib", args.calib),
             Path(args.out) / "heads", num_per_task=args.num_per_task, seed=args.seed,
             lam=args.head_lam, batch_size=args.batch_size, device=args.device,
             tokenizer_dir=args.base,
@@ -375,8 +354,8 @@ def _calibrate_flow(args: argparse.Namespace) -> int:
     spec = make_spec(
         args.base,
         args.merged,
-        _pairs("--expert", args.expert),
-        _pairs("--calib", args.calib),
+        pairs("--expert", args.expert),
+        pairs("--calib", args.calib),
         args.results_dir,
         FeatCalParams(alpha=args.alpha, rho=args.rho, lam=args.lam, eps=args.eps),
         Settings(args.num_per_task, args.batch_size, args.seed, args.device, args.max_length,

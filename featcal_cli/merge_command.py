@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from featcal_cli.main import _pairs, _task_path
+from featcal_cli.arguments import pairs, task_path
 
 
 class _MethodNames:
@@ -32,7 +32,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "merge", help="merge fine-tuned experts into one model, tensor by tensor (streaming)"
     )
     merge.add_argument("--base", help="base (pre-trained) model directory")
-    merge.add_argument("--expert", action="append", type=_task_path("--expert"),
+    merge.add_argument("--expert", action="append", type=task_path("--expert"),
                        metavar="TASK=DIR", help="a fine-tuned expert (repeat per task)")  # fmt: skip
     merge.add_argument("--method", choices=_MethodNames(), metavar="METHOD",
                        help="merge method: %(choices)s")  # fmt: skip
@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     }
     record = merge_checkpoints(
         base=args.base,
-        experts=_pairs("--expert", args.expert),
+        experts=pairs("--expert", args.expert),
         out=args.out,
         method=args.method,
         hyperparameters=hyperparameters,

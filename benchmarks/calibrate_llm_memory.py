@@ -7,9 +7,9 @@ vocab 32000: 1,100,048,384 parameters) and random weights stored in bf16, and fo
 seeded random low-rank deltas (per 2-D weight scale · A @ B with rank --rank, entries of std
 --delta; 1-D norm weights get small noise). Every tensor is generated on the fly from a generator
 seeded by its name (base) or by (task, name) (delta), row chunk by row chunk, and written with
-`featcal_core.safetensors_io.write_streaming` into sharded safetensors (shards of at most --shard-mb
+`featcal_core.io.safetensors_io.write_streaming` into sharded safetensors (shards of at most --shard-mb
 MB, `model.safetensors.index.json`), with config.json and the offline word tokenizer
-(`featcal_core.synthetic.word_tokenizer`) in the base. The layout (tensor names and shapes) comes
+(`featcal_core.data.synthetic.word_tokenizer`) in the base. The layout (tensor names and shapes) comes
 from a `LlamaForCausalLM` built on the `meta` device. Per task a `save_to_disk` calibration set of
 16 random word sequences of about 128 tokens.
 
@@ -68,7 +68,7 @@ import psutil
 log = logging.getLogger("calibrate_llm_memory")
 
 REPO = Path(__file__).resolve().parents[1]
-INDEX = "model.safetensors.index.json"  # featcal_core.checkpoint.INDEX_NAME (not imported here)
+INDEX = "model.safetensors.index.json"  # featcal_core.io.checkpoint.INDEX_NAME (not imported here)
 MIB = 2**20
 #: elements per generated float32 row chunk (16 MiB)
 CHUNK = 1 << 22
@@ -94,7 +94,7 @@ def _layout(args) -> tuple[object, list[tuple[str, tuple[int, ...]]], object]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from featcal_core.synthetic import word_tokenizer
+    from featcal_core.data.synthetic import word_tokenizer
 
     tokenizer = word_tokenizer()
     if args.vocab < len(tokenizer):
@@ -180,7 +180,7 @@ def _fetcher(shapes: dict[str, tuple[int, ...]], args, task: str | None) -> Call
 def _write_checkpoint(directory: Path, config, shards, shapes, fetch, desc: str) -> None:
     from tqdm.auto import tqdm
 
-    from featcal_core.safetensors_io import write_streaming
+    from featcal_core.io.safetensors_io import write_streaming
 
     directory.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(directory)

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from featcal_core.synthetic import build_pool
+from featcal_core.data.synthetic import build_pool
 
 
 def run_one(num_experts: int, work: Path, images: int, delta: float) -> dict:

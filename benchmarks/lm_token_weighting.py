@@ -30,7 +30,7 @@ What it builds, all under --work:
 What it measures: FeatCal (`featcal_core.calibrate`, ρ = 2.2, α ∈ {0.25, 0.5, 1.0} × λ ∈ {0.05,
 0.5}) with token_weighting "all" (every real token of prompt + answer weighs 1) and "answer" (only
 the positions whose next token is an answer token). Accuracy is label-continuation accuracy
-(`featcal_core.lm_evaluation.label_continuation`, prompt "{text} ->", the task's two label words).
+(`featcal_core.evaluation.language_model.label_continuation`, prompt "{text} ->", the task's two label words).
 Validation (at most --max-val seeded rows per task) scores every grid point; per weighting the grid
 point with the best average validation accuracy is selected (ties: the earlier grid point), and the
 weighting with the better selected validation accuracy wins (ties: "all", the method page's rule).
@@ -70,7 +70,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from featcal_core import FeatCalParams, calibrate  # noqa: E402
-from featcal_core.lm_evaluation import label_continuation  # noqa: E402
+from featcal_core.evaluation.language_model import label_continuation  # noqa: E402
 from featcal_core.merging.run import merge_checkpoints  # noqa: E402
 from featcal_core.report import gap_closed  # noqa: E402
 

@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 
 from featcal_core import calibrate
+from featcal_core.data.synthetic import build_pool
 from featcal_core.memory import peak_rss_bytes, tune_allocator
-from featcal_core.synthetic import build_pool
 
 
 def main() -> None:

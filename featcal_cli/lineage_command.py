@@ -46,7 +46,7 @@ def _json_safe(value: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Run `featcal lineage` for parsed arguments; FeatCalError propagates to the caller."""
-    from featcal_core.lineage import check, format_trace, trace
+    from featcal_core.provenance.lineage import check, format_trace, trace
 
     result = trace(args.path)
     if args.json:

@@ -31,7 +31,7 @@ def _params_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _steps(args: argparse.Namespace):
-    from flows.params import load_params
+    from featcal_core.params import load_params
     from flows.steps import Steps
 
     return Steps(load_params(args.params, args.set))
@@ -164,7 +164,7 @@ def _demo(args: argparse.Namespace) -> int:
         return _synthetic_demo(args)
     import time
 
-    from flows.params import load_params
+    from featcal_core.params import load_params
 
     params = load_params(args.params, args.set)  # validated before any heavy work
     from flows.pipeline import run_pipeline
@@ -189,7 +189,7 @@ def _synthetic_demo(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from featcal_core import calibrate
-    from featcal_core.synthetic import build_pool, load_pool
+    from featcal_core.data.synthetic import build_pool, load_pool
 
     work = Path(args.work)
     pool_dir = work / "pool"
@@ -229,7 +229,7 @@ def _zoo(args: argparse.Namespace) -> int:
 
     settings = None
     if args.params is not None:
-        from flows.params import load_params
+        from featcal_core.params import load_params
 
         settings = load_params(args.params, args.set).zoo
         if settings is None:  # models and tasks are given directly: nothing to build
@@ -282,7 +282,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     missing = [f"--{n}" for n in ("base", "merged", "out") if getattr(args, n) is None]
     if missing:
         raise FeatCalError(f"featcal calibrate needs {', '.join(missing)} (or --params FILE)")
-    from flows.params import featcal_from_flags
+    from featcal_core.params import featcal_from_flags
 
     featcal_from_flags({  # the bounds and types of params.yaml's featcal: section
         "alpha": args.alpha, "rho": args.rho, "lam": args.lam, "eps": args.eps,
@@ -303,7 +303,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise FeatCalError("--runner dask / --dask-address need --results-dir (the Prefect flow)")
     experts, calib = pairs("--expert", args.expert), pairs("--calib", args.calib)
     if args.heads:  # before the calibration, not after it
-        from featcal_core.head_calibration import check_expert_heads
+        from featcal_core.method.head_calibration import check_expert_heads
 
         check_expert_heads(experts, tokenizer_dir=args.base)
     record = calibrate(
@@ -331,7 +331,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     if args.heads:
         from pathlib import Path
 
-        from featcal_core.head_calibration import refit_expert_heads
+        from featcal_core.method.head_calibration import refit_expert_heads
 
         heads = refit_expert_heads(
             args.out, pairs("--expert", args.expert), pairs("--calib", args.calib),
@@ -348,7 +348,7 @@ def _calibrate_flow(args: argparse.Namespace) -> int:
 
     configure()
     from featcal_core import FeatCalParams
-    from featcal_core.calibration import Settings
+    from featcal_core.method.calibration import Settings
     from flows.calibration import calibration_flow, make_spec
 
     spec = make_spec(
@@ -396,7 +396,7 @@ def _lineage(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flows.params import load_params
+    from featcal_core.params import load_params
 
     params = load_params(args.params, args.set)  # validated before any heavy work
     from flows.pipeline import run_pipeline

@@ -47,7 +47,7 @@ def add_parser(sub, commands: dict | None = None) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """Run `featcal import-open-clip` for parsed arguments; FeatCalError propagates."""
-    from featcal_core.open_clip_import import import_open_clip
+    from featcal_core.open_clip.importer import import_open_clip
 
     config = import_open_clip(
         args.source,

@@ -3,9 +3,9 @@
     paths = write_report(
         "data/results/report", run_name="clip-vit-b32 8 tasks",
         evaluation=table,          # tasks/evaluate.py evaluate_models
-        calibration=featcal_json,  # featcal_core/calibration.py record, or None (FeatCal disabled)
+        calibration=featcal_json,  # featcal_core/method/calibration.py record, or None (FeatCal disabled)
         merge=merge_json,          # featcal_core/merging/run.py record, or None
-        lock=lock,                 # featcal_core/resolve.py lock file, or None
+        lock=lock,                 # featcal_core/provenance/resolve.py lock file, or None
     )
 
 The directory is written atomically (`guarded_directory`, overwrite=True): every file is written
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from featcal_core.outputs import check_output, guarded_directory
+from featcal_core.io.outputs import check_output, guarded_directory
 
 __all__ = [
     "DASH",

@@ -23,13 +23,13 @@ from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 
-from featcal_core.block import FeatCalParams
-from featcal_core.calibration import RECORD_NAME, Settings, calibration_inputs, check_tasks
 from featcal_core.errors import FeatCalError
-from featcal_core.outputs import check_output, guarded_directory, prepare_root, sweep_tree
-from featcal_core.run_lock import run_lock
-from featcal_core.safetensors_io import read_header
-from featcal_core.state import BLOCK, digest_of, verify
+from featcal_core.io.outputs import check_output, guarded_directory, prepare_root, sweep_tree
+from featcal_core.io.run_lock import run_lock
+from featcal_core.io.safetensors_io import read_header
+from featcal_core.method.block import FeatCalParams
+from featcal_core.method.calibration import RECORD_NAME, Settings, calibration_inputs, check_tasks
+from featcal_core.method.state import BLOCK, digest_of, verify
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
         storage.mkdir(parents=True, exist_ok=True)
         _remove_partial_states(results_dir)
         cal = spec_calibration(spec)  # validates everything before heavy work
-        digest = inputs_digest(spec)
+        digest = inputs_digest(spec, code={"flows/calibration.py": Path(__file__)})
         runner = task_runner(spec)  # started when a block first needs it (not on a full restore)
         started_runner = []
 

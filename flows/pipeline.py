@@ -11,9 +11,9 @@ import hashlib
 import logging
 from pathlib import Path
 
-from featcal_core.outputs import write_json
+from featcal_core.io.outputs import write_json
+from featcal_core.params import Params, load_params
 from flows.environment import PROJECT_ROOT, configure
-from flows.params import Params, load_params
 from flows.steps import Steps
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ def run_pipeline(params: Params, project_root: Path = PROJECT_ROOT) -> dict:
     from prefect import flow
     from prefect.runtime import flow_run
 
-    from featcal_core.resolve import lock_digest
+    from featcal_core.provenance.resolve import lock_digest
     from tasks.tracking import (
         git_commit,
         log_artifacts,
@@ -112,7 +112,7 @@ def _files_digest(files: dict[str, str]) -> str:
 
 
 def _checkpoint_digest(directory: Path) -> str:
-    from featcal_core.checkpoint import Checkpoint, sha256_file
+    from featcal_core.io.checkpoint import Checkpoint, sha256_file
 
     paths = Checkpoint(directory, "checkpoint").weight_paths()
     return _files_digest({p.name: sha256_file(p) for p in paths})

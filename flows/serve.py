@@ -53,7 +53,7 @@ def serve(
     """Serve the pipeline with a cron or interval schedule until interrupted."""
     if (cron is None) == (interval_s is None):
         raise FeatCalError("featcal serve needs exactly one of --cron EXPR or --interval SECONDS")
-    from flows.params import load_params
+    from featcal_core.params import load_params
 
     load_params(params_path, overrides)  # a bad params file fails now, not at the first run
     if os.environ.get("PREFECT_API_URL"):

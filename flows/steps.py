@@ -22,9 +22,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from featcal_core.errors import FeatCalError
-from featcal_core.outputs import check_target, prepare_root, sweep_tree, write_json
-from featcal_core.run_lock import run_lock
-from flows.params import Params
+from featcal_core.io.outputs import check_target, prepare_root, sweep_tree, write_json
+from featcal_core.io.run_lock import run_lock
+from featcal_core.params import Params
 
 __all__ = ["REPORTS_ROOT", "RESULTS_LAYOUT", "Steps", "layout", "write_json"]
 
@@ -112,7 +112,7 @@ class Steps:
 
     # ----- inputs of later steps -------------------------------------------------------------
     def lock(self) -> dict:
-        from featcal_core.resolve import read_lock
+        from featcal_core.provenance.resolve import read_lock
 
         if not self.paths["lock"].is_file():
             raise FeatCalError(
@@ -122,7 +122,7 @@ class Steps:
 
     def models(self) -> tuple[str, dict[str, str]]:
         """The locked base and experts, after checking every locked file still has its sha256."""
-        from featcal_core.resolve import models_from_lock, verify_lock
+        from featcal_core.provenance.resolve import models_from_lock, verify_lock
 
         lock = self.lock()
         problems = verify_lock(lock)  # digests memoised: free right after the download step
@@ -138,7 +138,7 @@ class Steps:
     def verified(directory: Path, what: str, step: str) -> Path:
         """`directory` when it still holds what featcal wrote there (its marker's digests), else
         a FeatCalError naming the first mismatching file and the step that rewrites it."""
-        from featcal_core.outputs import verify_output
+        from featcal_core.io.outputs import verify_output
 
         wrong = verify_output(directory)
         if wrong is not None:
@@ -198,7 +198,7 @@ class Steps:
         before the calibration starts, not after it)."""
         if not self.params.featcal.heads:
             return
-        from featcal_core.evaluation import ExpertHead
+        from featcal_core.evaluation.classifiers import ExpertHead
         from tasks.evaluate import is_open_clip
 
         base, experts = self.models()
@@ -209,8 +209,8 @@ class Steps:
                 ExpertHead(experts[task], tokenizer_dir=base).require_head()
 
     def calibration_spec(self) -> dict:
-        from featcal_core.block import FeatCalParams
-        from featcal_core.calibration import Settings
+        from featcal_core.method.block import FeatCalParams
+        from featcal_core.method.calibration import Settings
         from flows.calibration import make_spec
 
         base, experts = self.models()
@@ -225,7 +225,7 @@ class Steps:
         )  # fmt: skip
 
     def calibrate(self) -> dict:
-        from featcal_core.lineage import model_card_fields, trace, write_model_card
+        from featcal_core.provenance.lineage import model_card_fields, trace, write_model_card
         from flows.calibration import calibration_flow, calibration_flow_fn
 
         run = calibration_flow_fn if self.in_flow else calibration_flow
@@ -258,7 +258,7 @@ class Steps:
         from tasks.heads import calibrate_heads
 
         base, experts = self.models()
-        from featcal_core.lm_evaluation import generation_kind
+        from featcal_core.evaluation.language_model import generation_kind
 
         if generation_kind(base) is not None:
             raise FeatCalError(

@@ -1,6 +1,6 @@
 """Prefect tasks for a resumable calibration: stems, one task per block, export.
 
-Each stage persists a state directory (featcal_core.state) under `<results_dir>/states/<key>`,
+Each stage persists a state directory (featcal_core.method.state) under `<results_dir>/states/<key>`,
 where the key is built from content, never from paths: the digest of all inputs (weight files,
 calibration sets, FeatCal hyperparameters and settings, code version) and, for block i, the digest
 of block i-1's persisted state. A task whose key has a valid state is restored, not recomputed;
@@ -22,12 +22,12 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE, CachePolicy
 
 import featcal_core
-from featcal_core.block import FeatCalParams
-from featcal_core.calibration import Calibration, Settings, block_summary, log_block
-from featcal_core.checkpoint import sha256_file, sha256_tree
-from featcal_core.outputs import temp_path
-from featcal_core.safetensors_io import save_tensors
-from featcal_core.state import (
+from featcal_core.io.checkpoint import sha256_file, sha256_tree
+from featcal_core.io.outputs import temp_path
+from featcal_core.io.safetensors_io import save_tensors
+from featcal_core.method.block import FeatCalParams
+from featcal_core.method.calibration import Calibration, Settings, block_summary, log_block
+from featcal_core.method.state import (
     BLOCK,
     STREAMS,
     commit_state,
@@ -37,7 +37,7 @@ from featcal_core.state import (
     streams_of,
     verify,
 )
-from featcal_core.streams import HiddenStreams, stream_file_name
+from featcal_core.method.streams import HiddenStreams, stream_file_name
 
 log = logging.getLogger(__name__)
 
@@ -60,16 +60,13 @@ def _calibration(spec_json: str) -> Calibration:
     )
 
 
-def code_version() -> str:
-    """Digest of all code that shapes a state (featcal_core's sources, this module and
-    flows/calibration.py): a change invalidates every block. Files are named by their path in the
-    project, never an absolute one."""
-    import flows.calibration  # imports featcal_core only (it reaches this module lazily)
-
+def code_version(more: dict[str, Path] | None = None) -> str:
+    """Digest of all code that shapes a state: featcal_core's sources, this module, and `more`
+    ({project path: file}; the calibration flow adds its own module): a change invalidates every
+    block. Files are named by their path in the project, never an absolute one."""
     root = Path(featcal_core.__file__).parent
     files = [(f"featcal_core/{p.relative_to(root).as_posix()}", p) for p in root.rglob("*.py")]
-    files += [("tasks/calibration.py", Path(__file__)),
-              ("flows/calibration.py", Path(flows.calibration.__file__))]  # fmt: skip
+    files += [("tasks/calibration.py", Path(__file__)), *(more or {}).items()]
     digest = hashlib.sha256()
     for name, path in sorted(files):
         data = path.read_bytes()
@@ -78,8 +75,9 @@ def code_version() -> str:
     return digest.hexdigest()
 
 
-def inputs_digest(spec: dict) -> str:
-    """Digest of everything a calibration's result depends on except the blocks' own chain."""
+def inputs_digest(spec: dict, code: dict[str, Path] | None = None) -> str:
+    """Digest of everything a calibration's result depends on except the blocks' own chain;
+    `code`: more source files that shape the states (see `code_version`)."""
     cal = spec_calibration(spec)
     models = cal.models
     parts = {
@@ -91,7 +89,7 @@ def inputs_digest(spec: dict) -> str:
         "calibration": {t: sha256_tree(Path(s.path)) for t, s in cal.sets.items()},
         "params": spec["params"],
         "settings": spec["settings"],
-        "code": code_version(),
+        "code": code_version(code),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 

@@ -1,4 +1,4 @@
-"""Prefect task for the calibration-sets step: a thin wrapper over featcal_core.calibration_sets.
+"""Prefect task for the calibration-sets step: a thin wrapper over featcal_core.data.calibration_sets.
 
 For every task in the params it draws `featcal.num_per_task` rows (seed `run.seed`) of the task's
 calibration source and writes them to `<out_root>/<task>` (default out_root:
@@ -14,9 +14,9 @@ from pathlib import Path
 
 from prefect import task
 
-from featcal_core.calibration_sets import draw_calibration_set
+from featcal_core.data.calibration_sets import draw_calibration_set
 from featcal_core.errors import FeatCalError
-from flows.params import Params
+from featcal_core.params import Params
 
 log = logging.getLogger(__name__)
 

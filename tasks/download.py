@@ -1,6 +1,6 @@
 """Prefect task "download-experts": resolve the base and the experts, check the pool, lock it.
 
-The work is in featcal_core.resolve; this task only reads the `models:` section of the params,
+The work is in featcal_core.provenance.resolve; this task only reads the `models:` section of the params,
 calls it, and writes the lock file (`data/models.lock.json` by default), which later steps and DVC
 use to know exactly which weights the run used. Network retries happen inside `resolve_model`,
 so the Prefect task itself does not retry.
@@ -18,8 +18,8 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import ValidationError
 
 from featcal_core.errors import FeatCalError
-from featcal_core.resolve import check_pool, resolve_model, write_lock
-from flows.params import ModelsSpec
+from featcal_core.params import ModelsSpec
+from featcal_core.provenance.resolve import check_pool, resolve_model, write_lock
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,9 @@ def models_spec(models: ModelsSpec | Mapping[str, Any]) -> ModelsSpec:
         return ModelsSpec.model_validate(dict(models))
     except ValidationError as exc:
         first = exc.errors()[0]
-        at = (first.get("ctx") or {}).get("featcal_key_suffix") or ""  # flows.params._error's key
+        at = (first.get("ctx") or {}).get(
+            "featcal_key_suffix"
+        ) or ""  # featcal_core.params._error's key
         parts = ("models", *first["loc"], *(at.split(".") if at else ()))
         where = ".".join(str(part) for part in parts)
         raise FeatCalError(f"{where}: {first['msg']}; fix the models section") from None

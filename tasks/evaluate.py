@@ -4,11 +4,11 @@ the task's expert, the merged and the calibrated model, and normalized accuracy 
 A task with `class_names` or `templates` in params is evaluated with a CLIP zero-shot head built
 from the base CLIPModel's text tower (class embeddings cached under `<results>/heads`); any other
 task with its expert's own classification head. open_clip pools (open-clip-vision) use the
-base's open_clip text tower (featcal_core.open_clip_zero_shot; the base's source comes from the
+base's open_clip text tower (featcal_core.open_clip.zero_shot; the base's source comes from the
 results' models.lock.json), also for tasks without class_names/templates (class names: the label
 feature's; open_clip experts are bare vision towers without a head). Causal LMs (hf-llama) are
 scored by the likeliest label continuation (`label_words` after `prompt`,
-featcal_core.lm_evaluation), with the base as a row too, plus the perplexity of the evaluation
+featcal_core.evaluation.language_model), with the base as a row too, plus the perplexity of the evaluation
 texts. Evaluation data never feeds calibration: the params refuse a task whose evaluation source
 is its calibration source.
 """
@@ -24,12 +24,21 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from featcal_core.calibration_sets import open_source
+from featcal_core.data.calibration_sets import open_source
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation import ExpertHead, ZeroShotHead, evaluate, normalized_accuracy
-from featcal_core.linear_head import load_linear_head
-from featcal_core.lm_evaluation import DEFAULT_TEMPLATE, evaluate_lm_dataset, generation_kind
-from featcal_core.outputs import guarded_directory, verify_output
+from featcal_core.evaluation.classifiers import (
+    ExpertHead,
+    ZeroShotHead,
+    evaluate,
+    normalized_accuracy,
+)
+from featcal_core.evaluation.language_model import (
+    DEFAULT_TEMPLATE,
+    evaluate_lm_dataset,
+    generation_kind,
+)
+from featcal_core.evaluation.linear_head import load_linear_head
+from featcal_core.io.outputs import guarded_directory, verify_output
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +88,7 @@ def task_head(
         names = list(names)
     templates = tuple(spec.templates or DEFAULT_TEMPLATES)
     if open_clip:
-        from featcal_core.open_clip_zero_shot import OpenCLIPZeroShotHead
+        from featcal_core.open_clip.zero_shot import OpenCLIPZeroShotHead
 
         source = base_source if base_source is not None else _base_source(root, Path(base))
         head = OpenCLIPZeroShotHead.from_source_record(source, base, names, templates,
@@ -101,7 +110,7 @@ def is_open_clip(base: Path) -> bool:
 def _base_source(root: Path, base: Path) -> dict[str, Any]:
     """The base's `open_clip_source` from the results' lock (the base's open_clip checkpoint,
     whose text tower gives the class embeddings)."""
-    from featcal_core.resolve import read_lock
+    from featcal_core.provenance.resolve import read_lock
 
     lock_path = root / "models.lock.json"
     if not lock_path.is_file():

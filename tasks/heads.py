@@ -3,7 +3,7 @@ calibrated model. For every task, the task's head (the one evaluation uses: the 
 classifier, or the CLIP zero-shot class embeddings) is refit in closed form on the task's
 calibration inputs (the same rows FeatCal used; no labels) so that, on the evaluated tower, it
 reproduces the expert's logits. Written as `<results>/refit_heads/<model>/<task>/classifier.*`
-(featcal_core.linear_head format); the evaluate step scores "<model>_heads" rows with them.
+(featcal_core.evaluation.linear_head format); the evaluate step scores "<model>_heads" rows with them.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from featcal_core.calibration_data import load_calibration_set
-from featcal_core.head_calibration import calibrate_head
-from featcal_core.linear_head import save_linear_head
-from featcal_core.outputs import guarded_directory
+from featcal_core.data.calibration_data import load_calibration_set
+from featcal_core.evaluation.linear_head import save_linear_head
+from featcal_core.io.outputs import guarded_directory
+from featcal_core.method.head_calibration import calibrate_head
 from tasks.evaluate import task_head
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,6 @@ FITTED_ON = "fitted_on.json"
 
 def weight_digests(directory: str | Path) -> dict[str, str]:
     """{weight file name: sha256} of a checkpoint."""
-    from featcal_core.checkpoint import Checkpoint, sha256_file
+    from featcal_core.io.checkpoint import Checkpoint, sha256_file
 
     return {p.name: sha256_file(p) for p in Checkpoint(directory, "checkpoint").weight_paths()}

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from prefect import task
 
-from featcal_core.checkpoint import Checkpoint, sha256_file
+from featcal_core.io.checkpoint import Checkpoint, sha256_file
+from featcal_core.io.outputs import verify_output
 from featcal_core.merging import get
 from featcal_core.merging.run import RECORD_NAME, merge_checkpoints
-from featcal_core.outputs import verify_output
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from featcal_core.memory import peak_rss_bytes
-from flows.params import Params, TrackingSettings, flatten
+from featcal_core.params import Params, TrackingSettings, flatten
 
 if TYPE_CHECKING:
     import mlflow
@@ -265,7 +265,7 @@ def step_run(
 
 
 def log_calibration_record(record: Mapping[str, Any], *, run_id: str | None = None) -> None:
-    """Log a calibration record (featcal_core.calibration, `featcal.json`) to the parent run
+    """Log a calibration record (featcal_core.method.calibration, `featcal.json`) to the parent run
     (or `run_id`); nothing without a parent run.
 
     Metrics: per block (step = block index) `drift_before/<task>`, `drift_after/<task>`, their

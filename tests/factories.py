@@ -1,4 +1,4 @@
-"""Tiny real checkpoints and calibration sets for the tests, built with featcal_core.synthetic,
+"""Tiny real checkpoints and calibration sets for the tests, built with featcal_core.data.synthetic,
 plus helpers that rewrite a checkpoint the way other writers lay it out."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import CLIPImageProcessor, CLIPVisionModel
 
-from featcal_core.synthetic import Pool as Zoo
-from featcal_core.synthetic import build_pool
+from featcal_core.data.synthetic import Pool as Zoo
+from featcal_core.data.synthetic import build_pool
 
 TINY_CLIP = dict(
     hidden_size=32,

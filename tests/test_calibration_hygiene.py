@@ -1,4 +1,4 @@
-"""Calibration hygiene by content (featcal_core/calibration_sets.py, calibration_data.py): a drawn
+"""Calibration hygiene by content (featcal_core/data/calibration_sets.py, calibration_data.py): a drawn
 calibration row whose input is also an evaluation row is refused however the data was copied, and
 null or undecodable rows give one FeatCalError line naming the source, row and column. CPU only,
 tiny datasets built on the fly."""
@@ -16,10 +16,10 @@ from PIL import Image
 
 import factories
 from factories import grey_image, grey_images, save_grey_image_splits
-from featcal_core import calibration_sets
-from featcal_core.calibration_data import CONTENT_DIGEST, input_digest, load_calibration_set
-from featcal_core.calibration_sets import RECORD_NAME, draw_calibration_set
-from featcal_core.data_source import DataSource
+from featcal_core.data import calibration_sets
+from featcal_core.data.calibration_data import CONTENT_DIGEST, input_digest, load_calibration_set
+from featcal_core.data.calibration_sets import RECORD_NAME, draw_calibration_set
+from featcal_core.data.source import DataSource
 from featcal_core.errors import FeatCalError
 
 N_TRAIN, N_TEST = factories.N_TRAIN, factories.N_TEST

@@ -1,5 +1,5 @@
 """Calibration sets: seeded samples of local/Hub sources saved for `featcal calibrate`
-(featcal_core/calibration_sets.py, tasks/calibration_sets.py). CPU only, no network."""
+(featcal_core/data/calibration_sets.py, tasks/calibration_sets.py). CPU only, no network."""
 
 from __future__ import annotations
 
@@ -14,17 +14,17 @@ from PIL import Image
 
 import factories
 from factories import grey_image, grey_images, save_grey_image_splits
-from featcal_core.calibration_data import load_calibration_set
-from featcal_core.calibration_sets import (
+from featcal_core.data.calibration_data import load_calibration_set
+from featcal_core.data.calibration_sets import (
     RECORD_NAME,
     draw_calibration_set,
     open_source,
     sample_rows,
 )
-from featcal_core.checkpoint import sha256_tree
 from featcal_core.errors import FeatCalError
-from featcal_core.outputs import MARKER
-from flows.params import DataSource, Params
+from featcal_core.io.checkpoint import sha256_tree
+from featcal_core.io.outputs import MARKER
+from featcal_core.params import DataSource, Params
 
 N_TRAIN, N_TEST = factories.N_TRAIN, factories.N_TEST
 _image, _images = grey_image, grey_images

@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from featcal_core.checkpoint import Checkpoint
-from featcal_core.safetensors_io import write_streaming
+from featcal_core.io.checkpoint import Checkpoint
+from featcal_core.io.safetensors_io import write_streaming
 
 
 def test_streaming_writer_round_trips_every_dtype(tmp_path):
@@ -44,7 +44,7 @@ def test_streaming_writer_round_trips_every_dtype(tmp_path):
 
 def test_featcal_core_imports_no_orchestration():
     code = (
-        "import sys, featcal_core, featcal_core.calibration, featcal_core.architectures as a; "
+        "import sys, featcal_core, featcal_core.method.calibration, featcal_core.architectures as a; "
         "a.supported(); "
         "bad = [m for m in ('prefect', 'mlflow', 'dvc') if m in sys.modules]; "
         "assert not bad, bad"

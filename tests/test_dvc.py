@@ -14,7 +14,7 @@ from pathlib import Path
 import yaml
 from test_pipeline import write_params
 
-from flows.params import dump, load_params
+from featcal_core.params import dump, load_params
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,9 +29,14 @@ from transformers import (
 )
 
 from factories import TINY_BERT, TINY_CLIP, tiny_clip_model, to_transformers4_layout
+from featcal_core.data.synthetic import WORDS
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation import ExpertHead, ZeroShotHead, evaluate, normalized_accuracy
-from featcal_core.synthetic import WORDS
+from featcal_core.evaluation.classifiers import (
+    ExpertHead,
+    ZeroShotHead,
+    evaluate,
+    normalized_accuracy,
+)
 
 NUM_LABELS = 3
 CLASS_NAMES = ["cat", "dog", "bird"]

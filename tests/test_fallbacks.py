@@ -15,14 +15,14 @@ from safetensors.torch import load_file, save_file
 
 import factories
 import tasks.calibration as task_module
-from featcal_core import block as block_module
-from featcal_core import solvers
-from featcal_core.block import FeatCalParams, TaskStatistics
-from featcal_core.calibration import Calibration, block_summary
 from featcal_core.errors import FeatCalError
-from featcal_core.solvers import Fallbacks
-from featcal_core.statistics import LinearInputStats, NormStats
-from featcal_core.streams import HiddenStreams
+from featcal_core.method import block as block_module
+from featcal_core.method import solvers
+from featcal_core.method.block import FeatCalParams, TaskStatistics
+from featcal_core.method.calibration import Calibration, block_summary
+from featcal_core.method.solvers import Fallbacks
+from featcal_core.method.statistics import LinearInputStats, NormStats
+from featcal_core.method.streams import HiddenStreams
 
 D64 = torch.float64
 CPU = torch.device("cpu")
@@ -207,8 +207,10 @@ def test_default_parameters_record_no_fallbacks(tmp_path):
 def test_code_version_covers_tasks_and_flows_calibration(tmp_path, monkeypatch):
     import flows.calibration as flow_module
 
-    original = task_module.code_version()
-    assert task_module.code_version() == original  # deterministic
+    flow = {"flows/calibration.py": Path(flow_module.__file__)}
+    original = task_module.code_version(flow)
+    assert task_module.code_version(flow) == original  # deterministic
+    assert task_module.code_version() != original  # the flow's module counts
     for module in (task_module, flow_module):
         source = Path(module.__file__)
         copy = tmp_path / module.__name__ / source.name
@@ -216,7 +218,8 @@ def test_code_version_covers_tasks_and_flows_calibration(tmp_path, monkeypatch):
         shutil.copy2(source, copy)
         with monkeypatch.context() as patch:
             patch.setattr(module, "__file__", str(copy))
-            assert task_module.code_version() == original  # same bytes elsewhere: same key
+            moved = {"flows/calibration.py": Path(flow_module.__file__)}
+            assert task_module.code_version(moved) == original  # same bytes elsewhere: same key
             copy.write_bytes(copy.read_bytes() + b"\n# a change\n")
-            assert task_module.code_version() != original
-        assert task_module.code_version() == original
+            assert task_module.code_version(moved) != original
+        assert task_module.code_version(flow) == original

@@ -1,7 +1,7 @@
 """Fault injection: the guarantees of docs/reliability.md, one test (or more) per case of the
 reliability issue (the solver fallbacks of case 8 are in test_fallbacks.py, the served API's token
 of case 11 in test_serve.py, the row-level hygiene checks in test_calibration_hygiene.py). Whole `featcal run`s use the tests' shared Prefect server; the kills are real
-SIGKILLs at named places (featcal_core.failpoints), the runs real Prefect flows, MLflow stores and
+SIGKILLs at named places (featcal_core.io.failpoints), the runs real Prefect flows, MLflow stores and
 safetensors checkpoints."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from test_pipeline import write_params
 import factories
 from featcal_cli.main import main
 from featcal_core.errors import FeatCalError
-from featcal_core.outputs import MARKER, OLD_TAG, TEMP_TAG, guarded_directory, sweep
-from featcal_core.run_lock import run_lock
+from featcal_core.io.outputs import MARKER, OLD_TAG, TEMP_TAG, guarded_directory, sweep
+from featcal_core.io.run_lock import run_lock
 
 # ------------------------------------------------------------------------------------ helpers
 
@@ -172,7 +172,7 @@ def test_second_run_stops_before_writing_and_the_first_is_unchanged(
 
 def test_run_lock_names_its_holder_and_a_dead_holder_is_taken_over(tmp_path):
     code = (
-        "import sys, time; from featcal_core.run_lock import run_lock\n"
+        "import sys, time; from featcal_core.io.run_lock import run_lock\n"
         f"with run_lock({str(tmp_path)!r}):\n"
         "    print('held', flush=True); time.sleep(60)\n"
     )
@@ -319,7 +319,7 @@ def test_user_file_inside_a_marked_output_is_never_deleted(tmp_path):
 
 
 def test_replacing_an_output_never_leaves_its_path_missing(tmp_path):
-    from featcal_core.outputs import exchange
+    from featcal_core.io.outputs import exchange
 
     first, second = tmp_path / "a", tmp_path / "b"
     first.mkdir()

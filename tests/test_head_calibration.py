@@ -14,8 +14,8 @@ from test_evaluation import (  # noqa: F401  (module fixtures: tiny BERT expert,
 from transformers import AutoTokenizer, BertForSequenceClassification
 
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation import ExpertHead, ZeroShotHead, evaluate
-from featcal_core.head_calibration import HeadStatistics, calibrate_head, fit_linear_head
+from featcal_core.evaluation.classifiers import ExpertHead, ZeroShotHead, evaluate
+from featcal_core.method.head_calibration import HeadStatistics, calibrate_head, fit_linear_head
 
 DTYPE = torch.float64
 
@@ -136,7 +136,7 @@ def test_featcal_calibrate_heads_writes_refit_heads(tmp_path):
     from test_pipeline import _bert_with_heads, _labelled_texts
 
     from featcal_cli.main import main
-    from featcal_core.linear_head import load_linear_head
+    from featcal_core.evaluation.linear_head import load_linear_head
     from featcal_core.merging.run import merge_checkpoints
 
     base, experts = _bert_with_heads(tmp_path)

@@ -1,4 +1,4 @@
-"""Lineage (featcal_core/lineage.py, `featcal lineage`): a results layout built by hand with the
+"""Lineage (featcal_core/provenance/lineage.py, `featcal lineage`): a results layout built by hand with the
 records' real shapes, traced, verified, tampered with; the model card; and one chain written by
 the real writers (lock, calibration sets, merge, calibrate) on a tiny synthetic pool."""
 
@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from featcal_cli import lineage_command
-from featcal_core import lineage
-from featcal_core.checkpoint import sha256_file, sha256_tree
 from featcal_core.errors import FeatCalError
-from featcal_core.lineage import (
+from featcal_core.io.checkpoint import sha256_file, sha256_tree
+from featcal_core.provenance import lineage
+from featcal_core.provenance.lineage import (
     check,
     format_trace,
     model_card_fields,
@@ -26,7 +26,7 @@ from featcal_core.lineage import (
     trace,
     write_model_card,
 )
-from featcal_core.resolve import ResolvedModel, read_lock, write_lock
+from featcal_core.provenance.resolve import ResolvedModel, read_lock, write_lock
 
 TASKS = ("alpha", "beta")
 HUB_ID = "openai/clip-vit-base-patch32"
@@ -248,8 +248,9 @@ def _tamper(path: Path) -> None:
 
 # ----- trace -----------------------------------------------------------------------------------
 def test_record_names_are_the_writers():
-    from featcal_core import calibration, calibration_sets
+    from featcal_core.data import calibration_sets
     from featcal_core.merging import run as merging_run
+    from featcal_core.method import calibration
 
     assert lineage.FEATCAL_RECORD == calibration.RECORD_NAME
     assert lineage.MERGE_RECORD == merging_run.RECORD_NAME
@@ -593,10 +594,10 @@ def test_command_fails_on_a_changed_input(run, capsys):
 def test_chain_written_by_the_real_writers(tmp_path):
     """Lock (resolve_model), calibration sets, merge and calibrate on a tiny synthetic pool."""
     import factories
-    from featcal_core.calibration import calibrate
-    from featcal_core.calibration_sets import draw_calibration_set
+    from featcal_core.data.calibration_sets import draw_calibration_set
     from featcal_core.merging.run import merge_checkpoints
-    from featcal_core.resolve import resolve_model
+    from featcal_core.method.calibration import calibrate
+    from featcal_core.provenance.resolve import resolve_model
 
     zoo = factories.clip_zoo(tmp_path / "zoo", rows=6)
     results = tmp_path / "results"

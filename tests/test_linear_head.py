@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from featcal_core.errors import FeatCalError
-from featcal_core.linear_head import (
+from featcal_core.evaluation.linear_head import (
     CONFIG_NAME,
     WEIGHTS_NAME,
     LinearHead,

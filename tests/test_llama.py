@@ -27,8 +27,8 @@ from transformers import (
 import factories
 from featcal_cli.main import main
 from featcal_core.architectures import detect
+from featcal_core.data.synthetic import build_pool, word_tokenizer
 from featcal_core.errors import FeatCalError
-from featcal_core.synthetic import build_pool, word_tokenizer
 from reference import Family, reference_featcal
 
 TINY_LLAMA = dict(

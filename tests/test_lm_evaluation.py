@@ -10,9 +10,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from featcal_core.data.synthetic import WORDS, word_tokenizer
 from featcal_core.errors import FeatCalError
-from featcal_core.lm_evaluation import evaluate_lm_dataset, label_continuation, perplexity
-from featcal_core.synthetic import WORDS, word_tokenizer
+from featcal_core.evaluation.language_model import (
+    evaluate_lm_dataset,
+    label_continuation,
+    perplexity,
+)
 
 TEMPLATE = "{text} ->"
 LABEL_WORDS = ["good", "bad", "long story"]  # one two-token label: no length normalisation
@@ -108,7 +112,7 @@ def test_t5_label_scoring_matches_the_models_own_loss(tmp_path):
     prompt; brute force: the HF model's mean loss on that one pair times its label length."""
     from transformers import T5Config, T5ForConditionalGeneration
 
-    from featcal_core.synthetic import t5_tokenizer
+    from featcal_core.data.synthetic import t5_tokenizer
 
     tokenizer = t5_tokenizer()
     torch.manual_seed(4)

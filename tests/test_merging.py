@@ -19,13 +19,13 @@ from safetensors.torch import load_file, save_file
 import factories
 from featcal_cli import merge_command
 from featcal_core import merging
-from featcal_core.checkpoint import sha256_file
+from featcal_core.data.synthetic import build_pool
 from featcal_core.errors import FeatCalError
+from featcal_core.io.checkpoint import sha256_file
+from featcal_core.io.safetensors_io import Reader
 from featcal_core.merging.base import MergeMethod
 from featcal_core.merging.run import merge_checkpoints
 from featcal_core.merging.ties import Ties, kept_count
-from featcal_core.safetensors_io import Reader
-from featcal_core.synthetic import build_pool
 
 TINY_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
@@ -401,7 +401,7 @@ def test_row_chunks_give_the_whole_tensor_merge_bit_for_bit(zoos, tmp_path, monk
 
 
 def test_read_rows_and_chunked_writes(tmp_path):
-    from featcal_core.safetensors_io import write_streaming
+    from featcal_core.io.safetensors_io import write_streaming
 
     tensor = torch.arange(60, dtype=torch.bfloat16).reshape(5, 3, 4)
     path = tmp_path / "t.safetensors"
@@ -694,7 +694,7 @@ def test_old_bert_base_with_position_ids_buffer(tmp_path):
     buffer; experts saved by transformers 5 do not. Merging copies it from the base, the pool
     check and the calibration accept it, and evaluation ignores it."""
     from featcal_core import calibrate
-    from featcal_core.resolve import check_pool, resolve_model
+    from featcal_core.provenance.resolve import check_pool, resolve_model
 
     pool = factories.bert_zoo(tmp_path / "pool", tasks=("alpha", "beta"), delta=0.02)
     weights = pool.base / "model.safetensors"

@@ -25,9 +25,9 @@ from transformers import CLIPVisionConfig, CLIPVisionModel
 import factories
 from featcal_cli.main import main
 from featcal_core.architectures import detect
+from featcal_core.data.synthetic import Pool, image_set
 from featcal_core.errors import FeatCalError
-from featcal_core.open_clip_import import featcal_config, import_open_clip
-from featcal_core.synthetic import Pool, image_set
+from featcal_core.open_clip.importer import featcal_config, import_open_clip
 from reference import Family, reference_featcal
 
 VISION = dict(image_size=32, patch_size=8, width=32, layers=2, head_width=8, mlp_ratio=2.0)

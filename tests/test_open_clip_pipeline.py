@@ -25,12 +25,13 @@ from test_resolve import hub_cache
 
 import factories
 from featcal_cli.main import main
-from featcal_core import resolve
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation import evaluate
-from featcal_core.head_calibration import calibrate_head
-from featcal_core.open_clip_zero_shot import OpenCLIPZeroShotHead
-from featcal_core.resolve import (
+from featcal_core.evaluation.classifiers import evaluate
+from featcal_core.method.head_calibration import calibrate_head
+from featcal_core.open_clip.zero_shot import OpenCLIPZeroShotHead
+from featcal_core.params import ModelRef, load_params
+from featcal_core.provenance import resolve
+from featcal_core.provenance.resolve import (
     ResolvedModel,
     check_pool,
     models_from_lock,
@@ -39,7 +40,6 @@ from featcal_core.resolve import (
     verify_lock,
     write_lock,
 )
-from flows.params import ModelRef, load_params
 
 VISION = dict(image_size=32, patch_size=8, width=32, layers=2, head_width=8, mlp_ratio=2.0)
 # open_clip's SimpleTokenizer (shipped with the package) needs its full vocabulary
@@ -53,7 +53,7 @@ TEMPLATES = ["a photo of a {}.", "a {}."]
 
 
 def sha256(path: Path) -> str:
-    from featcal_core.checkpoint import sha256_file
+    from featcal_core.io.checkpoint import sha256_file
 
     return sha256_file(path)
 
@@ -362,7 +362,7 @@ def test_featcal_run_on_an_open_clip_pool(pool, tmp_path, prefect_api, monkeypat
             assert 0.0 <= result["accuracy"] <= 1.0 and result["examples"] == 6
     assert len(list((results / "heads").glob("open-clip-zeroshot-*.safetensors"))) == 2
 
-    from featcal_core.lineage import trace
+    from featcal_core.provenance.lineage import trace
 
     monkeypatch.chdir(tmp_path)  # the lock's import paths are relative to the working directory
     chain = trace(results / "calibrated")

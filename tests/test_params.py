@@ -1,4 +1,4 @@
-"""params.yaml: schema, loading, overrides, one-line errors naming the key (flows/params.py)."""
+"""params.yaml: schema, loading, overrides, one-line errors naming the key (featcal_core/params.py)."""
 
 import subprocess
 import sys
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from featcal_core.block import FeatCalParams
 from featcal_core.errors import FeatCalError
-from flows.params import ModelRef, Params, dump, flatten, load_params
+from featcal_core.method.block import FeatCalParams
+from featcal_core.params import ModelRef, Params, dump, flatten, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "flows" / "params_example.yaml"
@@ -171,7 +171,7 @@ def test_calibration_settings(tmp_path):
 
 
 def test_import_light():
-    code = "import sys, flows.params; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, featcal_core.params; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

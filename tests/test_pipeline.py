@@ -19,7 +19,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import factories
-from featcal_core.synthetic import WORDS
+from featcal_core.data.synthetic import WORDS
 
 
 def _labelled_images(path, seed, rows=(20, 10)):
@@ -251,8 +251,8 @@ def test_featcal_run_language_model_scores_labels(tmp_path, prefect_api, family)
     """A Llama-layout causal LM and a T5 through the whole flow: calibrated by their adapters
     (T5: decoder teacher-forced on the sets' `target` column), evaluated by label scoring (base,
     experts, merged, calibrated), plus perplexity for the causal LM."""
-    from featcal_core.lm_evaluation import evaluate_lm_dataset
-    from featcal_core.synthetic import build_pool
+    from featcal_core.data.synthetic import build_pool
+    from featcal_core.evaluation.language_model import evaluate_lm_dataset
 
     config, arch, blocks = LANGUAGE_MODELS[family]
     pool = build_pool(tmp_path / "pool", family, config, ("alpha", "beta"))

@@ -16,10 +16,12 @@ import pytest
 from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
 from factories import TINY_CLIP, bert_zoo, clip_zoo, reshard, to_transformers4_layout
-from featcal_core import resolve
 from featcal_core.architectures import detect
+from featcal_core.data.synthetic import build_pool
 from featcal_core.errors import FeatCalError
-from featcal_core.resolve import (
+from featcal_core.params import ModelRef
+from featcal_core.provenance import resolve
+from featcal_core.provenance.resolve import (
     ResolvedModel,
     check_pool,
     lock_digest,
@@ -29,8 +31,6 @@ from featcal_core.resolve import (
     verify_lock,
     write_lock,
 )
-from featcal_core.synthetic import build_pool
-from flows.params import ModelRef
 
 
 def sha256(path: Path) -> str:

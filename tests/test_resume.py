@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from featcal_core.synthetic import build_pool
+from featcal_core.data.synthetic import build_pool
 
 RESUME_CLIP = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
@@ -155,7 +155,7 @@ def test_two_runs_at_once_on_one_results_dir(zoo, tmp_path, reference):
             assert not out.exists()
         else:
             assert len(_record(out)["blocks"]) == RESUME_CLIP["num_hidden_layers"]
-    from featcal_core.state import verify
+    from featcal_core.method.state import verify
 
     states = [p for p in (results / "states").iterdir() if not p.name.startswith(".")]
     assert states and all(verify(p) is not None for p in states)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from featcal_core import solvers, statistics
 from featcal_core.errors import FeatCalError
-from featcal_core.solvers import anchor
-from featcal_core.statistics import LinearInputStats, NormStats
+from featcal_core.method import solvers, statistics
+from featcal_core.method.solvers import anchor
+from featcal_core.method.statistics import LinearInputStats, NormStats
 
 D64 = torch.float64
 

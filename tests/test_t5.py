@@ -25,7 +25,7 @@ from transformers import (
 
 import factories
 from featcal_cli.main import main
-from featcal_core.synthetic import build_pool, load_pool, t5_tokenizer
+from featcal_core.data.synthetic import build_pool, load_pool, t5_tokenizer
 from reference import reference_featcal_t5, t5_hidden_states, t5_inputs
 
 ALPHA, RHO, LAM = 0.25, 2.2, 0.05

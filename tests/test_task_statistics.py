@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import factories
-from featcal_core.block import TaskStatistics
-from featcal_core.calibration import Calibration
 from featcal_core.errors import FeatCalError
-from featcal_core.statistics import LinearInputStats, NormStats
-from featcal_core.streams import EXPERT, STUDENT, HiddenStreams
+from featcal_core.method.block import TaskStatistics
+from featcal_core.method.calibration import Calibration
+from featcal_core.method.statistics import LinearInputStats, NormStats
+from featcal_core.method.streams import EXPERT, STUDENT, HiddenStreams
 
 CPU = torch.device("cpu")
 

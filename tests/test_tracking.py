@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from flows.params import Params, TrackingSettings, flatten, load_params
+from featcal_core.params import Params, TrackingSettings, flatten, load_params
 from tasks import tracking
 from tasks.tracking import (
     artifact_root,
@@ -54,7 +54,7 @@ def make_params(tmp_path: Path, **sections) -> Params:
 
 
 def fake_record(num_blocks: int = 3) -> dict:
-    """A calibration record shaped like featcal_core.calibration's featcal.json."""
+    """A calibration record shaped like featcal_core.method.calibration's featcal.json."""
     digest = "0" * 64
     return {
         "featcal_record_version": 1,

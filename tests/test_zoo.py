@@ -17,9 +17,9 @@ from PIL import Image
 import factories
 from featcal_cli.main import main
 from featcal_core.errors import FeatCalError
+from featcal_core.params import Params, load_params
 from featcal_core.zoo import hub_cache
 from featcal_core.zoo.build import PRESETS, ZooSpec, build_zoo, load_manifest
-from flows.params import Params, load_params
 
 
 def _toy_images(path, vertical: bool, seed: int, rows=(40, 16)):

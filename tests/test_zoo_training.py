@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from featcal_core.errors import FeatCalError
-from featcal_core.linear_head import load_linear_head
+from featcal_core.evaluation.linear_head import load_linear_head
 from featcal_core.zoo.training import (
     finetune_text_expert,
     finetune_vision_expert,

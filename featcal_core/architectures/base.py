@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal_core.checkpoint import Checkpoint
 from featcal_core.errors import FeatCalError
+from featcal_core.io.checkpoint import Checkpoint
 
 #: weight of non-pooled tokens in the last block (method page, "Token weights")
 POOLED_OTHER_WEIGHT = 0.01

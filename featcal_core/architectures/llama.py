@@ -60,7 +60,7 @@ class HFLlama(Architecture):
     pooled_position = None
     pooled_exempt = ()
     norm_types = ()  # no LayerNorm in these blocks; the RMS norms are set per family below
-    causal = True  # evaluated by label continuation and perplexity (featcal_core.lm_evaluation)
+    causal = True  # evaluated by label continuation and perplexity (featcal_core.evaluation.language_model)
 
     def __init__(self, config: dict[str, Any], pooling: str | None = None):
         super().__init__(config, pooling)

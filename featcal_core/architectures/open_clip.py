@@ -1,6 +1,6 @@
 """open_clip vision towers: `open_clip.transformer.VisionTransformer` (the `visual` tower of an
 open_clip `CLIP`, as used by the original Task Arithmetic experts), imported with
-`featcal import-open-clip` (featcal_core/open_clip_import.py).
+`featcal import-open-clip` (featcal_core/open_clip/importer.py).
 
 config.json: `"model_type": "open_clip_vision"` plus open_clip's `vision_cfg` fields (image_size,
 patch_size, width, layers, head_width, mlp_ratio, ls_init_value, ...), `heads`, `quick_gelu` and

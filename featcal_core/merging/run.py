@@ -27,14 +27,14 @@ import torch
 from tqdm.auto import tqdm
 
 from featcal_core.architectures import detect
-from featcal_core.checkpoint import INDEX_NAME, Checkpoint, sha256_file
 from featcal_core.errors import FeatCalError
+from featcal_core.io.checkpoint import INDEX_NAME, Checkpoint, sha256_file
+from featcal_core.io.outputs import check_output, guarded_directory
+from featcal_core.io.safetensors_io import DTYPES, Reader, SafetensorsFormatError, write_streaming
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.merging import get
 from featcal_core.merging.base import MergeMethod, as_compute
 from featcal_core.names import check_names
-from featcal_core.outputs import check_output, guarded_directory
-from featcal_core.safetensors_io import DTYPES, Reader, SafetensorsFormatError, write_streaming
 
 log = logging.getLogger(__name__)
 

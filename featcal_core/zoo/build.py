@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from featcal_core import failpoints
 from featcal_core.errors import FeatCalError
-from featcal_core.outputs import swap_in, sweep, temp_path
+from featcal_core.io import failpoints
+from featcal_core.io.outputs import swap_in, sweep, temp_path
 from featcal_core.zoo import hub_cache
 
 logger = logging.getLogger(__name__)

@@ -17,9 +17,9 @@ import hashlib
 import shutil
 from pathlib import Path
 
-from featcal_core.checkpoint import sha256_file
 from featcal_core.errors import FeatCalError
-from featcal_core.outputs import atomic_file, sweep, write_file
+from featcal_core.io.checkpoint import sha256_file
+from featcal_core.io.outputs import atomic_file, sweep, write_file
 
 __all__ = ["content_commit", "publish", "repo_folder"]
 

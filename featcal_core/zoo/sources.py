@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from featcal_core.errors import FeatCalError
-from featcal_core.outputs import guarded_directory
+from featcal_core.io.outputs import guarded_directory
 
 logger = logging.getLogger(__name__)
 

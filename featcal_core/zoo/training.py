@@ -28,8 +28,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from featcal_core.errors import FeatCalError
-from featcal_core.linear_head import save_linear_head
-from featcal_core.outputs import check_replaceable, guarded_directory
+from featcal_core.evaluation.linear_head import save_linear_head
+from featcal_core.io.outputs import check_replaceable, guarded_directory
 
 logger = logging.getLogger(__name__)
 

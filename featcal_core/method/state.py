@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from featcal_core import failpoints
-from featcal_core.checkpoint import sha256_file
-from featcal_core.outputs import swap_in, temp_path
-from featcal_core.safetensors_io import Reader, save_tensors
-from featcal_core.streams import HiddenStreams
+from featcal_core.io import failpoints
+from featcal_core.io.checkpoint import sha256_file
+from featcal_core.io.outputs import swap_in, temp_path
+from featcal_core.io.safetensors_io import Reader, save_tensors
+from featcal_core.method.streams import HiddenStreams
 
 MANIFEST = "manifest.json"
 MASKS = "masks.safetensors"

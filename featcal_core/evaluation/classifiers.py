@@ -41,10 +41,10 @@ from featcal_core.architectures.base import (
     has_tokenizer,
     load_tokenizer,
 )
-from featcal_core.checkpoint import Checkpoint, sha256_file
 from featcal_core.errors import FeatCalError
-from featcal_core.outputs import atomic_file
-from featcal_core.safetensors_io import DTYPES
+from featcal_core.io.checkpoint import Checkpoint, sha256_file
+from featcal_core.io.outputs import atomic_file
+from featcal_core.io.safetensors_io import DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ class ExpertHead(Head):
     - a full transformers classification model (`config.json` `architectures`, e.g.
       BertForSequenceClassification): its classifier on the pooled output;
     - a bare tower (e.g. CLIPVisionModel) with a linear head beside it (`classifier.safetensors`
-      + `classifier.json`, see `featcal_core.linear_head`): that Linear on `pooler_output`.
+      + `classifier.json`, see `featcal_core.evaluation.linear_head`): that Linear on `pooler_output`.
 
     The tokenizer or image processor is loaded from `expert_dir`; an expert saved without
     tokenizer files uses `tokenizer_dir`'s (the base model it was fine-tuned from) when given.
@@ -175,7 +175,7 @@ class ExpertHead(Head):
         max_length: int = 512,
         tokenizer_dir: str | Path | None = None,
     ):
-        from featcal_core.linear_head import has_linear_head, load_linear_head
+        from featcal_core.evaluation.linear_head import has_linear_head, load_linear_head
 
         self.expert_dir = Path(expert_dir)
         checkpoint = Checkpoint(self.expert_dir, role="expert")  # checks dir, config, weights

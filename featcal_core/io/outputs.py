@@ -33,8 +33,8 @@ import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from featcal_core import failpoints
 from featcal_core.errors import FeatCalError
+from featcal_core.io import failpoints
 
 #: the marker file of every directory this tool writes
 MARKER = ".featcal-output.json"

@@ -3,7 +3,7 @@
 Each stream of task t is one tensor (n_t, S_t, d) in the model dtype. On disk each stream is one
 safetensors file (`<kind>-<task>.safetensors`) and batches are read as row ranges, so only the
 stream being produced is held in memory. A directory of streams is also the persisted state
-between two blocks (see featcal_core.calibration).
+between two blocks (see featcal_core.method.calibration).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from featcal_core.outputs import atomic_file
-from featcal_core.safetensors_io import Entry, read_header, read_tensor, save_tensors
+from featcal_core.io.outputs import atomic_file
+from featcal_core.io.safetensors_io import Entry, read_header, read_tensor, save_tensors
 
 STUDENT = "student"
 EXPERT = "expert"

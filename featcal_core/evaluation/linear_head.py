@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from featcal_core.errors import FeatCalError
-from featcal_core.outputs import atomic_file
+from featcal_core.io.outputs import atomic_file
 
 WEIGHTS_NAME = "classifier.safetensors"
 CONFIG_NAME = "classifier.json"
@@ -134,7 +134,7 @@ def load_linear_head(directory: str | Path, *, hidden_size: int | None = None) -
         if not path.is_file():
             raise FeatCalError(
                 f"{path} is missing (found {other.name}: {other.is_file()}); write the head with "
-                "featcal_core.linear_head.save_linear_head"
+                "featcal_core.evaluation.linear_head.save_linear_head"
             )
     config = _read_config(config_path)
     try:
@@ -179,7 +179,7 @@ def load_linear_head(directory: str | Path, *, hidden_size: int | None = None) -
 
 
 def _read_config(path: Path) -> dict:
-    fix = "rewrite it with featcal_core.linear_head.save_linear_head"
+    fix = "rewrite it with featcal_core.evaluation.linear_head.save_linear_head"
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

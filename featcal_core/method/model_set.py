@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from featcal_core.architectures import Architecture, detect
-from featcal_core.checkpoint import Checkpoint
 from featcal_core.errors import FeatCalError
-from featcal_core.safetensors_io import DTYPES
+from featcal_core.io.checkpoint import Checkpoint
+from featcal_core.io.safetensors_io import DTYPES
 
 
 @dataclass

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from featcal_core.architectures.base import load_tokenizer
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation import _check_labels, _device, _load_split
+from featcal_core.evaluation.classifiers import _check_labels, _device, _load_split
 
 log = logging.getLogger(__name__)
 

@@ -20,13 +20,13 @@ import torch
 from torch import nn
 
 from featcal_core.errors import FeatCalError
-from featcal_core.hyperparameters import FeatCalParams
-from featcal_core.model_set import ModelSet
-from featcal_core.outputs import atomic_file
-from featcal_core.safetensors_io import Reader, read_header, save_tensors
-from featcal_core.solvers import Fallbacks, anchor
-from featcal_core.statistics import LinearInputStats, NormStats, Scratch
-from featcal_core.streams import (
+from featcal_core.io.outputs import atomic_file
+from featcal_core.io.safetensors_io import Reader, read_header, save_tensors
+from featcal_core.method.hyperparameters import FeatCalParams
+from featcal_core.method.model_set import ModelSet
+from featcal_core.method.solvers import Fallbacks, anchor
+from featcal_core.method.statistics import LinearInputStats, NormStats, Scratch
+from featcal_core.method.streams import (
     EXPERT,
     EXPERT_CONTEXT,
     EXPERT_DECODER,

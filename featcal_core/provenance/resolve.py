@@ -7,7 +7,7 @@
     problems = verify_lock(read_lock("data/models.lock.json"))
 
 A model reference is anything with `kind` ("hub" or "local"), `repo_id`, `revision` and `path`
-(attributes, e.g. `flows.params.ModelRef`, or mapping keys); `ref` and `trust_remote_code` are
+(attributes, e.g. `featcal_core.params.ModelRef`, or mapping keys); `ref` and `trust_remote_code` are
 used when present. Local directories are used in place. Hub models are fetched with
 `huggingface_hub.snapshot_download` into the Hugging Face cache (`cache_dir`, else the library's
 default, which follows HF_HOME / HF_HUB_CACHE); HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1) makes
@@ -18,11 +18,11 @@ Transient failures (connection errors, timeouts, HTTP 429 and 5xx) are retried w
 backoff; everything else ends in one `FeatCalError` line naming the params key, the reference,
 what is wrong and what to do.
 
-open_clip references (`format: open_clip`, see flows.params.ModelRef) are imported: from a Hub
+open_clip references (`format: open_clip`, see featcal_core.params.ModelRef) are imported: from a Hub
 repository only the open_clip config, the one weight file (`file`, default
 `open_clip_model.safetensors`, else `open_clip_pytorch_model.bin`; pickles are read with
 torch.load(weights_only=True) unless `trust_pickle`) and the tokenizer files are fetched; a local
-directory or file is used in place. `featcal_core.open_clip_import.import_open_clip` then writes
+directory or file is used in place. `featcal_core.open_clip.importer.import_open_clip` then writes
 a featcal checkpoint to `<import_root>/<role>-<first 16 hex of the file's sha256>` (default root
 data/models/open_clip), reused on later runs while its recorded source sha256 and config match.
 The model's `path` is that import; `open_clip_source` records the source directory, file, config
@@ -62,9 +62,9 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from featcal_core.checkpoint import Checkpoint, sha256_file
 from featcal_core.errors import FeatCalError
-from featcal_core.outputs import write_file
+from featcal_core.io.checkpoint import Checkpoint, sha256_file
+from featcal_core.io.outputs import write_file
 
 try:  # the HTTP client of huggingface_hub 2.x; older releases use httpx or requests
     import httpx2 as _http
@@ -114,7 +114,7 @@ OPEN_CLIP_TOKENIZER_PATTERNS = (
 )  # fmt: skip
 #: where open_clip checkpoints are imported (relative to the working directory)
 OPEN_CLIP_IMPORT_ROOT = Path("data/models/open_clip")
-#: open_clip's model config file in a repository (featcal_core.open_clip_import.CONFIG_NAME)
+#: open_clip's model config file in a repository (featcal_core.open_clip.importer.CONFIG_NAME)
 OPEN_CLIP_CONFIG = "open_clip_config.json"
 
 LOCK_VERSION = 1
@@ -608,7 +608,7 @@ def _resolve_open_clip(
     """Fetch or find an open_clip checkpoint and import it (once) into a featcal checkpoint."""
     import pickle
 
-    from featcal_core.open_clip_import import _model_config, featcal_config, import_open_clip
+    from featcal_core.open_clip.importer import _model_config, featcal_config, import_open_clip
 
     kind = _field(ref, "kind")
     trust_pickle = bool(_field(ref, "trust_pickle", False))
@@ -684,7 +684,7 @@ def check_pool(base: ResolvedModel, experts: Mapping[str, ResolvedModel]) -> str
     FeatCalError naming the first expert that does not fit.
     """
     from featcal_core.architectures import detect
-    from featcal_core.model_set import ModelSet
+    from featcal_core.method.model_set import ModelSet
 
     base_ckpt = Checkpoint(base.path, _label(base))
     arch = detect(base_ckpt.config, f"{_label(base)}: {base.path / 'config.json'}")

@@ -42,9 +42,8 @@ from torch import nn
 
 from featcal_core.architectures import detect
 from featcal_core.architectures.base import Architecture
-from featcal_core.checkpoint import Checkpoint
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation import (
+from featcal_core.evaluation.classifiers import (
     Head,
     _linear,
     _load_tower,
@@ -53,7 +52,8 @@ from featcal_core.evaluation import (
     read_embedding_cache,
     write_embedding_cache,
 )
-from featcal_core.open_clip_import import CONFIG_NAME, PICKLE_SUFFIXES
+from featcal_core.io.checkpoint import Checkpoint
+from featcal_core.open_clip.importer import CONFIG_NAME, PICKLE_SUFFIXES
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
-from featcal_core.checkpoint import INDEX_NAME, Checkpoint
 from featcal_core.errors import FeatCalError
-from featcal_core.safetensors_io import Reader, write_streaming
+from featcal_core.io.checkpoint import INDEX_NAME, Checkpoint
+from featcal_core.io.safetensors_io import Reader, write_streaming
 
 #: files a model directory needs to turn raw inputs into model inputs
 PREPROCESSOR_FILES = (

@@ -6,10 +6,10 @@
         n=256, seed=0, modality="image",
     )
 
-A source is a `featcal_core.data_source.DataSource` (or the run configuration's equivalent): a local `save_to_disk` directory (a Dataset, or a
+A source is a `featcal_core.data.source.DataSource` (or the run configuration's equivalent): a local `save_to_disk` directory (a Dataset, or a
 DatasetDict plus `split`) or a Hub dataset (`datasets.load_dataset(hub, config, split=split)`).
 
-The written set is a `save_to_disk` directory that `featcal_core.calibration_data` reads:
+The written set is a `save_to_disk` directory that `featcal_core.data.calibration_data` reads:
 
 * the input column under its canonical name, `image` or `text` (renamed from the configured
   `image_column` / `text_column`);
@@ -23,7 +23,7 @@ The written set is a `save_to_disk` directory that `featcal_core.calibration_dat
 
 Held out by content: besides refusing a calibration source that names the evaluation source
 (`same_data`), drawing hashes every drawn row's input and every row of the task's evaluation
-source (`featcal_core.calibration_data.input_digest`: decoded RGB pixels + size, or the exact
+source (`featcal_core.data.calibration_data.input_digest`: decoded RGB pixels + size, or the exact
 string; the evaluation rows are streamed, only their digests are kept) and refuses any calibration
 row that is also an evaluation row, however the data was copied or renamed. `evaluation_check`
 records what was checked: the evaluation source, column, `rows_checked`, `rows_digest` (sha256 of
@@ -62,16 +62,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from featcal_core.calibration_data import (
+from featcal_core.data.calibration_data import (
     CONTENT_DIGEST,
     SOURCE_ROW,
     TARGET,
     checked_input,
     input_digest,
 )
-from featcal_core.data_source import DataSource, as_data_source
+from featcal_core.data.source import DataSource, as_data_source
 from featcal_core.errors import FeatCalError
-from featcal_core.outputs import guarded_directory
+from featcal_core.io.outputs import guarded_directory
 
 if TYPE_CHECKING:
     import datasets
@@ -88,7 +88,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 RECORD_NAME = "calibration_set.json"
-#: modality -> the column name featcal_core.calibration_data expects
+#: modality -> the column name featcal_core.data.calibration_data expects
 CANONICAL_COLUMNS = {"image": "image", "text": "text"}
 LABEL = "label"
 #: rows per batch when streaming the evaluation source for the content check
@@ -258,7 +258,7 @@ def same_data(first: DataSource, second: DataSource) -> bool:
 def sample_rows(total: int, n: int, seed: int) -> list[int]:
     """`n` distinct row ids of `total`, sorted (numpy default_rng(seed)); all rows when n >= total.
 
-    The same draw as featcal_core.calibration_data.load_calibration_set.
+    The same draw as featcal_core.data.calibration_data.load_calibration_set.
     """
     if n >= total:
         return list(range(total))
@@ -348,7 +348,7 @@ def draw_calibration_set(
     """
     import datasets
 
-    from featcal_core.checkpoint import sha256_tree  # (imports torch; only needed here)
+    from featcal_core.io.checkpoint import sha256_tree  # (imports torch; only needed here)
 
     if modality not in CANONICAL_COLUMNS:
         raise ValueError(f"modality must be one of {sorted(CANONICAL_COLUMNS)}, got {modality!r}")
@@ -380,7 +380,7 @@ def draw_calibration_set(
     kept = [column] + ([label] if label else [])
     names = [CANONICAL_COLUMNS[modality]] + ([LABEL] if label else [])
     target = modality == "text" and TARGET in data.column_names and TARGET not in kept
-    if target:  # encoder-decoder decoders are teacher-forced on it (featcal_core.calibration_data)
+    if target:  # encoder-decoder decoders are teacher-forced on it (featcal_core.data.calibration_data)
         kept.append(TARGET)
         names.append(TARGET)
     rows = data.select_columns(kept).with_format("arrow")

@@ -45,9 +45,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from featcal_core.checkpoint import sha256_file
 from featcal_core.errors import FeatCalError
-from featcal_core.outputs import MARKER, read_marker, verify_output, write_file
+from featcal_core.io.checkpoint import sha256_file
+from featcal_core.io.outputs import MARKER, read_marker, verify_output, write_file
 
 __all__ = [
     "CARD_NAME",
@@ -63,7 +63,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: the records (same names as featcal_core.calibration, .merging.run, .calibration_sets, flows)
+#: the records (same names as featcal_core.method.calibration, .merging.run, .calibration_sets, flows)
 FEATCAL_RECORD = "featcal.json"
 MERGE_RECORD = "merge.json"
 SET_RECORD = "calibration_set.json"
@@ -130,7 +130,7 @@ _RERUN = "restore the recorded input or rerun the pipeline (featcal run) so the 
 
 
 def _tree_digests(directory: Path, exclude: str) -> tuple[str, str]:
-    """(featcal_core.checkpoint.sha256_tree of `directory`, the same without the top-level file
+    """(featcal_core.io.checkpoint.sha256_tree of `directory`, the same without the top-level file
     `exclude` and the guarded writer's marker: what calibration_set.json's digest covers); every
     file is read once."""
     full, without = hashlib.sha256(), hashlib.sha256()
@@ -682,7 +682,9 @@ def _check_tasks(tasks_by_record: list[tuple[Path, str, set[str]]], tracer: _Tra
 
 
 def _check_lock(lock: dict, lock_path: Path, tracer: _Tracer) -> dict[str, Any]:
-    from featcal_core.resolve import lock_digest  # (imports huggingface_hub; only needed here)
+    from featcal_core.provenance.resolve import (
+        lock_digest,  # (imports huggingface_hub; only needed here)
+    )
 
     recorded = lock.get("lock_digest")
     actual = lock_digest(lock)

@@ -38,11 +38,11 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from featcal_core.data_source import DataSource as CoreDataSource
+from featcal_core.data.source import DataSource as CoreDataSource
 from featcal_core.errors import FeatCalError
-from featcal_core.hyperparameters import BOUNDS, DEFAULTS
+from featcal_core.io.outputs import check_target
+from featcal_core.method.hyperparameters import BOUNDS, DEFAULTS
 from featcal_core.names import name_problem
-from featcal_core.outputs import check_target
 
 _SOURCE_FIELDS = (
     "hub", "config", "path", "split", "image_column", "text_column", "label_column",
@@ -70,7 +70,7 @@ _HUB_PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
 _HUB_MODEL_RE = re.compile(rf"^(?P<repo>{_HUB_PART}/{_HUB_PART})(?:@(?P<rev>[A-Za-z0-9._/-]+))?$")
 _HUB_DATASET_RE = re.compile(rf"^(?:{_HUB_PART}/)?{_HUB_PART}$")
 _LOCAL_PREFIXES = ("/", "./", "../", "~")
-_OPEN_CLIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # featcal_core.open_clip_import
+_OPEN_CLIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # featcal_core.open_clip.importer
 _MAX_FLAT_LIST_CHARS = 500  # longer lists are logged as a count and a digest (MLflow value limits)
 _AT = "featcal_key_suffix"  # context key of our own errors: the key below the error's location
 
@@ -460,14 +460,14 @@ _CALIBRATION_FIELDS = ("alpha", "rho", "lam", "eps", "num_per_task", "max_length
 
 
 def _method_field(name: str, description: str) -> Any:
-    """A FeatCal hyperparameter's field: default and bounds from featcal_core.hyperparameters."""
+    """A FeatCal hyperparameter's field: default and bounds from featcal_core.method.hyperparameters."""
     low, high = BOUNDS[name]
     where = f"[{low:g}, {high:g}]" if high is not None else f"≥ {low:g}"
     return Field(DEFAULTS[name], ge=low, le=high, description=f"{description}, in {where}")
 
 
 class FeatCalSettings(_Section):
-    """FeatCal hyperparameters and how the calibration runs (see featcal_core.block.FeatCalParams)."""
+    """FeatCal hyperparameters and how the calibration runs (see featcal_core.method.block.FeatCalParams)."""
 
     enabled: StrictBool = Field(
         True, description="calibrate the merged model (false: evaluate merge only)"
@@ -514,7 +514,7 @@ class FeatCalSettings(_Section):
 
     def core_params(self):
         """The hyperparameters as `featcal_core.FeatCalParams` (imports torch)."""
-        from featcal_core.block import FeatCalParams
+        from featcal_core.method.block import FeatCalParams
 
         return FeatCalParams(alpha=self.alpha, rho=self.rho, lam=self.lam, eps=self.eps)
 

@@ -14,17 +14,16 @@ import torch
 from tqdm.auto import tqdm
 
 from featcal_core.architectures.base import WEIGHT_MASK
-from featcal_core.block import BlockResult, BlockRunner, FeatCalParams, TaskStatistics
-from featcal_core.calibration_data import CalibrationSet, load_calibration_set
-from featcal_core.checkpoint import Checkpoint, sha256_file, sha256_tree
+from featcal_core.data.calibration_data import CalibrationSet, load_calibration_set
 from featcal_core.errors import FeatCalError
-from featcal_core.export import export_checkpoint
+from featcal_core.io.checkpoint import Checkpoint, sha256_file, sha256_tree
+from featcal_core.io.export import export_checkpoint
+from featcal_core.io.outputs import check_output, guarded_directory, sweep, temp_path
+from featcal_core.io.safetensors_io import save_tensors
 from featcal_core.memory import peak_rss_bytes
-from featcal_core.model_set import ModelSet
-from featcal_core.names import check_names
-from featcal_core.outputs import check_output, guarded_directory, sweep, temp_path
-from featcal_core.safetensors_io import save_tensors
-from featcal_core.streams import (
+from featcal_core.method.block import BlockResult, BlockRunner, FeatCalParams, TaskStatistics
+from featcal_core.method.model_set import ModelSet
+from featcal_core.method.streams import (
     EXPERT,
     EXPERT_DECODER,
     STUDENT,
@@ -33,6 +32,7 @@ from featcal_core.streams import (
     decoder_mask_key,
     weight_mask_key,
 )
+from featcal_core.names import check_names
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from featcal_core.solvers import (
+from featcal_core.method.solvers import (
     DTYPE,
     SOLVE_COLUMNS,
     Fallbacks,

@@ -33,10 +33,10 @@ from featcal_core.architectures.open_clip import (
     OpenCLIPSettings,
     OpenCLIPVision,
 )
-from featcal_core.checkpoint import SINGLE_NAME, sha256_file
 from featcal_core.errors import FeatCalError
-from featcal_core.outputs import check_output, guarded_directory
-from featcal_core.safetensors_io import (
+from featcal_core.io.checkpoint import SINGLE_NAME, sha256_file
+from featcal_core.io.outputs import check_output, guarded_directory
+from featcal_core.io.safetensors_io import (
     NAMES,
     Reader,
     SafetensorsFormatError,

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from featcal_core.errors import FeatCalError
-from featcal_core.outputs import sha256_file
-from featcal_core.safetensors_io import Entry, Reader, SafetensorsFormatError, read_header
+from featcal_core.io.outputs import sha256_file
+from featcal_core.io.safetensors_io import Entry, Reader, SafetensorsFormatError, read_header
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -1,0 +1,1 @@
+"""Data: dataset sources, drawing and loading calibration sets, synthetic pools."""

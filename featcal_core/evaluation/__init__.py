@@ -1,0 +1,2 @@
+"""Evaluation: classification heads (expert, linear, zero-shot), language-model
+scoring by label continuation."""

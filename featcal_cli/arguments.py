@@ -30,3 +30,44 @@ def pairs(flag: str, values: list[tuple[str, str]] | None) -> dict[str, str]:
             raise FeatCalError(f"{flag} {task}=... is given twice; name each task once")
         out[task] = path
     return out
+
+
+def setting_flags(parser: argparse.ArgumentParser, model, names: list[str], section: str) -> None:
+    """Add one flag per field of a params section model (e.g. FeatCalSettings): `--num-per-task`
+    for `num_per_task`, with the field's default, type or choices and description, so the flags
+    and params.yaml cannot drift apart. The values are checked by the model itself
+    (`featcal_core.params.featcal_from_flags`)."""
+    import typing
+
+    for name in names:
+        info = model.model_fields[name]
+        options = [a for a in _alternatives(info.annotation) if a is not type(None)]
+        kwargs: dict = {"default": info.default}
+        literals = [v for a in options if typing.get_origin(a) is typing.Literal
+                    for v in typing.get_args(a)]  # fmt: skip
+        if literals:
+            kwargs["choices"] = literals
+        elif any(_base(a) is int for a in options):
+            kwargs["type"] = int
+        elif any(_base(a) is float for a in options):
+            kwargs["type"] = float
+        flag = "--" + name.replace("_", "-")
+        kwargs["help"] = f"{info.description} (default: %(default)s; params: {section}.{name})"
+        parser.add_argument(flag, **kwargs)
+
+
+def _alternatives(annotation) -> list:
+    import types
+    import typing
+
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [a for arg in typing.get_args(annotation) for a in _alternatives(arg)]
+    return [annotation]
+
+
+def _base(annotation):
+    import typing
+
+    if typing.get_origin(annotation) is typing.Annotated:
+        return typing.get_args(annotation)[0]
+    return annotation

@@ -8,7 +8,7 @@ import logging
 import shutil
 import sys
 
-from featcal_cli.arguments import pairs, task_path
+from featcal_cli.arguments import pairs, setting_flags, task_path
 from featcal_core.errors import FeatCalError
 from featcal_core.memory import tune_allocator
 
@@ -67,38 +67,23 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--expert", action="append", type=task_path("--expert"), metavar="TASK=DIR")
     cal.add_argument("--calib", action="append", type=task_path("--calib"), metavar="TASK=DIR")
     cal.add_argument("--out", help="output directory (save_pretrained layout)")
-    cal.add_argument("--alpha", type=float, default=0.25, help="teacher interpolation α")
-    cal.add_argument("--rho", type=float, default=2.2, help="anchor blend ρ")
-    cal.add_argument("--lam", type=float, default=0.05, help="ridge weight λ")
-    cal.add_argument("--eps", type=float, default=1e-8, help="jitter ε")
-    cal.add_argument("--num-per-task", type=int, default=256, help="calibration inputs per task")
-    cal.add_argument("--batch-size", type=int, default=16)
-    cal.add_argument("--seed", type=int, default=0, help="seed of the calibration sample")
-    cal.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
-    cal.add_argument("--max-length", type=int, default=128, help="token limit for text models")
-    cal.add_argument("--pooling", choices=["cls", "mean"], default=None,
-                     help="pooling of the model's output (default: the architecture's)")  # fmt: skip
-    cal.add_argument("--token-weighting", choices=["all", "answer"], default="all",
-                     help="causal LMs: weigh every real token (all) or only the positions that "
-                     "predict the calibration set's `target` tokens (answer)")  # fmt: skip
+    from featcal_core.params import FeatCalSettings, RunSettings
+
+    setting_flags(cal, FeatCalSettings, ["alpha", "rho", "lam", "eps", "num_per_task",
+                  "batch_size", "device", "max_length", "pooling", "token_weighting"], "featcal")  # fmt: skip
+    setting_flags(cal, RunSettings, ["seed"], "run")
     cal.add_argument("--spill-dir", default=None, help="keep hidden-state streams on disk here")
     cal.add_argument("--heads", action="store_true",
                      help="also refit each expert's own classification head for the calibrated "
-                     "model (head calibration; written to OUT/heads/<task>/)")  # fmt: skip
-    cal.add_argument("--head-lam", type=float, default=0.05, help="ridge λ of --heads")
+                     "model (head calibration; written to OUT/heads/<task>/; params: featcal.heads)")  # fmt: skip
+    setting_flags(cal, FeatCalSettings, ["head_lam"], "featcal")
     cal.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     cal.add_argument(
         "--results-dir",
         default=None,
         help="run as the resumable Prefect flow, persisting each block's result here",
     )
-    cal.add_argument("--runner", choices=["local", "dask"], default="local",
-                     help="with --results-dir: where each block's per-task statistics run "
-                     "(dask: a local Dask cluster, or --dask-address)")  # fmt: skip
-    cal.add_argument("--dask-address", default=None, help="a Dask scheduler, e.g. tcp://host:8786")
-    cal.add_argument(
-        "--dask-workers", type=int, default=2, help="workers of the local Dask cluster"
-    )
+    setting_flags(cal, FeatCalSettings, ["runner", "dask_address", "dask_workers"], "featcal")
     cal.add_argument("--no-progress", action="store_true", help="no progress bar")
     from featcal_cli import lineage_command, merge_command, open_clip_command
 

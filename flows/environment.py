@@ -12,7 +12,12 @@ from pathlib import Path
 
 from featcal_core.errors import FeatCalError
 
-PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+def project_root() -> Path:
+    """The user's project folder: the working directory (never the installed package's folder).
+    `.prefect/` (Prefect's home) and `mlruns/` (the MLflow store) go there by default."""
+    return Path.cwd().resolve()
+
 
 DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -28,7 +33,7 @@ def configure(prefect_home: str | Path | None = None) -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _NoTracebackForBadInput) for f in logger.filters):
             logger.addFilter(_NoTracebackForBadInput())
-    home = prefect_home or PROJECT_ROOT / ".prefect"
+    home = prefect_home or project_root() / ".prefect"
     os.environ.setdefault("PREFECT_HOME", str(home))
     for key, value in DEFAULTS.items():
         os.environ.setdefault(key, value)

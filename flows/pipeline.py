@@ -13,14 +13,18 @@ from pathlib import Path
 
 from featcal_core.io.outputs import write_json
 from featcal_core.params import Params, load_params
-from flows.environment import PROJECT_ROOT, configure
+from flows.environment import configure
+from flows.environment import project_root as working_project
 from flows.steps import Steps
 
 log = logging.getLogger(__name__)
 
 
-def run_pipeline(params: Params, project_root: Path = PROJECT_ROOT) -> dict:
-    """Run the flow for validated `params`; returns a summary (paths, results, MLflow run id)."""
+def run_pipeline(params: Params, project_root: Path | None = None) -> dict:
+    """Run the flow for validated `params`; returns a summary (paths, results, MLflow run id).
+    `project_root`: where the MLflow store goes and whose git commit is recorded (default: the
+    working directory)."""
+    project_root = working_project() if project_root is None else Path(project_root)
     configure()
     from prefect import flow
     from prefect.runtime import flow_run

@@ -198,12 +198,12 @@ class Steps:
         before the calibration starts, not after it)."""
         if not self.params.featcal.heads:
             return
+        from featcal_core.architectures import get
         from featcal_core.evaluation.classifiers import ExpertHead
-        from tasks.evaluate import is_open_clip
 
         base, experts = self.models()
-        if is_open_clip(Path(base)):
-            return  # zero-shot heads from the base's text tower
+        if get(self.lock()["architecture"]).task_heads == "zero_shot":
+            return  # bare experts: zero-shot heads from the base's text tower
         for task, spec in self.params.tasks.items():
             if spec.class_names is None and spec.templates is None:  # else: zero-shot
                 ExpertHead(experts[task], tokenizer_dir=base).require_head()

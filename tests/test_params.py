@@ -342,3 +342,32 @@ def test_shipped_params_files_load():
         assert (params.models is not None and params.models.experts and params.tasks) or (
             params.zoo is not None and params.models is None and params.tasks is None
         ), path
+
+
+def test_calibrate_flags_and_params_yaml_agree():
+    """`featcal calibrate`'s flags are the params schema's fields: same defaults, same choices,
+    the description in --help; a flag whose default drifts from params.yaml's fails here."""
+    import argparse
+
+    from featcal_cli.main import build_parser
+    from featcal_core.params import FeatCalSettings, RunSettings
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    calibrate = sub.choices["calibrate"]
+    flags = {a.dest: a for a in calibrate._actions}
+    # --results-dir of `featcal calibrate` is its resumable state folder (off by default), not
+    # the pipeline's run.results_dir
+    other_meaning = {"results_dir"}
+    compared = 0
+    for model, section in ((FeatCalSettings, "featcal"), (RunSettings, "run")):
+        for name, info in model.model_fields.items():
+            if name not in flags or name in other_meaning:
+                continue
+            action = flags[name]
+            assert action.default == info.default, name
+            assert f"params: {section}.{name}" in action.help, name
+            compared += 1
+    assert compared >= 14  # α, ρ, λ, ε, counts, device, pooling, weighting, heads λ, runner, seed
+    args = parser.parse_args(["calibrate"])
+    assert (args.alpha, args.rho, args.lam, args.num_per_task) == (0.25, 2.2, 0.05, 256)

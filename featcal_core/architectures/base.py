@@ -51,6 +51,14 @@ class Architecture(ABC):
     rms_norm_types: tuple[type[nn.Module], ...] = ()
     #: "all" or "answer" (see TOKEN_WEIGHTINGS); only causal LMs accept "answer"
     token_weighting: str = "all"
+    # ----- what evaluation needs from the family (declared here, never tested for by name) -----
+    #: a causal LM: evaluated by label continuation and perplexity, "answer" weighting allowed
+    causal: bool = False
+    #: canonical-name prefixes of tower tensors an expert checkpoint may lack (e.g. BERT's pooler)
+    optional_tower_roots: tuple[str, ...] = ()
+    #: "expert": experts carry their own classification heads; "zero_shot": experts are bare
+    #: towers, scored zero-shot with the base's text tower (no head to refit)
+    task_heads: str = "expert"
 
     def __init__(self, config: dict[str, Any], pooling: str | None = None):
         self.config = config
@@ -140,7 +148,7 @@ class Architecture(ABC):
             raise FeatCalError(
                 f"--token-weighting {mode!r} is not one of {', '.join(TOKEN_WEIGHTINGS)}"
             )
-        if mode == "answer" and not getattr(self, "causal", False):
+        if mode == "answer" and not self.causal:
             raise FeatCalError(
                 f"--token-weighting answer: {self.name} is not a causal LM; answer-token "
                 "weighting applies to Llama-class decoders (leave it at 'all')"

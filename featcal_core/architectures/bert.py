@@ -30,6 +30,7 @@ class _Stem(nn.Module):
 @register
 class HFBert(Architecture):
     name = "hf-bert"
+    optional_tower_roots = ("pooler.",)  # BertForSequenceClassification may drop the pooler
     modality = "text"
     probe_key = "embeddings.word_embeddings.weight"
     prefix_candidates = ("", "bert.")

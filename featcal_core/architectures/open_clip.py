@@ -233,6 +233,7 @@ class _Stem(nn.Module):
 @register
 class OpenCLIPVision(Architecture):
     name = "open-clip-vision"
+    task_heads = "zero_shot"  # experts are bare vision towers (featcal_core.open_clip.zero_shot)
     modality = "image"
     probe_key = "conv1.weight"
     prefix_candidates = ("visual.", "")

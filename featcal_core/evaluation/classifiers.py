@@ -56,11 +56,6 @@ __all__ = [
     "normalized_accuracy",
 ]
 
-#: canonical-name prefixes of tower tensors that may be missing from the evaluated checkpoint
-#: (the expert's own tensors are then kept): the BERT pooler feeds the classifier but is not
-#: part of the calibrated encoder, and bare towers are often saved without it
-OPTIONAL_TOWER_ROOTS: dict[str, tuple[str, ...]] = {"hf-bert": ("pooler.",)}
-
 #: tokenizer files that enter the zero-shot cache key (they change the class embeddings)
 _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt",
@@ -284,7 +279,7 @@ class ExpertHead(Head):
             model_dir,
             self.arch,
             head=self.describe(),
-            optional=OPTIONAL_TOWER_ROOTS.get(self.arch.name, ()),
+            optional=self.arch.optional_tower_roots,  # kept from the expert when missing
         )
         logger.info(
             "evaluating %s under %s: %d tower tensors replaced, %d kept",

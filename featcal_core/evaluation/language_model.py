@@ -40,7 +40,7 @@ def generation_kind(model_dir: str | Path) -> str | None:
         arch = detect(config, str(model_dir))
     except FeatCalError:
         return None
-    if getattr(arch, "causal", False):
+    if arch.causal:
         return "causal"
     return "seq2seq" if getattr(arch, "decoder_start", None) is not None else None
 

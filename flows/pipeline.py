@@ -57,7 +57,7 @@ def run_pipeline(params: Params, project_root: Path | None = None) -> dict:
                 import mlflow
 
                 summary["mlflow_uri"] = mlflow.get_tracking_uri()
-            write_json(steps.paths["root"] / "provenance.json", {
+            write_json(steps.paths["provenance"], {
                 "git_commit": git_commit(project_root)[0],
                 "mlflow_run_id": summary["mlflow_run_id"],
                 "prefect_flow_run_id": tags["prefect_flow_run_id"],

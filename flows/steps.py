@@ -1,17 +1,8 @@
 """The pipeline's steps for one validated params.yaml, each reading what the earlier steps wrote
-below `run.results_dir`. `featcal run` calls them inside one Prefect flow; the per-step
-subcommands (`featcal download`, `calib-set`, `merge --params`, `calibrate --params`,
-`evaluate`, `report`) and the DVC stages call them one at a time.
-
-    models.lock.json          resolved models, commits and sha256 of every weight file
-    calibration_sets/<task>/  the drawn calibration inputs (with source row ids)
-    merged/                   the merged checkpoint (+ merge.json)
-    calibration/              per-block persisted states (the resume cache)
-    calibrated/               the calibrated checkpoint (+ featcal.json)
-    evaluation.json           per task and model: accuracy, loss, normalized accuracy
-    heads/                    cached CLIP zero-shot class embeddings
-
-and the report in reports/<run name>/ (report.md, report.html and two plots).
+below `run.results_dir` (the layout: featcal_core.provenance.records). `featcal run` calls them
+inside one Prefect flow; the per-step subcommands (`featcal download`, `calib-set`,
+`merge --params`, `calibrate --params`, `heads`, `evaluate`, `report`) and the DVC stages call
+them one at a time, each inside `Steps.session` (checked outputs, the run lock).
 """
 
 from __future__ import annotations
@@ -25,30 +16,20 @@ from featcal_core.errors import FeatCalError
 from featcal_core.io.outputs import check_target, prepare_root, sweep_tree, write_json
 from featcal_core.io.run_lock import run_lock
 from featcal_core.params import Params
+from featcal_core.provenance.records import (
+    FEATCAL_RECORD,
+    MERGE_RECORD,
+    REPORTS_ROOT,
+    RESULTS_LAYOUT,
+    results_layout,
+)
 
-__all__ = ["REPORTS_ROOT", "RESULTS_LAYOUT", "Steps", "layout", "write_json"]
-
-#: every report goes below this folder (of the working directory)
-REPORTS_ROOT = Path("reports")
-#: the names a results folder holds (an unmarked folder holding only these is adopted)
-RESULTS_LAYOUT = (
-    "models.lock.json", "calibration_sets", "merged", "calibration", "calibrated",
-    "evaluation.json", "refit_heads", "heads", "evaluation_data", "provenance.json",
-)  # fmt: skip
+__all__ = ["Steps", "layout", "write_json"]
 
 
 def layout(params: Params) -> dict[str, Path]:
-    root = Path(params.run.results_dir).expanduser()
-    return {
-        "root": root,
-        "lock": root / "models.lock.json",
-        "calibration_sets": root / "calibration_sets",
-        "merged": root / "merged",
-        "calibration": root / "calibration",
-        "calibrated": root / "calibrated",
-        "evaluation": root / "evaluation.json",
-        "report": REPORTS_ROOT / params.run.name,
-    }
+    """The paths of this run's outputs (featcal_core.provenance.records.results_layout)."""
+    return results_layout(params.run.results_dir, params.run.name)
 
 
 class Steps:
@@ -102,7 +83,7 @@ class Steps:
         runs left behind swept; all before the first write."""
         inputs = self.inputs()
         check_target(self.paths["report"], inputs=inputs, root=REPORTS_ROOT, flag="report folder")
-        root = prepare_root(self.paths["root"], inputs=inputs, layout=RESULTS_LAYOUT)
+        root = prepare_root(self.paths["root"], inputs=inputs, layout=RESULTS_LAYOUT.values())
         with run_lock(root, what):
             sweep_tree(root, depth=3)
             yield
@@ -252,7 +233,7 @@ class Steps:
 
     def heads(self) -> dict[str, dict[str, str]]:
         """Head calibration (featcal.heads): refit heads for the merged and calibrated models."""
-        (self.paths["root"] / "refit_heads").mkdir(parents=True, exist_ok=True)  # a DVC out
+        (self.paths["refit_heads"]).mkdir(parents=True, exist_ok=True)  # a DVC out
         if not self.params.featcal.heads:
             return {}  # before importing the task: off, `featcal heads` costs no torch start-up
         from tasks.heads import calibrate_heads
@@ -328,7 +309,7 @@ class Steps:
             self.paths["report"],
             run_name=self.params.run.name,
             evaluation=evaluation,
-            calibration=load(self.paths["calibrated"] / "featcal.json"),
-            merge=load(self.paths["merged"] / "merge.json"),
+            calibration=load(self.paths["calibrated"] / FEATCAL_RECORD),
+            merge=load(self.paths["merged"] / MERGE_RECORD),
             lock=load(self.paths["lock"]),
         )

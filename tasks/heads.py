@@ -21,6 +21,7 @@ from featcal_core.data.calibration_data import load_calibration_set
 from featcal_core.evaluation.linear_head import save_linear_head
 from featcal_core.io.outputs import guarded_directory
 from featcal_core.method.head_calibration import calibrate_head
+from featcal_core.provenance.records import FITTED_ON
 from tasks.evaluate import task_head
 
 log = logging.getLogger(__name__)
@@ -67,9 +68,6 @@ def calibrate_heads(
             record = {"model": directory, "weights": weight_digests(directory)}
             (folders[name] / FITTED_ON).write_text(json.dumps(record, indent=2) + "\n")
     return out
-
-
-FITTED_ON = "fitted_on.json"
 
 
 def weight_digests(directory: str | Path) -> dict[str, str]:

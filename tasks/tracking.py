@@ -39,6 +39,7 @@ from urllib.parse import urlsplit
 
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.params import Params, TrackingSettings, flatten
+from featcal_core.provenance.records import FEATCAL_RECORD
 
 if TYPE_CHECKING:
     import mlflow
@@ -59,7 +60,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-RECORD_ARTIFACT = "featcal.json"
+RECORD_ARTIFACT = FEATCAL_RECORD
 STORE_DIR = "mlruns"  # under the project root: mlflow.db and artifacts/
 _MIB = 1024 * 1024
 

@@ -71,6 +71,7 @@ from featcal_core.data.calibration_data import (
 )
 from featcal_core.data.source import DataSource, as_data_source
 from featcal_core.errors import FeatCalError
+from featcal_core.provenance.records import SET_RECORD
 from featcal_core.io.outputs import guarded_directory
 
 if TYPE_CHECKING:
@@ -87,7 +88,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-RECORD_NAME = "calibration_set.json"
+RECORD_NAME = SET_RECORD
 #: modality -> the column name featcal_core.data.calibration_data expects
 CANONICAL_COLUMNS = {"image": "image", "text": "text"}
 LABEL = "label"

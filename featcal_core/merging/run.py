@@ -35,15 +35,16 @@ from featcal_core.memory import peak_rss_bytes
 from featcal_core.merging import get
 from featcal_core.merging.base import MergeMethod, as_compute
 from featcal_core.names import check_names
+from featcal_core.provenance.records import FEATCAL_RECORD, MERGE_RECORD
 
 log = logging.getLogger(__name__)
 
-RECORD_NAME = "merge.json"
+RECORD_NAME = MERGE_RECORD
 RECORD_VERSION = 1
 #: tensors with more entries are merged in row chunks of about this many entries (32 MiB float64)
 CHUNK_ENTRIES = 1 << 22
 #: provenance records of earlier runs: never copied from the base into a new output
-_RECORDS = (RECORD_NAME, "featcal.json")
+_RECORDS = (MERGE_RECORD, FEATCAL_RECORD)
 #: weight files of other formats: never copied from the base (a loader might pick them up and
 #: silently load the base's weights instead of the merged ones)
 _OTHER_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")

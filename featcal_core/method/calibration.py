@@ -33,10 +33,11 @@ from featcal_core.method.streams import (
     weight_mask_key,
 )
 from featcal_core.names import check_names
+from featcal_core.provenance.records import FEATCAL_RECORD
 
 log = logging.getLogger(__name__)
 
-RECORD_NAME = "featcal.json"
+RECORD_NAME = FEATCAL_RECORD
 RECORD_VERSION = 1
 
 

@@ -48,6 +48,14 @@ from typing import Any
 from featcal_core.errors import FeatCalError
 from featcal_core.io.checkpoint import sha256_file
 from featcal_core.io.outputs import MARKER, read_marker, verify_output, write_file
+from featcal_core.provenance.records import (
+    EVALUATION,
+    FEATCAL_RECORD,
+    LOCK,
+    MERGE_RECORD,
+    PROVENANCE,
+    SET_RECORD,
+)
 
 __all__ = [
     "CARD_NAME",
@@ -63,14 +71,11 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: the records (same names as featcal_core.method.calibration, .merging.run, .calibration_sets, flows)
-FEATCAL_RECORD = "featcal.json"
-MERGE_RECORD = "merge.json"
-SET_RECORD = "calibration_set.json"
-LOCK_NAME = "models.lock.json"
-EVALUATION_NAME = "evaluation.json"
+#: the records' names (featcal_core.provenance.records)
+LOCK_NAME = LOCK
+EVALUATION_NAME = EVALUATION
 #: optional run identifiers, beside the traced path or in the results directory
-PROVENANCE_NAME = "provenance.json"
+PROVENANCE_NAME = PROVENANCE
 #: the model card written next to the weights
 CARD_NAME = "README.md"
 #: a report directory's markdown (featcal_core.report), and the lock digest line it holds

@@ -32,6 +32,7 @@ from typing import Any
 from featcal_core.errors import FeatCalError
 from featcal_core.io import failpoints
 from featcal_core.io.outputs import swap_in, sweep, temp_path
+from featcal_core.provenance.records import ZOO_MANIFEST
 from featcal_core.zoo import hub_cache
 
 logger = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["HUB_OWNER", "PRESETS", "ZooSpec", "build_zoo", "load_manifest", "minilm_dir"]
 
 HUB_OWNER = "featcal-zoo"
-MANIFEST = "zoo.json"
+MANIFEST = ZOO_MANIFEST
 _FORMAT = "featcal-zoo-v1"
 _VALIDATION_FRACTION = 0.15
 

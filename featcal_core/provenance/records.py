@@ -1,0 +1,53 @@
+"""Every record file featcal writes and the layout of a results folder, named once.
+
+    <results>/models.lock.json          LOCK: resolved models, commits, sha256 of every weight file
+    <results>/calibration_sets/<task>/  the drawn calibration inputs (+ SET_RECORD)
+    <results>/merged/                   the merged checkpoint (+ MERGE_RECORD)
+    <results>/calibration/              per-block persisted states (the resume cache)
+    <results>/calibrated/               the calibrated checkpoint (+ FEATCAL_RECORD)
+    <results>/refit_heads/<model>/      head calibration (+ FITTED_ON)
+    <results>/heads/, evaluation_data/  zero-shot class-embedding caches, saved Hub evaluation data
+    <results>/evaluation.json           EVALUATION: per task and model, accuracy and loss
+    <results>/provenance.json           PROVENANCE: git commit, MLflow and Prefect run ids
+    reports/<run name>/                 the report (REPORTS_ROOT)
+
+Every folder featcal writes also carries the guarded writer's marker (`io.outputs.MARKER`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+FEATCAL_RECORD = "featcal.json"
+MERGE_RECORD = "merge.json"
+SET_RECORD = "calibration_set.json"
+LOCK = "models.lock.json"
+EVALUATION = "evaluation.json"
+PROVENANCE = "provenance.json"
+FITTED_ON = "fitted_on.json"
+ZOO_MANIFEST = "zoo.json"
+
+#: every report goes below this folder (of the working directory)
+REPORTS_ROOT = Path("reports")
+
+#: the entries of a results folder: name -> what `results_layout` calls it
+RESULTS_LAYOUT = {
+    "lock": LOCK,
+    "calibration_sets": "calibration_sets",
+    "merged": "merged",
+    "calibration": "calibration",
+    "calibrated": "calibrated",
+    "refit_heads": "refit_heads",
+    "heads": "heads",
+    "evaluation_data": "evaluation_data",
+    "evaluation": EVALUATION,
+    "provenance": PROVENANCE,
+}
+
+
+def results_layout(results_dir: str | Path, run_name: str) -> dict[str, Path]:
+    """{"root", "lock", "calibration_sets", ..., "report"}: the paths of one run's outputs."""
+    root = Path(results_dir).expanduser()
+    paths = {"root": root, **{key: root / name for key, name in RESULTS_LAYOUT.items()}}
+    paths["report"] = REPORTS_ROOT / run_name
+    return paths

@@ -206,7 +206,8 @@ class Steps:
         )  # fmt: skip
 
     def calibrate(self) -> dict:
-        from featcal_core.provenance.lineage import model_card_fields, trace, write_model_card
+        from featcal_core.provenance.lineage import trace
+        from featcal_core.provenance.model_card import model_card_fields, write_model_card
         from flows.calibration import calibration_flow, calibration_flow_fn
 
         run = calibration_flow_fn if self.in_flow else calibration_flow

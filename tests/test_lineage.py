@@ -18,12 +18,10 @@ from featcal_cli import lineage_command
 from featcal_core.errors import FeatCalError
 from featcal_core.io.checkpoint import sha256_file, sha256_tree
 from featcal_core.provenance import lineage
-from featcal_core.provenance.lineage import (
-    check,
-    format_trace,
+from featcal_core.provenance.lineage import check, format_trace, trace
+from featcal_core.provenance.model_card import (
     model_card_fields,
     render_model_card,
-    trace,
     write_model_card,
 )
 from featcal_core.provenance.resolve import ResolvedModel, read_lock, write_lock

@@ -38,8 +38,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
-import numbers
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -47,7 +45,7 @@ from typing import Any
 
 from featcal_core.errors import FeatCalError
 from featcal_core.io.checkpoint import sha256_file
-from featcal_core.io.outputs import MARKER, read_marker, verify_output, write_file
+from featcal_core.io.outputs import MARKER, read_marker, verify_output
 from featcal_core.provenance.records import (
     EVALUATION,
     FEATCAL_RECORD,
@@ -56,17 +54,14 @@ from featcal_core.provenance.records import (
     PROVENANCE,
     SET_RECORD,
 )
+from featcal_core.provenance.text import DASH, as_dict, metric_text, value_text
 
 __all__ = [
-    "CARD_NAME",
     "PROVENANCE_FIELDS",
     "PROVENANCE_NAME",
     "check",
     "format_trace",
-    "model_card_fields",
-    "render_model_card",
     "trace",
-    "write_model_card",
 ]
 
 log = logging.getLogger(__name__)
@@ -76,8 +71,6 @@ LOCK_NAME = LOCK
 EVALUATION_NAME = EVALUATION
 #: optional run identifiers, beside the traced path or in the results directory
 PROVENANCE_NAME = PROVENANCE
-#: the model card written next to the weights
-CARD_NAME = "README.md"
 #: a report directory's markdown (featcal_core.report), and the lock digest line it holds
 REPORT_NAME = "report.md"
 _REPORT_LOCK = re.compile(r"lock digest: ([0-9a-f]{64})\b")
@@ -90,13 +83,6 @@ PROVENANCE_FIELDS: dict[str, tuple[str, ...]] = {
     "prefect_flow_run_id": ("prefect_flow_run_id", "prefect.flow_run_id"),
     "dvc_stage": ("dvc_stage", "dvc.stage"),
 }
-_PROVENANCE_LABELS = {
-    "git_commit": "git commit",
-    "git_dirty": "git working tree dirty",
-    "mlflow_run_id": "MLflow run id",
-    "prefect_flow_run_id": "Prefect flow-run id",
-    "dvc_stage": "DVC stage",
-}
 #: provenance.json keys of a report directory that point at what it reports on
 _POINTERS = ("checkpoint", "results_dir")
 
@@ -105,29 +91,11 @@ _KIND_LABELS = {
     "merged": "merged checkpoint",
     "results": "results directory",
 }
-_FEATCAL_LABELS = (
-    ("alpha", "α (alpha, teacher interpolation)"),
-    ("rho", "ρ (rho, anchor blend)"),
-    ("lam", "λ (lam, ridge weight)"),
-    ("eps", "ε (eps, jitter)"),
-    ("num_per_task", "n per task (calibration inputs per task)"),
-    ("seed", "seed (calibration sample)"),
-)
-_METRIC_ORDER = ("accuracy", "normalized", "loss", "examples")
-#: what the model card shows of a calibration set
-_CARD_SET_KEYS = (
-    "digest", "tree_sha256", "n_rows", "rows", "rows_available", "seed", "source", "split",
-)  # fmt: skip
 #: what the chain shows of a calibration set's own record
 _SET_KEYS = (
     "task", "source", "split", "modality", "seed", "n_requested", "rows_available", "n_rows",
     "digest", "row_ids",
 )  # fmt: skip
-#: what the model card shows of the base model, and under which label
-_CARD_MODEL_FACTS = (("reference", "reference"), ("kind", "kind"), ("revision", "revision"),
-                     ("commit", "commit"))  # fmt: skip
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_DASH = "—"
 _RERUN = "restore the recorded input or rerun the pipeline (featcal run) so the records match"
 
 
@@ -168,15 +136,11 @@ def _changed_after(directory: Path, reference: Path) -> list[str]:
     return sorted(str(p.relative_to(directory)) for p in newer)
 
 
-def _as_dict(value: Any) -> dict:
-    return dict(value) if isinstance(value, Mapping) else {}
-
-
 def _sha_map(entry: Any) -> dict[str, str]:
     """{file name: sha256} of a record's input entry (`sha256`, or the lock's `files`)."""
-    data = _as_dict(entry)
+    data = as_dict(entry)
     files = data.get("sha256", data.get("files"))
-    return {str(k): str(v) for k, v in _as_dict(files).items()}
+    return {str(k): str(v) for k, v in as_dict(files).items()}
 
 
 def _first_existing(candidates: list[Path]) -> Path | None:
@@ -347,26 +311,26 @@ def trace(path: str | Path) -> dict[str, Any]:
     # calibrated → featcal.json
     merged_dir = None
     if featcal is not None:
-        inputs = _as_dict(featcal.get("inputs"))
+        inputs = as_dict(featcal.get("inputs"))
         blocks = featcal.get("blocks") if isinstance(featcal.get("blocks"), list) else []
         chain["calibrated"] = {
             "path": str(featcal_path.parent),
             "record": str(featcal_path),
             "architecture": featcal.get("architecture"),
-            "hyperparameters": _as_dict(featcal.get("hyperparameters")),
+            "hyperparameters": as_dict(featcal.get("hyperparameters")),
             "blocks": len(blocks),
-            "restored": sum(bool(_as_dict(b).get("restored")) for b in blocks),
+            "restored": sum(bool(as_dict(b).get("restored")) for b in blocks),
             "wall_seconds": featcal.get("wall_seconds"),
             "inputs_digest": featcal.get("inputs_digest"),
         }
         _add_source(sources, "base", featcal_path, "inputs.base", inputs.get("base"), root)
-        experts = _as_dict(inputs.get("experts"))
+        experts = as_dict(inputs.get("experts"))
         for task, entry in experts.items():
             _add_source(
                 sources, f"experts.{task}", featcal_path, f"inputs.experts.{task}", entry, root
             )
         tasks_by_record.append((featcal_path, "calibrated against", set(experts)))
-        merged_entry = _as_dict(inputs.get("merged"))
+        merged_entry = as_dict(inputs.get("merged"))
         merged_dir = (
             _locate(merged_entry.get("path"), root, "merged", MERGE_RECORD, tracer)
             if merged_entry
@@ -403,13 +367,13 @@ def trace(path: str | Path) -> dict[str, Any]:
             entry.update(
                 record=str(merge_path),
                 method=merge.get("method"),
-                hyperparameters=_as_dict(merge.get("hyperparameters")),
+                hyperparameters=as_dict(merge.get("hyperparameters")),
                 tensors=merge.get("tensors"),
             )
             chain["merged"] = entry
-            inputs = _as_dict(merge.get("inputs"))
+            inputs = as_dict(merge.get("inputs"))
             _add_source(sources, "base", merge_path, "inputs.base", inputs.get("base"), root)
-            experts = _as_dict(inputs.get("experts"))
+            experts = as_dict(inputs.get("experts"))
             for task, item in experts.items():
                 _add_source(
                     sources, f"experts.{task}", merge_path, f"inputs.experts.{task}", item, root
@@ -423,19 +387,19 @@ def trace(path: str | Path) -> dict[str, Any]:
         if lock is not None:
             chain["lock"] = _check_lock(lock, lock_path, tracer)
             for role, entry in [("base", lock.get("base"))] + [
-                (f"experts.{task}", item) for task, item in _as_dict(lock.get("experts")).items()
+                (f"experts.{task}", item) for task, item in as_dict(lock.get("experts")).items()
             ]:
                 _add_source(sources, role, lock_path, role, entry, root)
                 details[role] = {
-                    key: _as_dict(entry).get(key)
+                    key: as_dict(entry).get(key)
                     for key in ("reference", "kind", "repo_id", "revision", "commit")
                 }
-                source = _as_dict(_as_dict(entry).get("open_clip_source"))
+                source = as_dict(as_dict(entry).get("open_clip_source"))
                 if source:  # the open_clip checkpoint the locked import was made from
                     details[role]["open_clip_source"] = _verify_open_clip_source(
                         role, source, lock_path, root, tracer
                     )
-            tasks_by_record.append((lock_path, "locked", set(_as_dict(lock.get("experts")).keys())))
+            tasks_by_record.append((lock_path, "locked", set(as_dict(lock.get("experts")).keys())))
     elif root is not None:
         tracer.notes.append(f"no {LOCK_NAME} in {root}: model references and commits unknown")
 
@@ -450,9 +414,9 @@ def trace(path: str | Path) -> dict[str, Any]:
 
     # calibration sets
     if featcal is not None:
-        calibration = _as_dict(_as_dict(featcal.get("inputs")).get("calibration"))
+        calibration = as_dict(as_dict(featcal.get("inputs")).get("calibration"))
         for task, entry in calibration.items():
-            entry = _as_dict(entry)
+            entry = as_dict(entry)
             directory = _locate(
                 entry.get("path"), root, f"calibration_sets/{task}", SET_RECORD, tracer
             )
@@ -607,7 +571,7 @@ def _resolve_local(recorded: Any, root: Path | None) -> Path | None:
 
 
 def _add_source(sources, role: str, record: Path, key: str, entry: Any, root: Path | None):
-    data = _as_dict(entry)
+    data = as_dict(entry)
     if not data:
         return
     directory = _resolve_local(data.get("path"), root)
@@ -831,25 +795,13 @@ def check(path_or_trace: str | Path | Mapping[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------- formatting
 
 
-def _value(value: Any) -> str:
-    if value is None:
-        return _DASH
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):
-        return repr(value) if math.isfinite(value) else _DASH
-    if isinstance(value, (dict, list, tuple)):
-        return json.dumps(value, ensure_ascii=False, sort_keys=True)
-    return str(value)
-
-
 def _pairs(values: Mapping[str, Any]) -> str:
-    return ", ".join(f"{key}={_value(value)}" for key, value in values.items()) or _DASH
+    return ", ".join(f"{key}={value_text(value)}" for key, value in values.items()) or DASH
 
 
 def _row_ids(ids: Any, limit: int = 8) -> str:
     if not isinstance(ids, list):
-        return _DASH
+        return DASH
     shown = ", ".join(str(i) for i in ids[:limit])
     return shown + (f", … ({len(ids)} in all)" if len(ids) > limit else "")
 
@@ -869,7 +821,7 @@ def format_trace(result: Mapping[str, Any]) -> str:
         lines.append(f"  calibrated       {calibrated['path']}")
         lines.append(f"    record         {calibrated['record']}")
         lines.append(
-            f"    FeatCal        {calibrated.get('architecture') or _DASH}, "
+            f"    FeatCal        {calibrated.get('architecture') or DASH}, "
             f"{calibrated.get('blocks')} blocks ({calibrated.get('restored')} restored)"
         )
         lines.append(f"    settings       {_pairs(calibrated.get('hyperparameters') or {})}")
@@ -879,7 +831,7 @@ def format_trace(result: Mapping[str, Any]) -> str:
         if merged.get("record"):
             lines.append(f"    record         {merged['record']}")
             lines.append(
-                f"    method         {merged.get('method') or _DASH} "
+                f"    method         {merged.get('method') or DASH} "
                 f"({_pairs(merged.get('hyperparameters') or {})})"
             )
         lines += _file_lines(merged.get("files") or {})
@@ -915,7 +867,7 @@ def format_trace(result: Mapping[str, Any]) -> str:
         if "n_rows" in entry:
             lines.append(
                 f"    rows           {entry.get('n_rows')} of {entry.get('rows_available')}, "
-                f"seed {_value(entry.get('seed'))}, split {_value(entry.get('split'))}, from "
+                f"seed {value_text(entry.get('seed'))}, split {value_text(entry.get('split'))}, from "
                 f"{entry.get('source')}"
             )
             lines.append(f"    row ids        {_row_ids(entry.get('row_ids'))}")
@@ -930,7 +882,7 @@ def format_trace(result: Mapping[str, Any]) -> str:
         for task, row in evaluation.items():
             if isinstance(row, Mapping):
                 cells = ", ".join(
-                    f"{model} {_metric(_as_dict(res).get('accuracy'))}"
+                    f"{model} {metric_text(as_dict(res).get('accuracy'))}"
                     for model, res in row.items()
                 )
                 lines.append(f"    {task:<14} {cells}")
@@ -957,312 +909,3 @@ def _file_lines(files: Mapping[str, Mapping[str, str]]) -> list[str]:
         f"sha256 {_short(info.get('sha256'))}"
         for name, info in files.items()
     ]
-
-
-def _metric(value: Any) -> str:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        return _DASH if value is None else str(value)
-    if isinstance(value, numbers.Integral):
-        return str(value)
-    value = float(value)
-    if not math.isfinite(value):
-        return _DASH
-    return f"{value:.4f}" if abs(value) < 1e4 else f"{value:.6g}"
-
-
-# --------------------------------------------------------------------------------- model card
-
-
-def model_card_fields(result: Mapping[str, Any]) -> dict[str, Any]:
-    """Keyword arguments of `write_model_card` (title, recipe, inputs, metrics, provenance)
-    taken from a `trace` result."""
-    chain = result.get("chain") or {}
-    calibrated, merged = chain.get("calibrated"), chain.get("merged")
-    recipe: dict[str, Any] = {}
-    if merged and merged.get("method"):
-        recipe["merge"] = {
-            "method": merged["method"],
-            "hyperparameters": dict(merged.get("hyperparameters") or {}),
-        }
-    if calibrated:
-        recipe["featcal"] = dict(calibrated.get("hyperparameters") or {})
-
-    def model(entry: Mapping[str, Any] | None) -> dict[str, Any]:
-        if not entry:
-            return {}
-        out = {
-            key: entry.get(key)
-            for key in ("reference", "kind", "repo_id", "revision", "commit")
-            if entry.get(key) is not None
-        }
-        out.setdefault("reference", entry.get("path"))
-        out["sha256"] = {name: info["sha256"] for name, info in (entry.get("files") or {}).items()}
-        return out
-
-    inputs: dict[str, Any] = {
-        "base": model(chain.get("base")),
-        "experts": {task: model(e) for task, e in (chain.get("experts") or {}).items()},
-        "calibration_sets": {
-            task: {key: entry.get(key) for key in _CARD_SET_KEYS if entry.get(key) is not None}
-            for task, entry in (chain.get("calibration_sets") or {}).items()
-        },
-    }
-    checkpoint = Path(result.get("checkpoint") or result.get("path") or "model")
-    count = len(inputs["experts"])
-    if calibrated:
-        how = "FeatCal-calibrated"
-        if merged and merged.get("method"):
-            how += f" {merged['method']}"
-        title = f"{checkpoint.name}: {how} merge of {count} experts"
-    elif merged and merged.get("method"):
-        title = f"{checkpoint.name}: {merged['method']} merge of {count} experts"
-    else:
-        title = checkpoint.name
-    return {
-        "title": title,
-        "recipe": recipe,
-        "inputs": inputs,
-        "metrics": chain.get("evaluation") or None,
-        "provenance": dict(chain.get("provenance") or {}) or None,
-    }
-
-
-def _cell(value: Any) -> str:
-    text = _value(value) if not isinstance(value, str) else value
-    return " ".join(text.split()).replace("|", "\\|") or _DASH
-
-
-def _code(value: Any) -> str:
-    return f"`{value}`" if isinstance(value, str) and value and "`" not in value else _cell(value)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines + [""]
-
-
-def _hub_id(base: Mapping[str, Any]) -> str | None:
-    """The base's Hub id (owner/name, no revision), or None for a local model."""
-    kind = base.get("kind")
-    if kind == "local":
-        return None
-    for key in ("repo_id", "reference"):
-        value = base.get(key)
-        if not isinstance(value, str):
-            continue
-        ident = value.split("@", 1)[0].strip()
-        if not _HUB_ID.match(ident) or ".." in ident:
-            continue
-        if kind == "hub" or key == "repo_id" or not Path(value).expanduser().exists():
-            return ident
-    return None
-
-
-def render_model_card(
-    *,
-    title: str,
-    recipe: Mapping[str, Any],
-    inputs: Mapping[str, Any],
-    metrics: Mapping[str, Any] | None = None,
-    provenance: Mapping[str, Any] | None = None,
-) -> str:
-    """The model card's text (see `write_model_card` for the arguments)."""
-    base = _as_dict(inputs.get("base"))
-    experts = _as_dict(inputs.get("experts"))
-    sets = _as_dict(inputs.get("calibration_sets"))
-    merge = _as_dict(recipe.get("merge"))
-    featcal = _as_dict(recipe.get("featcal"))
-    hub_id = _hub_id(base)
-
-    lines = ["---", "library_name: transformers", "tags: [featcal, model-merging]"]
-    if hub_id:
-        lines.append(f"base_model: {hub_id}")
-    lines += ["---", "", f"# {' '.join(str(title).split())}", ""]
-    method = merge.get("method")
-    made = f"{len(experts)} fine-tuned task experts" if experts else "fine-tuned task experts"
-    made = f"This checkpoint merges {made} into one model"
-    made += f" with `{method}`" if method else ""
-    if featcal:
-        made += (
-            ", then repairs the merge with FeatCal, a closed-form, block-by-block calibration of "
-            "the merged model's features towards each expert's"
-        )
-    lines += [f"{made}.", ""]
-    lines += [
-        "Every input below is listed with the sha256 recorded when the model was built; "
-        "`featcal lineage <this directory>` checks them against the files on disk.",
-        "",
-    ]
-
-    lines += ["## How it was made", ""]
-    step = 1
-    if merge:
-        lines.append(f"{step}. **Merge** with `{method or _DASH}`.")
-        lines.append("")
-        hp = _as_dict(merge.get("hyperparameters"))
-        rows = [[_cell(k), _cell(v)] for k, v in hp.items()]
-        lines += _table(["hyperparameter", "value"], rows) if rows else []
-        step += 1
-    if featcal:
-        lines.append(f"{step}. **FeatCal calibration** of the merged model against the experts.")
-        lines.append("")
-        aliases = {"lambda": "lam", "n_per_task": "num_per_task"}
-        values = {aliases.get(k, k): v for k, v in featcal.items()}
-        rows = [[label, _cell(values.pop(key))] for key, label in _FEATCAL_LABELS if key in values]
-        rows += [[_cell(k), _cell(v)] for k, v in values.items()]
-        lines += _table(["setting", "value"], rows)
-    else:
-        lines += ["FeatCal calibration: not applied.", ""]
-    other = {k: v for k, v in recipe.items() if k not in ("merge", "featcal")}
-    if other:
-        lines += _table(
-            ["other setting", "value"], [[_cell(k), _cell(v)] for k, v in other.items()]
-        )
-
-    lines += ["## Inputs", "", "### Base model", ""]
-    if base:
-        facts = [
-            [label, _code(base.get(key))]
-            for key, label in _CARD_MODEL_FACTS
-            if base.get(key) is not None
-        ]
-        lines += _table(["field", "value"], facts) if facts else []
-        lines += _table(
-            ["file", "sha256"],
-            [[_cell(n), _code(s)] for n, s in _as_dict(base.get("sha256")).items()],
-        )
-    else:
-        lines += ["Not recorded.", ""]
-    lines += ["### Experts", ""]
-    if experts:
-        lines += _table(
-            ["task", "reference", "revision", "commit"],
-            [
-                [
-                    _cell(task),
-                    _code(e.get("reference")),
-                    _cell(e.get("revision")),
-                    _code(e.get("commit")),
-                ]
-                for task, e in ((t, _as_dict(e)) for t, e in experts.items())
-            ],
-        )
-        lines += _table(
-            ["task", "file", "sha256"],
-            [
-                [_cell(task), _cell(name), _code(sha)]
-                for task, e in experts.items()
-                for name, sha in _as_dict(_as_dict(e).get("sha256")).items()
-            ],
-        )
-    else:
-        lines += ["Not recorded.", ""]
-    lines += ["### Calibration sets", ""]
-    if sets:
-        rows = []
-        for task, entry in sets.items():
-            entry = _as_dict(entry)
-            count = entry.get("n_rows", entry.get("rows"))
-            rows.append(
-                [
-                    _cell(task),
-                    _cell(count),
-                    _cell(entry.get("rows_available")),
-                    _cell(entry.get("seed")),
-                    _cell(entry.get("source")),
-                    _cell(entry.get("split")),
-                    _code(entry.get("digest") or entry.get("tree_sha256")),
-                ]
-            )
-        lines += _table(["task", "rows", "of", "seed", "source", "split", "digest (sha256)"], rows)
-    else:
-        lines += ["None (no FeatCal calibration recorded).", ""]
-
-    if metrics:
-        lines += ["## Metrics", ""]
-        lines += _metrics_table(metrics)
-    if provenance:
-        lines += ["## Provenance", ""]
-        lines += _table(
-            ["field", "value"],
-            [
-                [_PROVENANCE_LABELS.get(k, _cell(k)), _code(_value(v))]
-                for k, v in provenance.items()
-            ],
-        )
-    return "\n".join(lines).rstrip("\n") + "\n"
-
-
-def _metrics_table(metrics: Mapping[str, Any]) -> list[str]:
-    """{task: {model: {metric: v}}} (evaluation.json), {task: {metric: v}} or {metric: v}."""
-    rows_nested = {
-        task: row
-        for task, row in metrics.items()
-        if isinstance(row, Mapping) and row and all(isinstance(v, Mapping) for v in row.values())
-    }
-    if rows_nested and len(rows_nested) == len(metrics):
-        names = list(
-            dict.fromkeys(
-                key for row in rows_nested.values() for res in row.values() for key in res
-            )
-        )
-        names = [n for n in _METRIC_ORDER if n in names] + [
-            n for n in names if n not in _METRIC_ORDER
-        ]
-        rows = [
-            [_cell(task), _cell(model)] + [_metric(_as_dict(res).get(n)) for n in names]
-            for task, row in rows_nested.items()
-            for model, res in row.items()
-        ]
-        return _table(["task", "model", *names], rows)
-    if all(isinstance(row, Mapping) for row in metrics.values()):
-        names = list(dict.fromkeys(key for row in metrics.values() for key in row))
-        rows = [
-            [_cell(task)] + [_metric(row.get(n)) for n in names] for task, row in metrics.items()
-        ]
-        return _table(["task", *names], rows)
-    return _table(["metric", "value"], [[_cell(k), _metric(v)] for k, v in metrics.items()])
-
-
-def _write_text(path: Path, text: str) -> None:
-    """Write `text` (UTF-8) through the guarded writer (atomic; registered in the folder's marker)."""
-    write_file(path, text)
-
-
-def write_model_card(
-    checkpoint_dir: str | Path,
-    *,
-    title: str,
-    recipe: Mapping[str, Any],
-    inputs: Mapping[str, Any],
-    metrics: Mapping[str, Any] | None = None,
-    provenance: Mapping[str, Any] | None = None,
-) -> Path:
-    """Write a Hugging Face style model card, `README.md`, next to the weights; returns its path.
-
-    recipe: {"merge": {"method", "hyperparameters"}, "featcal": {"alpha", "rho", "lam", "eps",
-    "num_per_task", "seed", ...}} (either may be missing). inputs: {"base": {"reference", "kind",
-    "repo_id", "revision", "commit", "sha256": {file: sha256}}, "experts": {task: same},
-    "calibration_sets": {task: {"digest", "n_rows", "rows_available", "seed", "source",
-    "split"}}}. metrics: evaluation.json's {task: {model: {"accuracy", ...}}} (or a flat
-    {task: {metric: value}}). provenance: {"git_commit", "mlflow_run_id", "prefect_flow_run_id",
-    "dvc_stage", ...}. `model_card_fields(trace(dir))` builds all of them from the records.
-
-    The front matter says library_name transformers, tags featcal and model-merging, and
-    base_model when the base is a Hub model. An existing README.md (e.g. the base model's card,
-    copied by the merge) is replaced atomically.
-    """
-    directory = Path(checkpoint_dir)
-    if not directory.is_dir():
-        raise FeatCalError(
-            f"{directory} is not a directory; pass the checkpoint directory the model card "
-            "belongs in"
-        )
-    text = render_model_card(
-        title=title, recipe=recipe, inputs=inputs, metrics=metrics, provenance=provenance
-    )
-    path = directory / CARD_NAME
-    _write_text(path, text)
-    log.info("wrote model card %s", path)
-    return path

@@ -1,4 +1,4 @@
-"""params.yaml: schema, loading, overrides, one-line errors naming the key (featcal_core/params.py)."""
+"""params.yaml: schema, loading, overrides, one-line errors naming the key (featcal_core/params/)."""
 
 import subprocess
 import sys

@@ -1,6 +1,6 @@
 """Where a task's rows come from: a Hub dataset (id, config, split) or a local save_to_disk
 directory (path, optional split), with optional column names. Plain data; the run configuration
-(featcal_core/params.py) validates the same fields."""
+(featcal_core/params/tasks.py) validates the same fields."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """FeatCal's hyperparameters: defaults and bounds, defined once (import-light: no torch).
 
 `FeatCalParams` checks itself, so the library refuses what params.yaml and the CLI refuse;
-featcal_core/params.py builds its `featcal:` schema from `DEFAULTS` and `BOUNDS`.
+featcal_core/params/sections.py builds its `featcal:` schema from `DEFAULTS` and `BOUNDS`.
 """
 
 from __future__ import annotations

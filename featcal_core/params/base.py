@@ -1,0 +1,70 @@
+"""Shared pieces of the params schema: strict types, the error helpers, name checks."""
+
+from __future__ import annotations
+
+import re
+import typing
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+)
+from pydantic_core import PydanticCustomError
+
+from featcal_core.errors import FeatCalError
+from featcal_core.names import name_problem
+
+_SOURCE_FIELDS = (
+    "hub", "config", "path", "split", "image_column", "text_column", "label_column",
+)  # fmt: skip
+
+
+# Hub ids: letters, digits, "-", "_", "."; starting with a letter or digit; at most 96 characters.
+_HUB_PART = r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
+_HUB_MODEL_RE = re.compile(rf"^(?P<repo>{_HUB_PART}/{_HUB_PART})(?:@(?P<rev>[A-Za-z0-9._/-]+))?$")
+_HUB_DATASET_RE = re.compile(rf"^(?:{_HUB_PART}/)?{_HUB_PART}$")
+_LOCAL_PREFIXES = ("/", "./", "../", "~")
+_OPEN_CLIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # featcal_core.open_clip.importer
+_MAX_FLAT_LIST_CHARS = 500  # longer lists are logged as a count and a digest (MLflow value limits)
+_AT = "featcal_key_suffix"  # context key of our own errors: the key below the error's location
+
+
+def _fail(message: str) -> typing.NoReturn:
+    raise FeatCalError(" ".join(message.split("\n")))
+
+
+def _error(message: str, at: str = "") -> PydanticCustomError:
+    """A validation error; `at` is a dotted key below the validated object (e.g. 'dask_address')."""
+    return PydanticCustomError("featcal", message, {_AT: at})
+
+
+#: strict types: no bool-as-number, no float-as-int, no string-as-number; floats finite
+StrictInt = Annotated[int, Strict()]
+StrictBool = Annotated[bool, Strict()]
+_NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+
+
+def _yaml_number(value: Any) -> Any:
+    """PyYAML (YAML 1.1) reads `1e-6` (no dot) as a string: take such strings as numbers."""
+    if isinstance(value, str) and _NUMBER_RE.match(value.strip()):
+        return float(value)
+    return value
+
+
+FiniteFloat = Annotated[float, BeforeValidator(_yaml_number), Strict(), Field(allow_inf_nan=False)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", coerce_numbers_to_str=True, validate_default=True)
+
+
+def _check_task_names(mapping: Mapping[str, Any]) -> None:
+    for task in mapping:
+        problem = name_problem(task)
+        if problem is not None:
+            raise _error(f"task name {problem}", task)

@@ -1,0 +1,84 @@
+"""Params as YAML (`dump`) and as flat MLflow params (`flatten`)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import (
+    BaseModel,
+)
+
+from featcal_core.params.base import _MAX_FLAT_LIST_CHARS
+from featcal_core.params.models import ModelRef
+from featcal_core.params.schema import Params
+from featcal_core.params.tasks import DataSource
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-like tree of the params, models written as in YAML."""
+    if isinstance(value, ModelRef):
+        return value.to_yaml()
+    if isinstance(value, DataSource):  # only the keys that are set: hub/config or path
+        return {
+            key: item for key, item in value.model_dump(mode="json").items() if item is not None
+        }
+    if isinstance(value, BaseModel):
+        return {field: _plain(getattr(value, field)) for field in type(value).model_fields}
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def dump(params: Params) -> str:
+    """The full configuration (defaults filled in) as YAML; `load_params` reads it back unchanged."""
+    return yaml.safe_dump(_plain(params), sort_keys=False, allow_unicode=True, width=100)
+
+
+def flatten(params: Params) -> dict[str, str | int | float | bool]:
+    """Dotted keys and scalar values for MLflow params, e.g. {"featcal.alpha": 0.25}.
+
+    Models give `<key>` (the reference) and `<key>.trust_remote_code` (open_clip ones also
+    `<key>.format`, `.file`, `.open_clip_config`, `.trust_pickle`); None is "null"; lists are
+    JSON text (long ones: a count and a sha256 prefix); an empty mapping is "{}".
+    """
+    out: dict[str, str | int | float | bool] = {}
+
+    def visit(prefix: str, value: Any) -> None:
+        if isinstance(value, ModelRef):
+            out[prefix] = value.ref
+            out[f"{prefix}.trust_remote_code"] = value.trust_remote_code
+            if value.format != "hf":  # open_clip options (hf references log as before)
+                for key in ("format", "file", "open_clip_config", "trust_pickle"):
+                    item = getattr(value, key)
+                    out[f"{prefix}.{key}"] = "null" if item is None else item
+        elif isinstance(value, BaseModel):
+            for field in type(value).model_fields:
+                visit(f"{prefix}.{field}" if prefix else field, getattr(value, field))
+        elif isinstance(value, dict):
+            if not value:
+                out[prefix] = "{}"
+            for key, item in value.items():
+                visit(f"{prefix}.{key}", item)
+        elif isinstance(value, (list, tuple)):
+            text = json.dumps(_plain(value), ensure_ascii=False)
+            if len(text) > _MAX_FLAT_LIST_CHARS:
+                digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+                text = f"<{len(value)} items, sha256 {digest}>"
+            out[prefix] = text
+        elif value is None:
+            out[prefix] = "null"
+        elif isinstance(value, (str, int, float, bool)):
+            out[prefix] = value
+        else:
+            out[prefix] = str(value)
+
+    visit("", params)
+    return out

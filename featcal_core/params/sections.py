@@ -1,0 +1,224 @@
+"""`run:`, `merge:`, `featcal:`, `evaluation:`, `tracking:` and `zoo:`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from featcal_core.errors import FeatCalError
+from featcal_core.io.outputs import check_target
+from featcal_core.method.hyperparameters import BOUNDS, DEFAULTS
+from featcal_core.names import name_problem
+from featcal_core.params.base import (
+    FiniteFloat,
+    StrictBool,
+    StrictInt,
+    _check_task_names,
+    _error,
+    _Section,
+)
+
+
+class RunSettings(_Section):
+    """Run identity and outputs."""
+
+    name: str = Field("featcal", min_length=1, description="run name (MLflow run, results folder)")
+    results_dir: str = Field("data/results", min_length=1, description="where results are written")
+    seed: StrictInt = Field(
+        0, ge=0, description="seed of the calibration sample and other randomness"
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        problem = name_problem(name)
+        if problem is not None:
+            raise _error(f"run name {problem} (reports/<name>/)")
+        return name
+
+    @field_validator("results_dir")
+    @classmethod
+    def _safe_results_dir(cls, results_dir: str) -> str:
+        try:
+            check_target(results_dir, flag="run.results_dir")
+        except FeatCalError as exc:
+            raise _error(str(exc)) from None
+        return results_dir
+
+
+class MergeSettings(_Section):
+    """How the experts are merged before calibration (methods: featcal_core.merging)."""
+
+    method: str = Field("task_arithmetic", description="merging method (featcal_core.merging)")
+    hyperparameters: dict[str, FiniteFloat] = Field(
+        default_factory=dict,
+        description="method hyperparameters, e.g. scale (task_arithmetic, ties), top_k (ties); "
+        "when omitted: {scale: 0.3} for task_arithmetic, else {} (the method's own defaults)",
+    )
+
+    @model_validator(mode="after")
+    def _default_hyperparameters(self) -> MergeSettings:
+        # {scale: 0.3} suits task arithmetic only: average takes no hyperparameters, and TIES has
+        # its own default scale, so other methods start from featcal_core.merging's defaults.
+        if "hyperparameters" not in self.model_fields_set and self.method == "task_arithmetic":
+            self.hyperparameters = {"scale": 0.3}
+        from featcal_core.merging import get  # the registry: its methods check their own values
+
+        try:
+            get(self.method).check(dict(self.hyperparameters))
+        except FeatCalError as exc:
+            at = "method" if "unknown merge method" in str(exc) else "hyperparameters"
+            raise _error(str(exc), at) from None
+        return self
+
+
+#: the featcal fields that determine the calibrated model (in every block's cache key)
+_CALIBRATION_FIELDS = ("alpha", "rho", "lam", "eps", "num_per_task", "max_length", "pooling",
+                       "token_weighting")  # fmt: skip
+
+
+def _method_field(name: str, description: str) -> Any:
+    """A FeatCal hyperparameter's field: default and bounds from featcal_core.method.hyperparameters."""
+    low, high = BOUNDS[name]
+    where = f"[{low:g}, {high:g}]" if high is not None else f"≥ {low:g}"
+    return Field(DEFAULTS[name], ge=low, le=high, description=f"{description}, in {where}")
+
+
+class FeatCalSettings(_Section):
+    """FeatCal hyperparameters and how the calibration runs (see featcal_core.method.block.FeatCalParams)."""
+
+    enabled: StrictBool = Field(
+        True, description="calibrate the merged model (false: evaluate merge only)"
+    )
+    alpha: FiniteFloat = _method_field("alpha", "teacher interpolation α")
+    rho: FiniteFloat = _method_field("rho", "anchor blend ρ (ρ > 1 extrapolates past the merge)")
+    lam: FiniteFloat = _method_field("lam", "ridge weight λ")
+    eps: FiniteFloat = _method_field("eps", "jitter ε")
+    num_per_task: StrictInt = Field(
+        256, ge=1, description="calibration inputs per task (seeded sample)"
+    )
+    batch_size: StrictInt = Field(16, ge=1, description="calibration batch size")
+    device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="where calibration runs")
+    max_length: StrictInt = Field(128, ge=1, description="token limit for text models")
+    pooling: Literal["cls", "mean"] | None = Field(
+        None, description="output pooling; null: the architecture's default"
+    )
+    token_weighting: Literal["all", "answer"] = Field(
+        "all",
+        description="causal LMs: weigh every real token (all) or only the positions predicting "
+        "the calibration set's `target` tokens (answer)",
+    )
+    heads: StrictBool = Field(
+        False,
+        description="also refit each task's classification head on the calibration inputs "
+        "(head calibration, beyond the paper; for experts with their own linear heads)",
+    )
+    head_lam: FiniteFloat = Field(0.05, ge=0.0, description="ridge weight λ of head calibration")
+    runner: Literal["local", "dask"] = Field("local", description="Prefect task runner")
+    dask_address: str | None = Field(
+        None, description="scheduler address for runner dask; null: a local Dask cluster"
+    )
+    dask_workers: StrictInt = Field(2, ge=1, description="workers of the local Dask cluster")
+
+    @model_validator(mode="after")
+    def _dask_only(self) -> FeatCalSettings:
+        if self.dask_address is not None and self.runner != "dask":
+            raise _error(
+                f"dask_address is only used with runner: dask (runner is {self.runner!r}); "
+                "set runner: dask or remove dask_address",
+                "dask_address",
+            )
+        return self
+
+    def core_params(self):
+        """The hyperparameters as `featcal_core.FeatCalParams` (imports torch)."""
+        from featcal_core.method.block import FeatCalParams
+
+        return FeatCalParams(alpha=self.alpha, rho=self.rho, lam=self.lam, eps=self.eps)
+
+
+class EvaluationSettings(_Section):
+    """Evaluation of the base, experts, merged and calibrated models."""
+
+    enabled: StrictBool = Field(True, description="evaluate the models")
+    batch_size: StrictInt = Field(64, ge=1, description="evaluation batch size")
+    max_examples_per_task: StrictInt | None = Field(
+        None, ge=1, description="evaluate on the first N examples per task; null: all"
+    )
+
+
+class TrackingSettings(_Section):
+    """MLflow tracking."""
+
+    enabled: StrictBool = Field(True, description="log params, metrics and artifacts to MLflow")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI; null: the local sqlite store inside the project"
+    )
+    experiment: str = Field("featcal", min_length=1, description="MLflow experiment name")
+
+
+ZOO_PRESETS = ("vision", "text")
+
+
+class ZooSettings(_Section):
+    """The offline model zoo (featcal_core.zoo): build or reuse it, then take models and tasks
+    from it. With `zoo:` set, `models:` and `tasks:` are left out of the params file."""
+
+    preset: Literal["vision", "text"] = Field("vision", description="which zoo to build")
+    dir: str | None = Field(None, description="where the zoo lives; null: data/zoo/<preset>")
+    seed: StrictInt = Field(0, ge=0, description="seed of the zoo's data splits and training")
+    evaluation_split: Literal["test", "validation"] = Field(
+        "test",
+        description="split the evaluate step scores (validation: for choosing hyperparameters)",
+    )
+    datasets: dict[str, str] | None = Field(
+        None,
+        description="your own tasks instead of the preset's: task -> save_to_disk DatasetDict "
+        "(train/test splits, image or text + label); the preset gives modality and training",
+    )
+    name: str | None = Field(None, description="zoo name (Hub ids featcal-zoo/<name>-...)")
+    base: str | None = Field(None, description="model to fine-tune from; null: preset default")
+    pretrain_steps: StrictInt | None = Field(
+        None, ge=1, description="vision base pretraining steps"
+    )
+    expert_steps: StrictInt | None = Field(None, ge=1, description="fine-tuning steps per expert")
+
+    @field_validator("datasets")
+    @classmethod
+    def _dataset_names(cls, datasets: dict[str, str] | None) -> dict[str, str] | None:
+        if datasets is not None:
+            _check_task_names(datasets)
+        return datasets
+
+    @field_validator("name")
+    @classmethod
+    def _zoo_name(cls, name: str | None) -> str | None:
+        problem = None if name is None else name_problem(name)
+        if problem is not None:
+            raise _error(f"zoo name {problem}")
+        return name
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir or f"data/zoo/{self.name or self.preset}").expanduser()
+
+    def spec(self):
+        """The featcal_core.zoo.build.ZooSpec these settings describe."""
+        import dataclasses
+
+        from featcal_core.zoo.build import PRESETS
+
+        spec = PRESETS[self.preset].with_seed(self.seed)
+        changes: dict[str, Any] = {"name": self.name or spec.name}
+        if self.datasets is not None:
+            changes.update(tasks=dict(self.datasets), optional=(), max_train=None)
+        for key in ("base", "pretrain_steps", "expert_steps"):
+            if getattr(self, key) is not None:
+                changes[key] = getattr(self, key)
+        return dataclasses.replace(spec, **changes)

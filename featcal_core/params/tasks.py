@@ -1,0 +1,124 @@
+"""`tasks:` — each task's calibration and evaluation data, zero-shot names and prompts."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    Field,
+    model_validator,
+)
+
+from featcal_core.data.source import DataSource as CoreDataSource
+from featcal_core.params.base import _HUB_DATASET_RE, _SOURCE_FIELDS, _error, _Section
+
+
+class DataSource(_Section):
+    """A dataset split: a Hub dataset (`hub:` + `split:`) or a local `save_to_disk` directory (`path:`)."""
+
+    hub: str | None = Field(None, description="Hub dataset id, e.g. tanganke/mnist")
+    config: str | None = Field(None, description="Hub dataset configuration name (hub only)")
+    path: str | None = Field(None, description="local datasets save_to_disk directory")
+    split: str | None = Field(
+        None, description="split to use; required for hub, optional for a local DatasetDict"
+    )
+    image_column: str | None = Field(None, description="column with the images (default: image)")
+    text_column: str | None = Field(None, description="column with the texts (default: text)")
+    label_column: str | None = Field(None, description="column with the labels (default: label)")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> DataSource:
+        if (self.hub is None) == (self.path is None):
+            raise _error(
+                "give exactly one of hub: (a Hub dataset id) or path: (a save_to_disk directory)"
+            )
+        if self.hub is not None:
+            if not _HUB_DATASET_RE.match(self.hub) or ".." in self.hub or "--" in self.hub:
+                raise _error(f"{self.hub!r} is not a Hub dataset id (owner/name)", "hub")
+            if self.split is None:
+                raise _error("a Hub dataset needs a split: (e.g. split: train)", "split")
+        elif self.config is not None:
+            raise _error("config: is only for Hub datasets; remove it", "config")
+        if self.path is not None and not self.path.strip():
+            raise _error("empty path; give a save_to_disk directory", "path")
+        return self
+
+    def core(self) -> CoreDataSource:
+        """The same source as featcal_core's plain DataSource."""
+        return CoreDataSource(**{name: getattr(self, name) for name in _SOURCE_FIELDS})
+
+    @property
+    def kind(self) -> Literal["hub", "local"]:
+        return self.core().kind
+
+    def identity(self) -> tuple[Any, ...]:
+        """What identifies the rows: (hub, config, split) or (normalised path, split)."""
+        return self.core().identity()
+
+    def describe(self) -> str:
+        return self.core().describe()
+
+
+def _check_template(template: str) -> str:
+    if "{}" not in template:
+        raise _error(f"template {template!r} has no {{}} where the class name goes")
+    try:
+        template.format("x")
+    except (IndexError, KeyError, ValueError) as exc:
+        raise _error(
+            f"template {template!r} must format with one class name (one {{}}; "
+            f"double other braces): {exc}"
+        ) from None
+    return template
+
+
+Template = Annotated[str, AfterValidator(_check_template)]
+
+
+def _check_prompt(prompt: str) -> str:
+    try:
+        filled = prompt.format(text="\0")
+    except (IndexError, KeyError, ValueError) as exc:
+        raise _error(
+            f"prompt {prompt!r} must format with {{text}} only (double other braces): {exc}"
+        ) from None
+    if "\0" not in filled:
+        raise _error(f"prompt {prompt!r} has no {{text}} where the input goes")
+    return prompt
+
+
+Prompt = Annotated[str, AfterValidator(_check_prompt)]
+
+
+class TaskSpec(_Section):
+    """One task: where its calibration and evaluation data come from, and its zero-shot head."""
+
+    calibration: DataSource = Field(description="unlabeled inputs for FeatCal (from train data)")
+    evaluation: DataSource = Field(description="held-out labelled data for evaluation")
+    class_names: list[str] | None = Field(
+        None, min_length=1, description="CLIP zero-shot class names (default: the label feature's)"
+    )
+    templates: list[Template] | None = Field(
+        None, min_length=1, description='CLIP zero-shot prompts, each with "{}" for the class name'
+    )
+    label_words: list[str] | None = Field(
+        None,
+        min_length=2,
+        description="causal LMs: the continuation scored for each class, in label order "
+        "(default: the label feature's names)",
+    )
+    prompt: Prompt | None = Field(
+        None,
+        description='causal LMs: the prompt, with "{text}" for the input (default "{text} ->")',
+    )
+
+    @model_validator(mode="after")
+    def _held_out(self) -> TaskSpec:
+        if self.calibration.identity() == self.evaluation.identity():
+            raise _error(
+                f"calibration and evaluation use the same data ({self.calibration.describe()}); "
+                "calibration must come from train data (e.g. split: train) so evaluation stays held out",
+                "calibration",
+            )
+        return self

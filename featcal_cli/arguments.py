@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import types
+import typing
 
 from featcal_core.errors import FeatCalError
 
@@ -37,8 +39,6 @@ def setting_flags(parser: argparse.ArgumentParser, model, names: list[str], sect
     for `num_per_task`, with the field's default, type or choices and description, so the flags
     and params.yaml cannot drift apart. The values are checked by the model itself
     (`featcal_core.params.featcal_from_flags`)."""
-    import typing
-
     for name in names:
         info = model.model_fields[name]
         options = [a for a in _alternatives(info.annotation) if a is not type(None)]
@@ -57,17 +57,12 @@ def setting_flags(parser: argparse.ArgumentParser, model, names: list[str], sect
 
 
 def _alternatives(annotation) -> list:
-    import types
-    import typing
-
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return [a for arg in typing.get_args(annotation) for a in _alternatives(arg)]
     return [annotation]
 
 
 def _base(annotation):
-    import typing
-
     if typing.get_origin(annotation) is typing.Annotated:
         return typing.get_args(annotation)[0]
     return annotation

@@ -267,14 +267,11 @@ def _calibrate(args: argparse.Namespace) -> int:
     missing = [f"--{n}" for n in ("base", "merged", "out") if getattr(args, n) is None]
     if missing:
         raise FeatCalError(f"featcal calibrate needs {', '.join(missing)} (or --params FILE)")
-    from featcal_core.params import featcal_from_flags
+    from featcal_core.params import FeatCalSettings, featcal_from_flags
 
-    featcal_from_flags({  # the bounds and types of params.yaml's featcal: section
-        "alpha": args.alpha, "rho": args.rho, "lam": args.lam, "eps": args.eps,
-        "num_per_task": args.num_per_task, "batch_size": args.batch_size,
-        "max_length": args.max_length, "head_lam": args.head_lam,
-        "dask_workers": args.dask_workers, "heads": args.heads,
-    })  # fmt: skip
+    # the flags that are params.yaml's featcal: fields, checked by that section's own model
+    featcal_from_flags({name: getattr(args, name) for name in FeatCalSettings.model_fields
+                        if hasattr(args, name)})  # fmt: skip
     from featcal_core import FeatCalParams, calibrate
 
     if args.results_dir is not None:
@@ -319,7 +316,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         from featcal_core.method.head_calibration import refit_expert_heads
 
         heads = refit_expert_heads(
-            args.out, pairs("--expert", args.expert), pairs("--calib", args.calib),
+            args.out, experts, calib,
             Path(args.out) / "heads", num_per_task=args.num_per_task, seed=args.seed,
             lam=args.head_lam, batch_size=args.batch_size, device=args.device,
             tokenizer_dir=args.base,

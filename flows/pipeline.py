@@ -46,12 +46,9 @@ def run_pipeline(params: Params, project_root: Path | None = None) -> dict:
     def featcal_run() -> dict:
         summary: dict = {"paths": {k: str(v) for k, v in steps.paths.items()}}
         tags = {"prefect_flow_run_id": flow_run.get_id()}
-        with (
-            steps.session(),
-            parent_run(
-                params, run_name=params.run.name, tags=tags, project_root=project_root
-            ) as run,
-        ):
+        with parent_run(
+            params, run_name=params.run.name, tags=tags, project_root=project_root
+        ) as run:
             summary["mlflow_run_id"] = run.info.run_id if run is not None else None
             if run is not None:
                 import mlflow

@@ -13,7 +13,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from featcal_core.errors import FeatCalError
-from featcal_core.io.outputs import check_target, prepare_root, sweep_tree, write_json
+from featcal_core.io.outputs import (
+    check_target,
+    prepare_root,
+    sweep_tree,
+    verify_output,
+    write_json,
+)
 from featcal_core.io.run_lock import run_lock
 from featcal_core.params import Params
 from featcal_core.provenance.records import (
@@ -119,8 +125,6 @@ class Steps:
     def verified(directory: Path, what: str, step: str) -> Path:
         """`directory` when it still holds what featcal wrote there (its marker's digests), else
         a FeatCalError naming the first mismatching file and the step that rewrites it."""
-        from featcal_core.io.outputs import verify_output
-
         wrong = verify_output(directory)
         if wrong is not None:
             raise FeatCalError(f"{what} does not verify ({wrong}); run `{step}` again")
@@ -182,9 +186,9 @@ class Steps:
         from featcal_core.architectures import get
         from featcal_core.evaluation.classifiers import ExpertHead
 
-        base, experts = self.models()
         if get(self.lock()["architecture"]).task_heads == "zero_shot":
             return  # bare experts: zero-shot heads from the base's text tower
+        base, experts = self.models()
         for task, spec in self.params.tasks.items():
             if spec.class_names is None and spec.templates is None:  # else: zero-shot
                 ExpertHead(experts[task], tokenizer_dir=base).require_head()
@@ -234,7 +238,7 @@ class Steps:
 
     def heads(self) -> dict[str, dict[str, str]]:
         """Head calibration (featcal.heads): refit heads for the merged and calibrated models."""
-        (self.paths["refit_heads"]).mkdir(parents=True, exist_ok=True)  # a DVC out
+        self.paths["refit_heads"].mkdir(parents=True, exist_ok=True)  # a DVC out
         if not self.params.featcal.heads:
             return {}  # before importing the task: off, `featcal heads` costs no torch start-up
         from tasks.heads import calibrate_heads

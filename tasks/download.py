@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from featcal_core.errors import FeatCalError
 from featcal_core.params import ModelsSpec
+from featcal_core.params.base import KEY_SUFFIX
 from featcal_core.provenance.resolve import check_pool, resolve_model, write_lock
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,8 @@ def models_spec(models: ModelsSpec | Mapping[str, Any]) -> ModelsSpec:
         return ModelsSpec.model_validate(dict(models))
     except ValidationError as exc:
         first = exc.errors()[0]
-        at = (first.get("ctx") or {}).get(
-            "featcal_key_suffix"
-        ) or ""  # featcal_core.params._error's key
+        # the key below the error's location (featcal_core.params.base._error)
+        at = (first.get("ctx") or {}).get(KEY_SUFFIX) or ""
         parts = ("models", *first["loc"], *(at.split(".") if at else ()))
         where = ".".join(str(part) for part in parts)
         raise FeatCalError(f"{where}: {first['msg']}; fix the models section") from None

@@ -7,6 +7,7 @@ safetensors checkpoints."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -439,11 +440,13 @@ def test_bad_input_inside_the_flow_is_one_line_without_traceback(project, tmp_pa
     _one_line(proc, str(broken / "config.json"), "not valid JSON")
 
 
-def test_heads_without_heads_fails_before_calibrating(zoo, tmp_path, capsys):
+def test_heads_without_heads_fails_before_calibrating(zoo, tmp_path, capsys, caplog):
     out = tmp_path / "out"
-    started = time.perf_counter()
-    factories.cli_fails(zoo.cli_args(out) + ["--heads"], capsys, "classifier.safetensors")
-    assert not out.exists() and time.perf_counter() - started < 60
+    with caplog.at_level(logging.INFO, logger="featcal_core"):
+        factories.cli_fails(zoo.cli_args(out) + ["--heads"], capsys, "classifier.safetensors")
+    assert not out.exists()
+    calibrated = [r.getMessage() for r in caplog.records if "mean drift" in r.getMessage()]
+    assert calibrated == []  # not a single block was calibrated before the refusal
 
 
 def test_null_images_in_a_calibration_set_are_one_line(zoo, tmp_path, capsys):

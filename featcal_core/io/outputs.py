@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import glob
 import hashlib
 import json
 import os
@@ -35,6 +36,7 @@ from pathlib import Path
 
 from featcal_core.errors import FeatCalError
 from featcal_core.io import failpoints
+from featcal_core.io.run_lock import LOCK_NAME
 
 #: the marker file of every directory this tool writes
 MARKER = ".featcal-output.json"
@@ -102,7 +104,7 @@ def sweep(target: Path) -> list[Path]:
     if not target.parent.is_dir():
         return removed
     for tag in (OLD_TAG, TEMP_TAG):
-        for path in sorted(target.parent.glob(f".{_glob_escape(target.name)}{tag}*")):
+        for path in sorted(target.parent.glob(f".{glob.escape(target.name)}{tag}*")):
             if _owner_alive(path.name, tag):
                 continue
             if tag == OLD_TAG and not target.exists() and not target.is_symlink():
@@ -130,10 +132,6 @@ def sweep_tree(root: Path, depth: int = 3) -> list[Path]:
         if path.is_dir() and not path.is_symlink():
             removed += sweep_tree(path, depth - 1)
     return removed
-
-
-def _glob_escape(name: str) -> str:
-    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
 
 
 # ------------------------------------------------------------------------------- target checks
@@ -441,18 +439,6 @@ def write_json(path: str | Path, data: object, flag: str = "output file") -> Pat
     return write_file(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n", flag)
 
 
-def register_files(directory: Path, names: Iterable[str]) -> None:
-    """Add files already written into marked `directory` to its marker (with their sha256)."""
-    directory = Path(directory)
-    marker = read_marker(directory)
-    if marker is None:
-        return
-    files = dict(marker["files"])
-    for name in names:
-        files[name] = sha256_file(directory / name)
-    _write_marker(directory, files)
-
-
 def prepare_root(root: str | Path, *, inputs: Iterable[str | Path | None] = (),
                  layout: Iterable[str] = (), flag: str = "run.results_dir") -> Path:  # fmt: skip
     """Create or adopt a results folder: missing or empty, already marked, or holding only the
@@ -466,7 +452,7 @@ def prepare_root(root: str | Path, *, inputs: Iterable[str | Path | None] = (),
         for entry in sorted(path.iterdir()):
             adoptable = entry.name in names  # each write below still guards its own target
             leftover = entry.name.startswith(".") and (
-                TEMP_TAG in entry.name or OLD_TAG in entry.name or entry.name == ".featcal.lock"
+                TEMP_TAG in entry.name or OLD_TAG in entry.name or entry.name == LOCK_NAME
             )
             if not (adoptable or leftover):
                 raise FeatCalError(

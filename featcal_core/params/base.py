@@ -31,7 +31,9 @@ _HUB_DATASET_RE = re.compile(rf"^(?:{_HUB_PART}/)?{_HUB_PART}$")
 _LOCAL_PREFIXES = ("/", "./", "../", "~")
 _OPEN_CLIP_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # featcal_core.open_clip.importer
 _MAX_FLAT_LIST_CHARS = 500  # longer lists are logged as a count and a digest (MLflow value limits)
-_AT = "featcal_key_suffix"  # context key of our own errors: the key below the error's location
+KEY_SUFFIX = (
+    "featcal_key_suffix"  # context key of our own errors: the key below the error's location
+)
 
 
 def _fail(message: str) -> typing.NoReturn:
@@ -40,7 +42,7 @@ def _fail(message: str) -> typing.NoReturn:
 
 def _error(message: str, at: str = "") -> PydanticCustomError:
     """A validation error; `at` is a dotted key below the validated object (e.g. 'dask_address')."""
-    return PydanticCustomError("featcal", message, {_AT: at})
+    return PydanticCustomError("featcal", message, {KEY_SUFFIX: at})
 
 
 #: strict types: no bool-as-number, no float-as-int, no string-as-number; floats finite

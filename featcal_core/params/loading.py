@@ -14,7 +14,7 @@ from pydantic import (
     ValidationError,
 )
 
-from featcal_core.params.base import _AT, _fail
+from featcal_core.params.base import KEY_SUFFIX, _fail
 from featcal_core.params.models import ModelRef
 from featcal_core.params.schema import Params
 from featcal_core.params.sections import FeatCalSettings
@@ -30,10 +30,11 @@ def featcal_from_flags(values: Mapping[str, Any]) -> FeatCalSettings:
         return FeatCalSettings.model_validate(dict(values))
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
-        key = str(first["loc"][0]) if first["loc"] else ""
-        flag = "--" + key.replace("_", "-") if key else "(flags)"
-        value = f" {_short(first.get('input'))}" if key else ""
-        _fail(f"{flag}{value}: {first['msg']} (the bound of featcal.{key} in params.yaml)")
+        at = (first.get("ctx") or {}).get(KEY_SUFFIX) or ""  # a model-level check names its key
+        key = str(first["loc"][0]) if first["loc"] else at.split(".")[0]
+        value = values.get(key)
+        _fail(f"--{key.replace('_', '-')} {_short(value)}: {first['msg']} "
+              f"(as featcal.{key} in params.yaml)")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- loading, errors
@@ -86,7 +87,7 @@ def _format_validation_error(exc: ValidationError, name: str, overrides: list[st
     ctx = first.get("ctx") or {}
     kind = first["type"]
     if kind == "featcal":
-        at = ctx.get(_AT) or ""
+        at = ctx.get(KEY_SUFFIX) or ""
         loc = loc + tuple(at.split(".")) if at else loc
         message = first["msg"]
     elif kind == "extra_forbidden":

@@ -1,12 +1,34 @@
-"""Argument types shared by the subcommands (no imports from the command modules)."""
+"""What the subcommand modules share: the `Command` they each declare, argument types and
+flag builders (no imports from the command modules)."""
 
 from __future__ import annotations
 
 import argparse
 import types
 import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from featcal_core.errors import FeatCalError
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: `featcal <name>`. Every command module declares `COMMANDS`, a tuple of
+    these; `featcal_cli.main` adds each to the parser and dispatches to its `run`, which returns
+    the exit status (FeatCalError and OSError become one line and status 2 in `main`)."""
+
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def params_arguments(parser: argparse.ArgumentParser, default: str | None = "params.yaml") -> None:
+    """--params FILE and repeated --set KEY=VALUE: the run configuration and its overrides."""
+    parser.add_argument("--params", default=default, help="the run configuration (params.yaml)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a value of the params file, e.g. featcal.alpha=0.3")  # fmt: skip
 
 
 def task_path(flag: str):

@@ -16,13 +16,10 @@ import json
 import math
 from typing import Any
 
+from featcal_cli.arguments import Command
 
-def add_parser(sub) -> argparse.ArgumentParser:
-    """Add the `lineage` subcommand to an argparse subparsers object; returns its parser."""
-    lineage = sub.add_parser(
-        "lineage",
-        help="show the records that produced a checkpoint and verify its inputs' sha256",
-    )
+
+def add_arguments(lineage: argparse.ArgumentParser) -> None:
     lineage.add_argument(
         "path",
         metavar="PATH",
@@ -30,7 +27,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "report directory",
     )
     lineage.add_argument("--json", action="store_true", help="print the trace as JSON")
-    return lineage
 
 
 def _json_safe(value: Any) -> Any:
@@ -55,3 +51,13 @@ def run(args: argparse.Namespace) -> int:
         print(format_trace(result))
     check(result)
     return 0
+
+
+COMMANDS = (
+    Command(
+        "lineage",
+        "show the records that produced a checkpoint and verify its inputs' sha256",
+        add_arguments,
+        run,
+    ),  # fmt: skip
+)

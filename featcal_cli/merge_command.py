@@ -1,7 +1,12 @@
 """`featcal merge`: merge fine-tuned experts of one base model into a single checkpoint.
 
 Usage: featcal merge --base DIR --expert TASK=DIR [--expert ...] --method METHOD [--scale S]
-[--top-k K] --out DIR [--overwrite] [--no-progress]
+[--top-k K] [--hp KEY=VALUE ...] --out DIR [--overwrite] [--no-progress]
+       featcal merge --params params.yaml [--set KEY=VALUE ...]   (the pipeline's merge step)
+
+`--hp` takes any hyperparameter the chosen method declares (its `defaults`), so a method added to
+featcal_core/merging/ needs no flag here; `--scale` and `--top-k` are short for `--hp scale=...`
+and `--hp top_k=...`.
 """
 
 from __future__ import annotations
@@ -9,7 +14,11 @@ from __future__ import annotations
 import argparse
 import logging
 
-from featcal_cli.arguments import pairs, task_path
+import yaml
+
+from featcal_cli.arguments import Command, pairs, task_path
+from featcal_cli.step_runner import run_step
+from featcal_core.errors import FeatCalError
 
 
 class _MethodNames:
@@ -26,11 +35,18 @@ class _MethodNames:
         return name in list(self)
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
-    """Add the `merge` subcommand to an argparse subparsers object; returns its parser."""
-    merge = sub.add_parser(
-        "merge", help="merge fine-tuned experts into one model, tensor by tensor (streaming)"
-    )
+def _hyperparameter(value: str) -> tuple[str, object]:
+    """An argparse `type` for --hp KEY=VALUE; VALUE is read as YAML (0.3, 20, true, text)."""
+    key, sep, text = value.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--hp expects KEY=VALUE, got {value!r}")
+    try:
+        return key, yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise argparse.ArgumentTypeError(f"--hp {key}: {text!r} is not a value ({exc})") from None
+
+
+def add_arguments(merge: argparse.ArgumentParser) -> None:
     merge.add_argument("--base", help="base (pre-trained) model directory")
     merge.add_argument("--expert", action="append", type=task_path("--expert"),
                        metavar="TASK=DIR", help="a fine-tuned expert (repeat per task)")  # fmt: skip
@@ -41,21 +57,33 @@ def add_parser(sub) -> argparse.ArgumentParser:
     merge.add_argument("--top-k", type=float, default=None,
                        help="ties: percent of each task vector's entries kept, per tensor "
                        "(default 20)")  # fmt: skip
+    merge.add_argument("--hp", action="append", default=[], type=_hyperparameter,
+                       metavar="KEY=VALUE", help="any hyperparameter of the method, e.g. "
+                       "--hp top_k=30 (checked by the method; unknown keys are refused)")  # fmt: skip
     merge.add_argument("--out", help="output directory (save_pretrained layout)")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     merge.add_argument("--no-progress", action="store_true", help="no progress bar")
-    return merge
+    merge.add_argument("--params", help="run the pipeline's merge step from this params.yaml")
+    merge.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                       help="with --params: override a value")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     """Run `featcal merge` for parsed arguments; FeatCalError propagates to the caller."""
+    if args.params is not None:
+        return run_step("merge", args)
+    missing = [f"--{n}" for n in ("base", "method", "out") if getattr(args, n) is None]
+    if missing:
+        raise FeatCalError(f"featcal merge needs {', '.join(missing)} (or --params FILE)")
     from featcal_core.merging.run import merge_checkpoints
 
-    hyperparameters = {
-        key: value
-        for key, value in (("scale", args.scale), ("top_k", args.top_k))
-        if value is not None
-    }
+    flags = [(key, value) for key, value in (("scale", args.scale), ("top_k", args.top_k))
+             if value is not None]  # fmt: skip
+    hyperparameters: dict[str, object] = {}
+    for key, value in [*flags, *args.hp]:
+        if key in hyperparameters:
+            raise FeatCalError(f"merge hyperparameter {key!r} is given twice (--hp / --{key})")
+        hyperparameters[key] = value
     record = merge_checkpoints(
         base=args.base,
         experts=pairs("--expert", args.expert),
@@ -71,3 +99,13 @@ def run(args: argparse.Namespace) -> int:
         record["wall_seconds"], record["peak_rss_bytes"] / 1e6, args.out,
     )  # fmt: skip
     return 0
+
+
+COMMANDS = (
+    Command(
+        "merge",
+        "merge fine-tuned experts into one model, tensor by tensor (streaming)",
+        add_arguments,
+        run,
+    ),  # fmt: skip
+)

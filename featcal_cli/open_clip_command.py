@@ -13,15 +13,10 @@ from __future__ import annotations
 import argparse
 import logging
 
-COMMAND = "import-open-clip"
+from featcal_cli.arguments import Command
 
 
-def add_parser(sub, commands: dict | None = None) -> argparse.ArgumentParser:
-    """Add the `import-open-clip` subcommand to an argparse subparsers object and, when given the
-    CLI's command table, register `run` in it; returns the parser."""
-    parser = sub.add_parser(
-        COMMAND, help="convert an open_clip checkpoint (vision tower) into a featcal checkpoint"
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "source",
         metavar="SRC",
@@ -40,9 +35,6 @@ def add_parser(sub, commands: dict | None = None) -> argparse.ArgumentParser:
         help="unpickle a whole pickled module (runs code from the file; only for files you trust)",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    if commands is not None:
-        commands[COMMAND] = run
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,3 +53,13 @@ def run(args: argparse.Namespace) -> int:
         config["layers"], config["width"], config["quick_gelu"], args.out,
     )  # fmt: skip
     return 0
+
+
+COMMANDS = (
+    Command(
+        "import-open-clip",
+        "convert an open_clip checkpoint (vision tower) into a featcal checkpoint",
+        add_arguments,
+        run,
+    ),  # fmt: skip
+)

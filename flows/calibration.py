@@ -103,7 +103,7 @@ RESULTS_LAYOUT = ("states", "prefect-results", WORK)
 
 def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
     """Body of the flow (see `calibration_flow`)."""
-    from tasks.calibration import (
+    from featcal.tasks.calibration import (
         block_task,
         inputs_digest,
         spec_calibration,

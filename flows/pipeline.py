@@ -11,11 +11,11 @@ import hashlib
 import logging
 from pathlib import Path
 
+from featcal.flows.environment import configure
+from featcal.flows.environment import project_root as working_project
+from featcal.flows.steps import Steps
 from featcal_core.io.outputs import write_json
 from featcal_core.params import Params, load_params
-from flows.environment import configure
-from flows.environment import project_root as working_project
-from flows.steps import Steps
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +29,7 @@ def run_pipeline(params: Params, project_root: Path | None = None) -> dict:
     from prefect import flow
     from prefect.runtime import flow_run
 
-    from featcal_core.provenance.resolve import lock_digest
-    from tasks.tracking import (
+    from featcal.tasks.tracking import (
         git_commit,
         log_artifacts,
         log_calibration_record,
@@ -39,6 +38,7 @@ def run_pipeline(params: Params, project_root: Path | None = None) -> dict:
         parent_run,
         step_run,
     )
+    from featcal_core.provenance.resolve import lock_digest
 
     steps = Steps(params, in_flow=True)
 

@@ -18,9 +18,9 @@ import logging
 import os
 from pathlib import Path
 
+from featcal.flows.environment import configure
+from featcal.flows.prefect_server import api_auth_string, local_server
 from featcal_core.errors import FeatCalError
-from flows.environment import configure
-from flows.prefect_server import api_auth_string, local_server
 
 configure()  # before prefect is imported
 from prefect import flow  # noqa: E402
@@ -38,7 +38,7 @@ DEPLOYMENT = "featcal-scheduled"
 @flow(name="featcal-scheduled-run")
 def featcal_scheduled_run(params_path: str, overrides: list[str]) -> dict:
     """One scheduled pipeline run (the deployment's flow; `featcal run` runs as its subflow)."""
-    from flows.pipeline import run_from_file
+    from featcal.flows.pipeline import run_from_file
 
     return run_from_file(params_path, overrides)
 

@@ -148,28 +148,28 @@ class Steps:
         zoo = self.params.zoo_settings
         if zoo is None:
             return None
-        from tasks.zoo import build_zoo_task
+        from featcal.tasks.zoo import build_zoo_task
 
         manifest = self._call(build_zoo_task, zoo)
         self.params = self.params.with_zoo(manifest) if self.params.zoo else self.params
         return manifest
 
     def download(self) -> dict:
-        from tasks.download import download_models
+        from featcal.tasks.download import download_models
 
         self._require_models()
         return self._call(download_models, self.params.models, self.paths["lock"])
 
     def calibration_sets(self) -> dict:
+        from featcal.tasks.calibration_sets import build_calibration_sets
         from featcal_core.architectures import get
-        from tasks.calibration_sets import build_calibration_sets
 
         modality = get(self.lock()["architecture"]).modality
         root = str(self.paths["calibration_sets"])
         return self._call(build_calibration_sets, self.params, modality, root)
 
     def merge(self) -> dict:
-        from tasks.merge import merge_task
+        from featcal.tasks.merge import merge_task
 
         base, experts = self.models()
         merge = self.params.merge
@@ -194,9 +194,9 @@ class Steps:
                 ExpertHead(experts[task], tokenizer_dir=base).require_head()
 
     def calibration_spec(self) -> dict:
+        from featcal.flows.calibration import make_spec
         from featcal_core.method.block import FeatCalParams
         from featcal_core.method.calibration import Settings
-        from flows.calibration import make_spec
 
         base, experts = self.models()
         featcal, seed = self.params.featcal, self.params.run.seed
@@ -210,9 +210,9 @@ class Steps:
         )  # fmt: skip
 
     def calibrate(self) -> dict:
+        from featcal.flows.calibration import calibration_flow, calibration_flow_fn
         from featcal_core.provenance.lineage import trace
         from featcal_core.provenance.model_card import model_card_fields, write_model_card
-        from flows.calibration import calibration_flow, calibration_flow_fn
 
         run = calibration_flow_fn if self.in_flow else calibration_flow
         record = run(self.calibration_spec(), str(self.paths["calibrated"]), overwrite=True)
@@ -241,7 +241,7 @@ class Steps:
         self.paths["refit_heads"].mkdir(parents=True, exist_ok=True)  # a DVC out
         if not self.params.featcal.heads:
             return {}  # before importing the task: off, `featcal heads` costs no torch start-up
-        from tasks.heads import calibrate_heads
+        from featcal.tasks.heads import calibrate_heads
 
         base, experts = self.models()
         from featcal_core.evaluation.language_model import generation_kind
@@ -272,7 +272,7 @@ class Steps:
                 f"{root}: no refit head for {missing[0]}; run the head calibration "
                 "(`featcal heads --params FILE` or `featcal run`) or set featcal.heads: false"
             )
-        from tasks.heads import FITTED_ON, weight_digests
+        from featcal.tasks.heads import FITTED_ON, weight_digests
 
         for name, directory in self._evaluated_models().items():
             record = root / name / FITTED_ON
@@ -288,7 +288,7 @@ class Steps:
         return found
 
     def evaluate(self) -> dict:
-        from tasks.evaluate import evaluate_models
+        from featcal.tasks.evaluate import evaluate_models
 
         base, experts = self.models()
         table = self._call(

@@ -17,12 +17,12 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from featcal.tasks.evaluate import task_head
 from featcal_core.data.calibration_data import load_calibration_set
 from featcal_core.evaluation.linear_head import save_linear_head
 from featcal_core.io.outputs import guarded_directory
 from featcal_core.method.head_calibration import calibrate_head
 from featcal_core.provenance.records import FITTED_ON
-from tasks.evaluate import task_head
 
 log = logging.getLogger(__name__)
 

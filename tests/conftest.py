@@ -38,7 +38,7 @@ def prefect_api(tmp_path_factory):
     """One local `prefect server` (its own database) shared by the tests that start many flow
     processes (each would otherwise start Prefect's temporary server); yields its API URL. Under
     pytest-xdist all workers share the controller's; otherwise this worker starts its own."""
-    from flows.prefect_server import local_server, wait_healthy
+    from featcal.flows.prefect_server import local_server, wait_healthy
 
     shared = os.environ.get(SHARED_API)
     if shared:
@@ -66,7 +66,7 @@ def pytest_configure(config):
     per run instead of once per worker)."""
     xdist_controller = not hasattr(config, "workerinput") and config.getoption("numprocesses", None)
     if xdist_controller and _selects_server_tests(config) and not os.environ.get(SHARED_API):
-        from flows.prefect_server import start_server
+        from featcal.flows.prefect_server import start_server
 
         home = tempfile.mkdtemp(prefix="featcal-test-prefect-")
         server, api_url = start_server(home=home)
@@ -77,7 +77,7 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     shared = config.stash.get(_SERVER_KEY, None)
     if shared is not None:
-        from flows.prefect_server import stop_server
+        from featcal.flows.prefect_server import stop_server
 
         server, home = shared
         os.environ.pop(SHARED_API, None)

@@ -407,7 +407,7 @@ def test_hub_failure_is_one_line(monkeypatch, tmp_path):
 
 
 def test_prefect_task_builds_every_task(image_dir, text_dir, text_eval_dir, tmp_path):
-    from tasks.calibration_sets import build_calibration_sets
+    from featcal.tasks.calibration_sets import build_calibration_sets
 
     params = Params.model_validate(
         {

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import factories
-import tasks.calibration as task_module
+import featcal.tasks.calibration as task_module
 from featcal_core.errors import FeatCalError
 from featcal_core.method import block as block_module
 from featcal_core.method import solvers
@@ -205,7 +205,7 @@ def test_default_parameters_record_no_fallbacks(tmp_path):
 
 
 def test_code_version_covers_tasks_and_flows_calibration(tmp_path, monkeypatch):
-    import flows.calibration as flow_module
+    import featcal.flows.calibration as flow_module
 
     flow = {"flows/calibration.py": Path(flow_module.__file__)}
     original = task_module.code_version(flow)

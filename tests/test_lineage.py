@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from featcal_cli import lineage_command
+from featcal_cli.main import build_parser
 from featcal_core.errors import FeatCalError
 from featcal_core.io.checkpoint import sha256_file, sha256_tree
 from featcal_core.provenance import lineage
@@ -552,9 +553,7 @@ def test_model_card_arguments_by_hand(tmp_path):
 
 # ----- the command ------------------------------------------------------------------------------
 def _parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="featcal")
-    lineage_command.add_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(argv)
+    return build_parser().parse_args(argv)
 
 
 def _strict(text: str):

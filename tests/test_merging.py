@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 
 import factories
 from featcal_cli import merge_command
+from featcal_cli.main import build_parser
 from featcal_core import merging
 from featcal_core.data.synthetic import build_pool
 from featcal_core.errors import FeatCalError
@@ -630,10 +631,7 @@ def test_base_files_that_are_not_copied(zoo, tmp_path):
 
 # ----- command line ----------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="featcal")
-    sub = parser.add_subparsers(dest="command", required=True)
-    merge_command.add_parser(sub)
-    return parser
+    return build_parser()
 
 
 def _cli_args(zoo, out: Path, *extra: str) -> list[str]:
@@ -675,6 +673,25 @@ def test_cli_defaults_and_bad_input(zoos, tmp_path):
 
     twice = [*_cli_args(zoo, other, "--method", "average"), "--expert", f"alpha={zoo.base}"]
     _fails(lambda: merge_command.run(_parser().parse_args(twice)), other, "alpha", "twice")
+
+
+def test_cli_hp_takes_any_declared_hyperparameter(zoos, tmp_path):
+    """--hp KEY=VALUE reaches the method's own check: a method added to the registry needs no
+    flag of its own; a key given twice or unknown to the method is refused."""
+    zoo = zoos["bert"]
+    out = tmp_path / "out"
+    args = _parser().parse_args(_cli_args(zoo, out, "--method", "ties", "--hp", "top_k=30",
+                                          "--hp", "scale=0.7"))  # fmt: skip
+    assert merge_command.run(args) == 0
+    assert json.loads((out / "merge.json").read_text())["hyperparameters"] == {
+        "top_k": 30, "scale": 0.7,
+    }  # fmt: skip
+    other = tmp_path / "other"
+    twice = _cli_args(zoo, other, "--method", "ties", "--top-k", "30", "--hp", "top_k=20")
+    _fails(lambda: merge_command.run(_parser().parse_args(twice)), other, "'top_k'", "twice")
+    unknown = _cli_args(zoo, other, "--method", "task_arithmetic", "--hp", "density=0.5")
+    _fails(lambda: merge_command.run(_parser().parse_args(unknown)), other, "'density'",
+           "task_arithmetic")  # fmt: skip
 
 
 def test_cli_rejects_unknown_method_and_bad_expert_argument(zoos, tmp_path, capsys):

@@ -350,7 +350,7 @@ def test_read_lock_missing_file(tmp_path):
 
 
 def test_download_task_locks_a_mixed_pool(clip, tmp_path, offline):
-    from tasks.download import download_models
+    from featcal.tasks.download import download_models
 
     snapshot, commit = hub_cache(tmp_path / "hf", "owner/tiny-clip", clip.base)
     models = {
@@ -369,7 +369,7 @@ def test_download_task_locks_a_mixed_pool(clip, tmp_path, offline):
 
 
 def test_download_task_stops_before_locking_a_bad_pool(clip, bert, tmp_path):
-    from tasks.download import download_models
+    from featcal.tasks.download import download_models
 
     models = {"base": str(clip.base), "experts": {"gamma": str(bert.experts["gamma"])}}
     path = tmp_path / "models.lock.json"

@@ -21,8 +21,8 @@ import psutil
 import pytest
 from test_pipeline import write_params
 
+from featcal.flows.prefect_server import TOKEN_FILE, api_auth_string, local_server
 from featcal_core.errors import FeatCalError
-from flows.prefect_server import TOKEN_FILE, api_auth_string, local_server
 
 
 def _post(api_url: str, path: str, body: dict, auth: str | None) -> tuple[int, object]:

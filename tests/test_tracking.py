@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from featcal_core.params import Params, TrackingSettings, flatten, load_params
-from tasks import tracking
-from tasks.tracking import (
+from featcal.tasks import tracking
+from featcal.tasks.tracking import (
     artifact_root,
     ensure_experiment,
     git_commit,
@@ -21,6 +20,7 @@ from tasks.tracking import (
     step_run,
     tracking_uri,
 )
+from featcal_core.params import Params, TrackingSettings, flatten, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ("mnist", "svhn")

@@ -190,7 +190,7 @@ def test_flow_builds_the_zoo_and_runs_with_head_calibration(toy_data, tmp_path):
     assert "Head calibration (beyond the paper)" in report
 
     # heads fit on other weights than the model now holds are refused, not used
-    from flows.steps import Steps
+    from featcal.flows.steps import Steps
 
     steps = Steps(load_params(path))
     assert set(steps.refit_heads()) == {"merged", "calibrated"}

@@ -1,0 +1,144 @@
+"""`featcal calibrate`: FeatCal-calibrate a merged model against its experts.
+
+Direct (--base/--merged/--expert/--calib/--out), as the resumable Prefect flow (--results-dir), or
+as the pipeline's calibrate step (--params). The FeatCal flags are derived from params.yaml's
+`featcal:` fields (one definition: featcal_core.params) and checked by that section's model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+from featcal_cli.arguments import Command, pairs, setting_flags, task_path
+from featcal_cli.step_runner import run_step
+from featcal_core.errors import FeatCalError
+
+
+def add_arguments(cal: argparse.ArgumentParser) -> None:
+    from featcal_core.params import FeatCalSettings, RunSettings
+
+    cal.add_argument("--base", help="base model directory (with its preprocessor)")
+    cal.add_argument("--merged", help="merged model directory")
+    cal.add_argument("--expert", action="append", type=task_path("--expert"), metavar="TASK=DIR")
+    cal.add_argument("--calib", action="append", type=task_path("--calib"), metavar="TASK=DIR")
+    cal.add_argument("--out", help="output directory (save_pretrained layout)")
+    setting_flags(cal, FeatCalSettings, ["alpha", "rho", "lam", "eps", "num_per_task",
+                  "batch_size", "device", "max_length", "pooling", "token_weighting"], "featcal")  # fmt: skip
+    setting_flags(cal, RunSettings, ["seed"], "run")
+    cal.add_argument("--spill-dir", default=None, help="keep hidden-state streams on disk here")
+    cal.add_argument("--heads", action="store_true",
+                     help="also refit each expert's own classification head for the calibrated "
+                     "model (head calibration; written to OUT/heads/<task>/; params: featcal.heads)")  # fmt: skip
+    setting_flags(cal, FeatCalSettings, ["head_lam"], "featcal")
+    cal.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    cal.add_argument(
+        "--results-dir",
+        default=None,
+        help="run as the resumable Prefect flow, persisting each block's result here",
+    )
+    setting_flags(cal, FeatCalSettings, ["runner", "dask_address", "dask_workers"], "featcal")
+    cal.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cal.add_argument("--params", help="run the pipeline's calibrate step from this params.yaml "
+                     "(instead of --base/--merged/--expert/--calib/--out)")  # fmt: skip
+    cal.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="with --params: override a value")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.params is not None:
+        return run_step("calibrate", args)
+    missing = [f"--{n}" for n in ("base", "merged", "out") if getattr(args, n) is None]
+    if missing:
+        raise FeatCalError(f"featcal calibrate needs {', '.join(missing)} (or --params FILE)")
+    from featcal_core.params import FeatCalSettings, featcal_from_flags
+
+    # the flags that are params.yaml's featcal: fields, checked by that section's own model
+    featcal_from_flags({name: getattr(args, name) for name in FeatCalSettings.model_fields
+                        if hasattr(args, name)})  # fmt: skip
+    if args.results_dir is not None:
+        if args.spill_dir is not None:
+            raise FeatCalError(
+                "--spill-dir has no effect with --results-dir: the flow keeps every hidden-state "
+                "stream on disk in the results directory already; drop --spill-dir"
+            )
+        return _flow(args)
+    if args.runner != "local" or args.dask_address is not None:
+        raise FeatCalError("--runner dask / --dask-address need --results-dir (the Prefect flow)")
+    from featcal_core import FeatCalParams, calibrate
+
+    experts, calib = pairs("--expert", args.expert), pairs("--calib", args.calib)
+    if args.heads:  # before the calibration, not after it
+        from featcal_core.method.head_calibration import check_expert_heads
+
+        check_expert_heads(experts, tokenizer_dir=args.base)
+    record = calibrate(
+        base=args.base,
+        merged=args.merged,
+        experts=experts,
+        calib=calib,
+        out=args.out,
+        params=FeatCalParams(alpha=args.alpha, rho=args.rho, lam=args.lam, eps=args.eps),
+        num_per_task=args.num_per_task,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        device=args.device,
+        max_length=args.max_length,
+        pooling=args.pooling,
+        token_weighting=args.token_weighting,
+        spill_dir=args.spill_dir,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    logging.getLogger("featcal").info(
+        "calibrated %d blocks in %.1f s, peak RSS %.0f MB -> %s",
+        len(record["blocks"]), record["wall_seconds"], record["peak_rss_bytes"] / 1e6, args.out,
+    )  # fmt: skip
+    if args.heads:
+        from featcal_core.method.head_calibration import refit_expert_heads
+
+        heads = refit_expert_heads(
+            args.out, experts, calib,
+            Path(args.out) / "heads", num_per_task=args.num_per_task, seed=args.seed,
+            lam=args.head_lam, batch_size=args.batch_size, device=args.device,
+            tokenizer_dir=args.base,
+        )  # fmt: skip
+        logging.getLogger("featcal").info("refit heads: %s", ", ".join(heads.values()))
+    return 0
+
+
+def _flow(args: argparse.Namespace) -> int:
+    """`--results-dir`: the resumable Prefect flow (one cached task per block)."""
+    from featcal.flows.environment import configure
+
+    configure()
+    from featcal.flows.calibration import calibration_flow, make_spec
+    from featcal_core import FeatCalParams
+    from featcal_core.method.calibration import Settings
+
+    spec = make_spec(
+        args.base,
+        args.merged,
+        pairs("--expert", args.expert),
+        pairs("--calib", args.calib),
+        args.results_dir,
+        FeatCalParams(alpha=args.alpha, rho=args.rho, lam=args.lam, eps=args.eps),
+        Settings(args.num_per_task, args.batch_size, args.seed, args.device, args.max_length,
+                 args.pooling, args.token_weighting),
+        args.runner, args.dask_address, args.dask_workers,
+    )  # fmt: skip
+    record = calibration_flow(spec, args.out, args.overwrite)
+    computed = sum(not block["restored"] for block in record["blocks"])
+    logging.getLogger("featcal").info(
+        "%d blocks computed, %d restored -> %s",
+        computed, len(record["blocks"]) - computed, args.out,
+    )  # fmt: skip
+    return 0
+
+
+COMMANDS = (
+    Command(
+        "calibrate", "FeatCal-calibrate a merged model against its experts", add_arguments, run
+    ),
+)

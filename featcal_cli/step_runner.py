@@ -1,0 +1,29 @@
+"""Run one pipeline step (the DVC stages' commands, and `featcal merge|calibrate --params`) from
+params.yaml, inside the pipeline's session: checked outputs and the run lock."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+
+def run_step(step: str, args: argparse.Namespace) -> int:
+    """Run `featcal.flows.steps.Steps.<step>` for `args.params` / `args.set`; params are validated
+    before any heavy work. `featcal evaluate` prints its results as JSON."""
+    from featcal.flows.steps import Steps
+    from featcal_core.params import load_params
+
+    steps = Steps(load_params(args.params, args.set))
+    if step == "calibrate":
+        from featcal.flows.environment import configure
+
+        configure()
+    with steps.session(f"featcal {args.command}"):
+        if step == "calibrate":
+            steps.check_heads()
+        result = getattr(steps, step)()
+    logging.getLogger("featcal").info("%s: done (%s)", step, steps.paths["root"])
+    if step == "evaluate":
+        print(json.dumps(result, indent=2))
+    return 0

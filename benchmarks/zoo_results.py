@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 from featcal_core import FeatCalParams, calibrate  # noqa: E402
 from featcal_core.data.calibration_data import load_calibration_set  # noqa: E402
-from featcal_core.evaluation.classifiers import ExpertHead, evaluate  # noqa: E402
+from featcal_core.evaluation.accuracy import evaluate  # noqa: E402
+from featcal_core.evaluation.expert_head import ExpertHead  # noqa: E402
 from featcal_core.merging.run import merge_checkpoints  # noqa: E402
 from featcal_core.method.head_calibration import fit_linear_head, head_statistics  # noqa: E402
 from featcal_core.report import gap_closed  # noqa: E402

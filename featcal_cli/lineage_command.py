@@ -42,7 +42,8 @@ def _json_safe(value: Any) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Run `featcal lineage` for parsed arguments; FeatCalError propagates to the caller."""
-    from featcal_core.provenance.lineage import check, format_trace, trace
+    from featcal_core.provenance.lineage import check, trace
+    from featcal_core.provenance.lineage_text import format_trace
 
     result = trace(args.path)
     if args.json:

@@ -17,7 +17,8 @@ The folders are the architecture:
     open_clip/      open_clip import and zero-shot heads
     provenance/     model resolution and locks, lineage and model cards
     zoo/            the offline model zoo
-    report.py       the run report; errors.py, names.py, memory.py
+    report/         the run report (tables, sections, markdown, HTML, plots)
+    errors.py       the one exception type; names.py, memory.py
 """
 
 from featcal_core.errors import FeatCalError

@@ -29,16 +29,15 @@ def run_pipeline(params: Params, project_root: Path | None = None) -> dict:
     from prefect import flow
     from prefect.runtime import flow_run
 
-    from featcal.tasks.tracking import (
-        git_commit,
+    from featcal.tasks.tracking import parent_run, step_run
+    from featcal.tasks.tracking_log import (
         log_artifacts,
         log_calibration_record,
         log_evaluation,
         log_tags,
-        parent_run,
-        step_run,
     )
-    from featcal_core.provenance.resolve import lock_digest
+    from featcal.tasks.tracking_store import git_commit
+    from featcal_core.provenance.lock import lock_digest
 
     steps = Steps(params, in_flow=True)
 

@@ -99,7 +99,7 @@ class Steps:
 
     # ----- inputs of later steps -------------------------------------------------------------
     def lock(self) -> dict:
-        from featcal_core.provenance.resolve import read_lock
+        from featcal_core.provenance.lock import read_lock
 
         if not self.paths["lock"].is_file():
             raise FeatCalError(
@@ -109,7 +109,7 @@ class Steps:
 
     def models(self) -> tuple[str, dict[str, str]]:
         """The locked base and experts, after checking every locked file still has its sha256."""
-        from featcal_core.provenance.resolve import models_from_lock, verify_lock
+        from featcal_core.provenance.lock import models_from_lock, verify_lock
 
         lock = self.lock()
         problems = verify_lock(lock)  # digests memoised: free right after the download step
@@ -184,7 +184,7 @@ class Steps:
         if not self.params.featcal.heads:
             return
         from featcal_core.architectures import get
-        from featcal_core.evaluation.classifiers import ExpertHead
+        from featcal_core.evaluation.expert_head import ExpertHead
 
         if get(self.lock()["architecture"]).task_heads == "zero_shot":
             return  # bare experts: zero-shot heads from the base's text tower
@@ -195,8 +195,8 @@ class Steps:
 
     def calibration_spec(self) -> dict:
         from featcal.flows.calibration import make_spec
-        from featcal_core.method.block import FeatCalParams
         from featcal_core.method.calibration import Settings
+        from featcal_core.method.hyperparameters import FeatCalParams
 
         base, experts = self.models()
         featcal, seed = self.params.featcal, self.params.run.seed

@@ -1,9 +1,10 @@
 """Prefect task "download-experts": resolve the base and the experts, check the pool, lock it.
 
-The work is in featcal_core.provenance.resolve; this task only reads the `models:` section of the params,
-calls it, and writes the lock file (`data/models.lock.json` by default), which later steps and DVC
-use to know exactly which weights the run used. Network retries happen inside `resolve_model`,
-so the Prefect task itself does not retry.
+The work is in featcal_core.provenance.resolve and featcal_core.provenance.lock; this task only
+reads the `models:` section of the params, calls them, and writes the lock file
+(`data/models.lock.json` by default), which later steps and DVC use to know exactly which weights
+the run used. Network retries happen inside `resolve_model`, so the Prefect task itself does not
+retry.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from pydantic import ValidationError
 from featcal_core.errors import FeatCalError
 from featcal_core.params import ModelsSpec
 from featcal_core.params.base import KEY_SUFFIX
-from featcal_core.provenance.resolve import check_pool, resolve_model, write_lock
+from featcal_core.provenance.lock import write_lock
+from featcal_core.provenance.resolve import check_pool, resolve_model
 
 log = logging.getLogger(__name__)
 

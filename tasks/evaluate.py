@@ -24,20 +24,17 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from featcal_core.data.calibration_sets import open_source
+from featcal_core.data.source_rows import open_source
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation.classifiers import (
-    ExpertHead,
-    ZeroShotHead,
-    evaluate,
-    normalized_accuracy,
-)
+from featcal_core.evaluation.accuracy import evaluate, normalized_accuracy
+from featcal_core.evaluation.expert_head import ExpertHead
 from featcal_core.evaluation.language_model import (
     DEFAULT_TEMPLATE,
     evaluate_lm_dataset,
     generation_kind,
 )
 from featcal_core.evaluation.linear_head import load_linear_head
+from featcal_core.evaluation.zero_shot_head import ZeroShotHead
 from featcal_core.io.outputs import guarded_directory, verify_output
 from featcal_core.provenance.records import LOCK
 
@@ -99,7 +96,7 @@ def task_head(
 
 
 def is_open_clip(base: Path) -> bool:
-    from featcal_core.architectures.open_clip import MODEL_TYPE
+    from featcal_core.open_clip.architecture import MODEL_TYPE
 
     try:
         config = json.loads((base / "config.json").read_text(encoding="utf-8"))
@@ -111,7 +108,7 @@ def is_open_clip(base: Path) -> bool:
 def _base_source(root: Path, base: Path) -> dict[str, Any]:
     """The base's `open_clip_source` from the results' lock (the base's open_clip checkpoint,
     whose text tower gives the class embeddings)."""
-    from featcal_core.provenance.resolve import read_lock
+    from featcal_core.provenance.lock import read_lock
 
     lock_path = root / LOCK
     if not lock_path.is_file():

@@ -1,16 +1,15 @@
 """MLflow tracking for the pipeline: one parent run per pipeline run, one nested run per step.
 
-    uri = tracking_uri(params.tracking, project_root)
+    uri = tracking_uri(params.tracking, project_root)          # tracking_store
     with parent_run(params, run_name=params.run.name, tags={"prefect.flow_run_id": id}):
         with step_run("calibrate"):
             record = calibrate(...)
-        log_calibration_record(record)
+        log_calibration_record(record)                          # tracking_log
         log_artifacts([report_path, plot_dir])
 
-Where runs go: the MLFLOW_TRACKING_URI environment variable, else `tracking.mlflow_tracking_uri`,
-else the SQLite store `<project_root>/mlruns/mlflow.db` with artifacts in
-`<project_root>/mlruns/artifacts`. Every path is made absolute, so processes started from other
-working directories (Prefect workers, Dask) share one store. Everything works offline.
+Where runs go: see featcal.tasks.tracking_store (MLFLOW_TRACKING_URI, else
+`tracking.mlflow_tracking_uri`, else `<project_root>/mlruns`). Everything works offline. What is
+logged to a run: featcal.tasks.tracking_log; MLflow's limits and batches: tracking_batches.
 
 When `tracking.enabled` is false, `parent_run` yields None without touching MLflow, and `step_run`,
 `log_calibration_record` and `log_artifacts` do nothing. They also do nothing outside a parent run
@@ -22,136 +21,28 @@ when this module is imported, before MLflow can be.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import re
-import subprocess
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from typing import TYPE_CHECKING
 
+from featcal.tasks.tracking_batches import MAX_TAG_VALUE, batch_metrics, batch_params, clean
+from featcal.tasks.tracking_store import artifact_root, ensure_experiment, git_commit, tracking_uri
 from featcal_core.memory import peak_rss_bytes
-from featcal_core.params import Params, TrackingSettings, flatten
-from featcal_core.provenance.records import FEATCAL_RECORD
+from featcal_core.params import Params, flatten
 
 if TYPE_CHECKING:
     import mlflow
 
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-
-__all__ = [
-    "RECORD_ARTIFACT",
-    "artifact_root",
-    "ensure_experiment",
-    "git_commit",
-    "log_artifacts",
-    "log_calibration_record",
-    "parent_run",
-    "step_run",
-    "tracking_uri",
-]
+__all__ = ["parent_run", "run_target", "step_run"]
 
 log = logging.getLogger(__name__)
 
-RECORD_ARTIFACT = FEATCAL_RECORD
-STORE_DIR = "mlruns"  # under the project root: mlflow.db and artifacts/
 _MIB = 1024 * 1024
-
-# MLflow's limits (mlflow.utils.validation); fixed here so that importing stays light.
-_MAX_PARAM_VALUE = 6000
-_MAX_TAG_VALUE = 8000
-_MAX_KEY = 250
-_PARAMS_PER_BATCH = 100
-_METRICS_PER_BATCH = 1000
-_BAD_KEY_CHARS = re.compile(r"[^/\w.\- ]")  # names MLflow accepts on every platform
-
-# Backends that keep runs in a database; their default artifact root is ./mlruns relative to the
-# working directory, so these get an absolute one. (http, databricks and file stores choose their own.)
-_DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
-
-
-# ----------------------------------------------------------------------------------- locations
-
-
-def tracking_uri(settings: TrackingSettings, project_root: Path) -> str:
-    """The tracking URI: MLFLOW_TRACKING_URI, else `settings.mlflow_tracking_uri`, else the local
-    SQLite store `sqlite:////<project_root>/mlruns/mlflow.db`.
-
-    A relative SQLite path is made absolute: against the working directory for the environment
-    variable (MLflow's own reading), against `project_root` for the settings (as params.yaml paths).
-    """
-    project_root = Path(project_root).expanduser().resolve()
-    env = os.environ.get("MLFLOW_TRACKING_URI", "").strip()
-    if env:
-        return _absolute_sqlite(env, Path.cwd())
-    if settings.mlflow_tracking_uri:
-        return _absolute_sqlite(settings.mlflow_tracking_uri.strip(), project_root)
-    return _sqlite_uri(project_root / STORE_DIR / "mlflow.db")
-
-
-def artifact_root(uri: str, project_root: Path) -> str | None:
-    """Where new experiments keep their artifacts, as a file URI; None: the server or store decides.
-
-    SQLite: `artifacts/` beside the database file (for the default store:
-    `<project_root>/mlruns/artifacts`); other databases: `<project_root>/mlruns/artifacts`.
-    """
-    scheme = _scheme(uri)
-    if scheme == "sqlite":
-        db = _sqlite_path(uri)
-        if db is not None:
-            return (db.parent / "artifacts").as_uri()
-    if scheme in _DATABASE_SCHEMES:
-        return (Path(project_root).expanduser().resolve() / STORE_DIR / "artifacts").as_uri()
-    return None
-
-
-def ensure_experiment(name: str, uri: str, artifact_root: str | Path | None) -> str:
-    """The id of experiment `name` in the store at `uri`, created with an absolute artifact
-    location when missing (a deleted experiment of that name is restored)."""
-    from mlflow import MlflowClient
-    from mlflow.exceptions import MlflowException
-
-    _make_sqlite_dir(uri)
-    client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name(name)
-    if experiment is None:
-        location = _location_uri(artifact_root)
-        try:
-            return client.create_experiment(name, artifact_location=location)
-        except MlflowException as exc:  # created meanwhile by another process
-            experiment = client.get_experiment_by_name(name)
-            if experiment is None:
-                raise exc from None
-    if experiment.lifecycle_stage == "deleted":
-        log.warning("MLflow experiment %r was deleted; restoring it", name)
-        client.restore_experiment(experiment.experiment_id)
-    return experiment.experiment_id
-
-
-def git_commit(project_root: Path) -> tuple[str, bool | None]:
-    """(HEAD commit, whether tracked files differ from it) for `project_root`; ("unknown", None)
-    when it is not in a git work tree or git is unavailable."""
-    try:
-        head = _git(project_root, "rev-parse", "HEAD")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown", None
-    if not re.fullmatch(r"[0-9a-f]{40,64}", head):
-        return "unknown", None
-    try:
-        dirty = bool(_git(project_root, "status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.SubprocessError):
-        dirty = None
-    return head, dirty
-
-
-# ----------------------------------------------------------------------------------------- runs
 
 
 @dataclass(frozen=True)
@@ -196,7 +87,7 @@ def parent_run(
     if dirty is not None:
         run_tags["git_dirty"] = str(dirty).lower()
     run_tags.update({key: value for key, value in (tags or {}).items() if value is not None})
-    run_tags = _clean(run_tags, _MAX_TAG_VALUE)
+    run_tags = clean(run_tags, MAX_TAG_VALUE)
 
     with _session_lock:
         if _session is not None:
@@ -208,7 +99,7 @@ def parent_run(
         _session = _Session(uri, experiment_id, run.info.run_id)
     try:
         with run:
-            _log_params(mlflow.MlflowClient(uri), run.info.run_id, flatten(params))
+            batch_params(mlflow.MlflowClient(uri), run.info.run_id, flatten(params))
             log.info("MLflow run %s (experiment %s) at %s", run.info.run_id, experiment_id, uri)
             yield run
     finally:
@@ -234,7 +125,7 @@ def step_run(
 
     active = mlflow.active_run()
     parent_id = active.info.run_id if active is not None else session.parent_run_id
-    step_tags = _clean({"featcal.step": name, **(tags or {})}, _MAX_TAG_VALUE)
+    step_tags = clean({"featcal.step": name, **(tags or {})}, MAX_TAG_VALUE)
     with mlflow.start_run(
         experiment_id=session.experiment_id,
         run_name=name,
@@ -255,260 +146,17 @@ def step_run(
                 "peak_rss_mb": peak_rss_bytes() / _MIB,
             }
             try:
-                _log_metrics(mlflow.MlflowClient(session.uri), run.info.run_id, metrics)
+                batch_metrics(mlflow.MlflowClient(session.uri), run.info.run_id, metrics)
             except Exception:
                 if not failed:
                     raise
                 log.warning("could not log the metrics of failed step %r", name, exc_info=True)
 
 
-# -------------------------------------------------------------------------------------- logging
-
-
-def log_calibration_record(record: Mapping[str, Any], *, run_id: str | None = None) -> None:
-    """Log a calibration record (featcal_core.method.calibration, `featcal.json`) to the parent run
-    (or `run_id`); nothing without a parent run.
-
-    Metrics: per block (step = block index) `drift_before/<task>`, `drift_after/<task>`, their
-    means over tasks `drift_before_mean`, `drift_after_mean`, and `block_seconds`; once
-    `calibrated_blocks`, `calibrated_blocks_restored`, `calibration_wall_s`, `peak_rss_mb` (and
-    `peak_device_mb` when recorded). Params `calibration.<name>` for the hyperparameters; tags
-    `calibration.architecture`, `calibration.record_version`, `calibration.inputs_sha256` (digest
-    of the inputs section: weight and data digests, row indices). Artifact: `featcal.json`.
-    """
-    target = _target(run_id)
-    if target is None:
-        return
-    from mlflow import MlflowClient
-
-    session, run = target
-    client = MlflowClient(session.uri)
-    now = _now_ms()
-    metrics: list[tuple[str, float, int]] = []
-    blocks = list(record.get("blocks") or [])
-    for position, block in enumerate(blocks):
-        step = int(block.get("index", position))
-        for which in ("drift_before", "drift_after"):
-            drift = {
-                task: float(value)
-                for task, value in (block.get(which) or {}).items()
-                if value is not None
-            }
-            metrics += [(f"{which}/{task}", value, step) for task, value in drift.items()]
-            if drift:
-                metrics.append((f"{which}_mean", sum(drift.values()) / len(drift), step))
-        if block.get("seconds") is not None:
-            metrics.append(("block_seconds", float(block["seconds"]), step))
-    totals = {
-        "calibrated_blocks": len(blocks),
-        "calibrated_blocks_restored": sum(bool(block.get("restored")) for block in blocks),
-    }
-    if record.get("wall_seconds") is not None:
-        totals["calibration_wall_s"] = float(record["wall_seconds"])
-    if record.get("peak_rss_bytes") is not None:
-        totals["peak_rss_mb"] = record["peak_rss_bytes"] / _MIB
-    if record.get("peak_device_bytes"):
-        totals["peak_device_mb"] = record["peak_device_bytes"] / _MIB
-    metrics += [(key, float(value), 0) for key, value in totals.items()]
-    _log_metric_steps(client, run, metrics, now)
-
-    hyper = record.get("hyperparameters") or {}
-    _log_params(client, run, {f"calibration.{key}": value for key, value in hyper.items()})
-    tags = {
-        "calibration.architecture": record.get("architecture"),
-        "calibration.record_version": record.get("featcal_record_version"),
-    }
-    if record.get("inputs") is not None:
-        tags["calibration.inputs_sha256"] = hashlib.sha256(
-            json.dumps(record["inputs"], sort_keys=True, default=str).encode()
-        ).hexdigest()
-    _log_tags(client, run, {key: value for key, value in tags.items() if value is not None})
-    client.log_text(run, json.dumps(record, indent=2, default=str) + "\n", RECORD_ARTIFACT)
-
-
-def log_tags(tags: Mapping[str, object], *, run_id: str | None = None) -> None:
-    """Tags on the parent run (or `run_id`); None values skipped; nothing without a parent run."""
-    target = _target(run_id)
-    if target is None:
-        return
-    from mlflow import MlflowClient
-
-    session, run = target
-    values = {key: value for key, value in tags.items() if value is not None}
-    _log_tags(MlflowClient(session.uri), run, _clean(values, _MAX_TAG_VALUE))
-
-
-def log_evaluation(table: Mapping[str, Mapping[str, Mapping[str, float]]], *, run_id=None) -> None:
-    """Metrics `accuracy/<task>/<model>`, `loss/…`, `normalized/…` and, per model, the mean
-    over tasks `accuracy_mean/<model>` and `normalized_mean/<model>`."""
-    target = _target(run_id)
-    if target is None:
-        return
-    from mlflow import MlflowClient
-
-    session, run = target
-    metrics: dict[str, float] = {}
-    per_model: dict[str, list[tuple[float, float]]] = {}
-    for task_name, row in table.items():
-        for model, result in row.items():
-            for name in ("accuracy", "loss", "normalized"):
-                metrics[f"{name}/{task_name}/{model}"] = float(result[name])
-            per_model.setdefault(model, []).append((result["accuracy"], result["normalized"]))
-    for model, values in per_model.items():
-        if len(values) == len(table):  # a model evaluated on every task
-            metrics[f"accuracy_mean/{model}"] = sum(a for a, _ in values) / len(values)
-            metrics[f"normalized_mean/{model}"] = sum(n for _, n in values) / len(values)
-    _log_metrics(MlflowClient(session.uri), run, metrics)
-
-
-def log_artifacts(
-    paths: str | Path | Iterable[str | Path],
-    *,
-    artifact_path: str | None = None,
-    run_id: str | None = None,
-) -> None:
-    """Log files and directories (reports, plots) to the parent run (or `run_id`) under
-    `artifact_path`; a directory keeps its name and contents. Nothing without a parent run;
-    a missing path raises FileNotFoundError."""
-    target = _target(run_id)
-    if target is None:
-        return
-    from mlflow import MlflowClient
-
-    session, run = target
-    client = MlflowClient(session.uri)
-    items = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
-    for item in map(Path, items):
-        if item.is_dir():
-            where = f"{artifact_path}/{item.name}" if artifact_path else item.name
-            client.log_artifacts(run, str(item), where)
-        elif item.is_file():
-            client.log_artifact(run, str(item), artifact_path)
-        else:
-            raise FileNotFoundError(f"artifact to log does not exist: {item}")
-
-
-# ------------------------------------------------------------------------------------- helpers
-
-
-def _target(run_id: str | None) -> tuple[_Session, str] | None:
+def run_target(run_id: str | None) -> tuple[_Session, str] | None:
+    """(this process's parent-run session, `run_id` or the parent run's id); None without a
+    parent run."""
     session = _session
     if session is None:
         return None
     return session, run_id or session.parent_run_id
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
-
-
-def _clean(values: Mapping[str, object], limit: int) -> dict[str, str]:
-    """Keys MLflow accepts and string values within `limit` characters."""
-    return {_key(key): _value(value, limit) for key, value in values.items()}
-
-
-def _key(key: str) -> str:
-    key = _BAD_KEY_CHARS.sub("_", str(key)).strip("/") or "_"
-    key = re.sub(r"/+", "/", key)
-    if len(key) > _MAX_KEY:
-        digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-        key = f"{key[: _MAX_KEY - 13]}~{digest}"
-    return key
-
-
-def _value(value: object, limit: int) -> str:
-    """The value as text (None: "null"); longer than `limit`: cut, with its length and digest."""
-    if value is None:
-        text = "null"
-    elif isinstance(value, str):
-        text = value
-    elif isinstance(value, (bool, int, float)):
-        text = str(value)
-    else:
-        text = json.dumps(value, sort_keys=True, default=str)
-    if len(text) <= limit:
-        return text
-    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    suffix = f"...<{len(text)} chars, sha256 {digest}>"
-    return text[: limit - len(suffix)] + suffix
-
-
-def _log_params(client, run_id: str, params: Mapping[str, object]) -> None:
-    from mlflow.entities import Param
-
-    items = [Param(key, value) for key, value in _clean(params, _MAX_PARAM_VALUE).items()]
-    for start in range(0, len(items), _PARAMS_PER_BATCH):
-        client.log_batch(run_id, params=items[start : start + _PARAMS_PER_BATCH])
-
-
-def _log_tags(client, run_id: str, tags: Mapping[str, object]) -> None:
-    from mlflow.entities import RunTag
-
-    items = [RunTag(key, value) for key, value in _clean(tags, _MAX_TAG_VALUE).items()]
-    for start in range(0, len(items), _PARAMS_PER_BATCH):
-        client.log_batch(run_id, tags=items[start : start + _PARAMS_PER_BATCH])
-
-
-def _log_metrics(client, run_id: str, metrics: Mapping[str, float]) -> None:
-    _log_metric_steps(client, run_id, [(k, v, 0) for k, v in metrics.items()], _now_ms())
-
-
-def _log_metric_steps(client, run_id: str, metrics: list[tuple[str, float, int]], now: int) -> None:
-    from mlflow.entities import Metric
-
-    items = [Metric(_key(key), float(value), now, step) for key, value, step in metrics]
-    for start in range(0, len(items), _METRICS_PER_BATCH):
-        client.log_batch(run_id, metrics=items[start : start + _METRICS_PER_BATCH])
-
-
-def _git(cwd: Path, *args: str) -> str:
-    done = subprocess.run(
-        ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
-    )
-    return done.stdout.strip()
-
-
-def _scheme(uri: str) -> str:
-    """The backend of a store URI: "sqlite", "postgresql" (for postgresql+psycopg2), "file", ..."""
-    scheme = urlsplit(uri).scheme.lower()
-    if len(scheme) <= 1:  # a plain path (or a Windows drive letter)
-        return "file"
-    return scheme.split("+", 1)[0]
-
-
-def _sqlite_path(uri: str) -> Path | None:
-    """The database file of a `sqlite:///path` URI; None for in-memory databases."""
-    if _scheme(uri) != "sqlite" or not uri.lower().startswith("sqlite:///"):
-        return None
-    path = uri[len("sqlite:///") :].split("?", 1)[0]
-    if not path or path == ":memory:":
-        return None
-    return Path(path)
-
-
-def _sqlite_uri(path: Path) -> str:
-    return f"sqlite:///{path.as_posix()}"  # absolute path: sqlite:////abs/path
-
-
-def _absolute_sqlite(uri: str, base: Path) -> str:
-    path = _sqlite_path(uri)
-    if path is None or path.is_absolute():
-        return uri
-    query = uri.split("?", 1)[1] if "?" in uri else None
-    absolute = _sqlite_uri((base / path).resolve())
-    return f"{absolute}?{query}" if query else absolute
-
-
-def _make_sqlite_dir(uri: str) -> None:
-    path = _sqlite_path(uri)
-    if path is not None:
-        path.expanduser().parent.mkdir(parents=True, exist_ok=True)
-
-
-def _location_uri(location: str | Path | None) -> str | None:
-    if location is None:
-        return None
-    text = str(location)
-    if "://" in text or text.startswith("file:"):
-        return text
-    return Path(text).expanduser().resolve().as_uri()

@@ -1,4 +1,4 @@
-"""Calibration hygiene by content (featcal_core/data/calibration_sets.py, calibration_data.py): a drawn
+"""Calibration hygiene by content (featcal_core/data/calibration_hygiene.py, calibration_data.py): a drawn
 calibration row whose input is also an evaluation row is refused however the data was copied, and
 null or undecodable rows give one FeatCalError line naming the source, row and column. CPU only,
 tiny datasets built on the fly."""
@@ -16,7 +16,7 @@ from PIL import Image
 
 import factories
 from factories import grey_image, grey_images, save_grey_image_splits
-from featcal_core.data import calibration_sets
+from featcal_core.data import calibration_hygiene
 from featcal_core.data.calibration_data import CONTENT_DIGEST, input_digest, load_calibration_set
 from featcal_core.data.calibration_sets import RECORD_NAME, draw_calibration_set
 from featcal_core.data.source import DataSource
@@ -88,7 +88,7 @@ def test_test_split_copy_with_split_null_is_refused(image_dir, tmp_path):
 def test_partial_overlap_is_refused_with_the_count(image_dir, tmp_path, monkeypatch):
     """A train split with two test rows mixed in: refused, counting exactly those two (the
     evaluation rows are streamed in batches; row numbers run across batches)."""
-    monkeypatch.setattr(calibration_sets, "EVALUATION_BATCH", 2)
+    monkeypatch.setattr(calibration_hygiene, "EVALUATION_BATCH", 2)
     mixed = tmp_path / "mixed"
     datasets.concatenate_datasets([_images(range(N_TRAIN)), _images([103, 101])]).save_to_disk(
         str(mixed)

@@ -1,5 +1,5 @@
 """Calibration sets: seeded samples of local/Hub sources saved for `featcal calibrate`
-(featcal_core/data/calibration_sets.py, tasks/calibration_sets.py). CPU only, no network."""
+(featcal_core/data/calibration_sets.py, source_rows.py, tasks/calibration_sets.py). CPU only, no network."""
 
 from __future__ import annotations
 
@@ -15,12 +15,8 @@ from PIL import Image
 import factories
 from factories import grey_image, grey_images, save_grey_image_splits
 from featcal_core.data.calibration_data import load_calibration_set
-from featcal_core.data.calibration_sets import (
-    RECORD_NAME,
-    draw_calibration_set,
-    open_source,
-    sample_rows,
-)
+from featcal_core.data.calibration_sets import RECORD_NAME, draw_calibration_set, sample_rows
+from featcal_core.data.source_rows import open_source
 from featcal_core.errors import FeatCalError
 from featcal_core.io.checkpoint import sha256_tree
 from featcal_core.io.outputs import MARKER

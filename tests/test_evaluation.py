@@ -31,12 +31,9 @@ from transformers import (
 from factories import TINY_BERT, TINY_CLIP, tiny_clip_model, to_transformers4_layout
 from featcal_core.data.synthetic import WORDS
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation.classifiers import (
-    ExpertHead,
-    ZeroShotHead,
-    evaluate,
-    normalized_accuracy,
-)
+from featcal_core.evaluation.accuracy import evaluate, normalized_accuracy
+from featcal_core.evaluation.expert_head import ExpertHead
+from featcal_core.evaluation.zero_shot_head import ZeroShotHead
 
 NUM_LABELS = 3
 CLASS_NAMES = ["cat", "dog", "bird"]

@@ -16,13 +16,15 @@ from safetensors.torch import load_file, save_file
 import factories
 import featcal.tasks.calibration as task_module
 from featcal_core.errors import FeatCalError
-from featcal_core.method import block as block_module
 from featcal_core.method import solvers
-from featcal_core.method.block import FeatCalParams, TaskStatistics
+from featcal_core.method.block_statistics import tokens_needed
 from featcal_core.method.calibration import Calibration, block_summary
+from featcal_core.method.drift import mean_drift
+from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.solvers import Fallbacks
 from featcal_core.method.statistics import LinearInputStats, NormStats
 from featcal_core.method.streams import HiddenStreams
+from featcal_core.method.task_statistics import TaskStatistics
 
 D64 = torch.float64
 CPU = torch.device("cpu")
@@ -127,15 +129,15 @@ def test_clamped_task_scale_names_the_task(caplog):
 def test_task_without_weighted_tokens(caplog):
     found = Fallbacks("block 0")
     with caplog.at_level(logging.WARNING, logger="featcal_core"):
-        assert block_module._mean_drift(0.0, 0.0, "svhn", "after calibration", found) == 0.0
-        assert block_module._mean_drift(6.0, 3.0, "svhn", "after calibration", found) == 2.0
+        assert mean_drift(0.0, 0.0, "svhn", "after calibration", found) == 0.0
+        assert mean_drift(6.0, 3.0, "svhn", "after calibration", found) == 2.0
     assert [(e["kind"], e["task"], e["module"]) for e in found.entries] == [
         ("no_tokens", "svhn", None)
     ]
     assert len(_warnings(caplog)) == 1
     stats = LinearInputStats(3, {"fc": (2, False)}, CPU)
     with pytest.raises(FeatCalError, match="task 'svhn' gives no weighted tokens to fc in block 4"):
-        with block_module._tokens_needed(4, "svhn", "fc"):
+        with tokens_needed(4, "svhn", "fc"):
             stats.task_contribution(1e-8, 0.0, {})
 
 

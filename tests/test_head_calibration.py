@@ -14,7 +14,9 @@ from test_evaluation import (  # noqa: F401  (module fixtures: tiny BERT expert,
 from transformers import AutoTokenizer, BertForSequenceClassification
 
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation.classifiers import ExpertHead, ZeroShotHead, evaluate
+from featcal_core.evaluation.accuracy import evaluate
+from featcal_core.evaluation.expert_head import ExpertHead
+from featcal_core.evaluation.zero_shot_head import ZeroShotHead
 from featcal_core.method.head_calibration import HeadStatistics, calibrate_head, fit_linear_head
 
 DTYPE = torch.float64

@@ -19,13 +19,15 @@ from featcal_cli.main import build_parser
 from featcal_core.errors import FeatCalError
 from featcal_core.io.checkpoint import sha256_file, sha256_tree
 from featcal_core.provenance import lineage
-from featcal_core.provenance.lineage import check, format_trace, trace
+from featcal_core.provenance.lineage import check, trace
+from featcal_core.provenance.lineage_text import format_trace
+from featcal_core.provenance.lock import read_lock, write_lock
 from featcal_core.provenance.model_card import (
     model_card_fields,
     render_model_card,
     write_model_card,
 )
-from featcal_core.provenance.resolve import ResolvedModel, read_lock, write_lock
+from featcal_core.provenance.resolve import ResolvedModel
 
 TASKS = ("alpha", "beta")
 HUB_ID = "openai/clip-vit-base-patch32"

@@ -26,20 +26,13 @@ from test_resolve import hub_cache
 import factories
 from featcal_cli.main import main
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation.classifiers import evaluate
+from featcal_core.evaluation.accuracy import evaluate
 from featcal_core.method.head_calibration import calibrate_head
 from featcal_core.open_clip.zero_shot import OpenCLIPZeroShotHead
 from featcal_core.params import ModelRef, load_params
 from featcal_core.provenance import resolve
-from featcal_core.provenance.resolve import (
-    ResolvedModel,
-    check_pool,
-    models_from_lock,
-    read_lock,
-    resolve_model,
-    verify_lock,
-    write_lock,
-)
+from featcal_core.provenance.lock import models_from_lock, read_lock, verify_lock, write_lock
+from featcal_core.provenance.resolve import ResolvedModel, check_pool, resolve_model
 
 VISION = dict(image_size=32, patch_size=8, width=32, layers=2, head_width=8, mlp_ratio=2.0)
 # open_clip's SimpleTokenizer (shipped with the package) needs its full vocabulary

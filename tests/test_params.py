@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from featcal_core.errors import FeatCalError
-from featcal_core.method.block import FeatCalParams
+from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.params import ModelRef, Params, dump, flatten, load_params
 
 ROOT = Path(__file__).resolve().parents[1]

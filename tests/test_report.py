@@ -1,4 +1,4 @@
-"""The run report (featcal_core/report.py) from hand-built evaluation tables and records."""
+"""The run report (featcal_core/report/) from hand-built evaluation tables and records."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from featcal_core import report
 from featcal_core.errors import FeatCalError
-from featcal_core.report import DASH, gap_closed, write_report
+from featcal_core.report import DASH, gap_closed, plots, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -259,7 +259,7 @@ def test_failed_write_leaves_old_report(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("plotting failed")
 
-    monkeypatch.setattr(report, "plot_drift", boom)
+    monkeypatch.setattr(plots, "plot_drift", boom)
     with pytest.raises(RuntimeError, match="plotting failed"):
         _write(out, run_name="second run")
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -21,16 +21,14 @@ from featcal_core.data.synthetic import build_pool
 from featcal_core.errors import FeatCalError
 from featcal_core.params import ModelRef
 from featcal_core.provenance import resolve
-from featcal_core.provenance.resolve import (
-    ResolvedModel,
-    check_pool,
+from featcal_core.provenance.lock import (
     lock_digest,
     models_from_lock,
     read_lock,
-    resolve_model,
     verify_lock,
     write_lock,
 )
+from featcal_core.provenance.resolve import ResolvedModel, check_pool, resolve_model
 
 
 def sha256(path: Path) -> str:

@@ -8,10 +8,10 @@ import torch
 
 import factories
 from featcal_core.errors import FeatCalError
-from featcal_core.method.block import TaskStatistics
 from featcal_core.method.calibration import Calibration
 from featcal_core.method.statistics import LinearInputStats, NormStats
 from featcal_core.method.streams import EXPERT, STUDENT, HiddenStreams
+from featcal_core.method.task_statistics import TaskStatistics
 
 CPU = torch.device("cpu")
 

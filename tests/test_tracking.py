@@ -1,4 +1,4 @@
-"""MLflow tracking helpers (tasks/tracking.py) against a local SQLite store in tmp_path."""
+"""MLflow tracking helpers (tasks/tracking*.py) against a local SQLite store in tmp_path."""
 
 import json
 import re
@@ -10,16 +10,9 @@ import pytest
 import yaml
 
 from featcal.tasks import tracking
-from featcal.tasks.tracking import (
-    artifact_root,
-    ensure_experiment,
-    git_commit,
-    log_artifacts,
-    log_calibration_record,
-    parent_run,
-    step_run,
-    tracking_uri,
-)
+from featcal.tasks.tracking import parent_run, step_run
+from featcal.tasks.tracking_log import log_artifacts, log_calibration_record
+from featcal.tasks.tracking_store import artifact_root, ensure_experiment, git_commit, tracking_uri
 from featcal_core.params import Params, TrackingSettings, flatten, load_params
 
 ROOT = Path(__file__).resolve().parents[1]

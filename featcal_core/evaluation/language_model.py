@@ -21,7 +21,8 @@ from tqdm.auto import tqdm
 
 from featcal_core.architectures.base import load_tokenizer
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation.classifiers import _check_labels, _device, _load_split
+from featcal_core.evaluation.accuracy import _device
+from featcal_core.evaluation.dataset import _check_labels, _load_split
 
 log = logging.getLogger(__name__)
 

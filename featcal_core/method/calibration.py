@@ -21,7 +21,8 @@ from featcal_core.io.export import export_checkpoint
 from featcal_core.io.outputs import check_output, guarded_directory, sweep, temp_path
 from featcal_core.io.safetensors_io import save_tensors
 from featcal_core.memory import peak_rss_bytes
-from featcal_core.method.block import BlockResult, BlockRunner, FeatCalParams, TaskStatistics
+from featcal_core.method.block import BlockResult, BlockRunner
+from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.model_set import ModelSet
 from featcal_core.method.streams import (
     EXPERT,
@@ -32,6 +33,7 @@ from featcal_core.method.streams import (
     decoder_mask_key,
     weight_mask_key,
 )
+from featcal_core.method.task_statistics import TaskStatistics
 from featcal_core.names import check_names
 from featcal_core.provenance.records import FEATCAL_RECORD
 

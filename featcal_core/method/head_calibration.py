@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation.classifiers import Head, _device
+from featcal_core.evaluation.accuracy import _device
+from featcal_core.evaluation.head import Head
 from featcal_core.method.solvers import DTYPE, ridge_system, solve_linear_bias, solve_linear_weight
 
 logger = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ def check_expert_heads(
 ) -> None:
     """Before any work: every expert has a head to refit (FeatCalError naming the first that
     has none)."""
-    from featcal_core.evaluation.classifiers import ExpertHead
+    from featcal_core.evaluation.expert_head import ExpertHead
 
     for expert in experts.values():
         ExpertHead(expert, tokenizer_dir=tokenizer_dir).require_head()
@@ -174,7 +175,7 @@ def refit_expert_heads(
     (featcal_core.evaluation.linear_head format). Returns {task: folder}. `tokenizer_dir`: where experts
     saved without a tokenizer take theirs (the base model)."""
     from featcal_core.data.calibration_data import load_calibration_set
-    from featcal_core.evaluation.classifiers import ExpertHead
+    from featcal_core.evaluation.expert_head import ExpertHead
     from featcal_core.evaluation.linear_head import save_linear_head
     from featcal_core.io.outputs import guarded_directory
     from featcal_core.names import check_names

@@ -1,7 +1,7 @@
 """Convert an open_clip checkpoint into a featcal checkpoint directory (`featcal import-open-clip`).
 
 The output directory holds config.json (`"model_type": "open_clip_vision"`, open_clip's vision_cfg
-fields, `heads`, `quick_gelu`, the preprocessing mean/std; see architectures/open_clip.py) and
+fields, `heads`, `quick_gelu`, the preprocessing mean/std; see open_clip/architecture.py) and
 model.safetensors with the vision tower's tensors under their original keys (`visual.`-prefixed
 for a full CLIP state dict, bare for a VisionTransformer's own). It is written to a temporary
 directory beside the target and renamed into place.
@@ -26,13 +26,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from featcal_core.architectures.open_clip import (
-    MODEL_TYPE,
-    OPENAI_MEAN,
-    OPENAI_STD,
-    OpenCLIPSettings,
-    OpenCLIPVision,
-)
 from featcal_core.errors import FeatCalError
 from featcal_core.io.checkpoint import SINGLE_NAME, sha256_file
 from featcal_core.io.outputs import check_output, guarded_directory
@@ -42,6 +35,13 @@ from featcal_core.io.safetensors_io import (
     SafetensorsFormatError,
     read_header,
     save_tensors,
+)
+from featcal_core.open_clip.architecture import (
+    MODEL_TYPE,
+    OPENAI_MEAN,
+    OPENAI_STD,
+    OpenCLIPSettings,
+    OpenCLIPVision,
 )
 
 log = logging.getLogger(__name__)

@@ -43,15 +43,14 @@ from torch import nn
 from featcal_core.architectures import detect
 from featcal_core.architectures.base import Architecture
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation.classifiers import (
-    Head,
-    _linear,
-    _load_tower,
-    check_zero_shot_prompts,
+from featcal_core.evaluation.embedding_cache import (
     embedding_cache_key,
     read_embedding_cache,
     write_embedding_cache,
 )
+from featcal_core.evaluation.head import Head, _linear
+from featcal_core.evaluation.tower import _load_tower
+from featcal_core.evaluation.zero_shot_head import check_zero_shot_prompts
 from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.open_clip.importer import CONFIG_NAME, PICKLE_SUFFIXES
 

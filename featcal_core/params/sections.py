@@ -91,7 +91,7 @@ def _method_field(name: str, description: str) -> Any:
 
 
 class FeatCalSettings(_Section):
-    """FeatCal hyperparameters and how the calibration runs (see featcal_core.method.block.FeatCalParams)."""
+    """FeatCal hyperparameters and how the calibration runs (see featcal_core.method.hyperparameters.FeatCalParams)."""
 
     enabled: StrictBool = Field(
         True, description="calibrate the merged model (false: evaluate merge only)"
@@ -138,7 +138,7 @@ class FeatCalSettings(_Section):
 
     def core_params(self):
         """The hyperparameters as `featcal_core.FeatCalParams` (imports torch)."""
-        from featcal_core.method.block import FeatCalParams
+        from featcal_core.method.hyperparameters import FeatCalParams
 
         return FeatCalParams(alpha=self.alpha, rho=self.rho, lam=self.lam, eps=self.eps)
 

@@ -2,7 +2,7 @@
 card that says it.
 
     result = trace("data/results/calibrated")   # a checkpoint, a results dir or a report dir
-    print(format_trace(result))                 # `featcal lineage PATH`
+    print(format_trace(result))                 # `featcal lineage PATH` (lineage_text)
     check(result)                               # FeatCalError when a recorded input changed
     write_model_card("data/results/calibrated", **model_card_fields(result))
 
@@ -30,22 +30,35 @@ A recorded absolute path that no longer exists (a moved results directory) is lo
 place in the results layout (merged/, calibration_sets/<task>/); relative local paths of the lock
 are taken from the working directory, then from the folders above the results directory.
 
+The verification itself (hashing each file once, collecting the problems) is in
+featcal_core.provenance.lineage_checks; the text `featcal lineage` prints, in
+featcal_core.provenance.lineage_text.
+
 Pure library: no Prefect, MLflow or DVC imports; nothing is written by `trace`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import logging
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from featcal_core.errors import FeatCalError
-from featcal_core.io.checkpoint import sha256_file
 from featcal_core.io.outputs import MARKER, read_marker, verify_output
+from featcal_core.provenance.lineage_checks import (
+    _RERUN,
+    _check_lock,
+    _check_tasks,
+    _resolve_local,
+    _sha_map,
+    _short,
+    _Tracer,
+    _verify_model,
+    _verify_open_clip_source,
+    _verify_set,
+)
 from featcal_core.provenance.records import (
     EVALUATION,
     FEATCAL_RECORD,
@@ -54,17 +67,14 @@ from featcal_core.provenance.records import (
     PROVENANCE,
     SET_RECORD,
 )
-from featcal_core.provenance.text import DASH, as_dict, metric_text, value_text
+from featcal_core.provenance.text import as_dict
 
 __all__ = [
     "PROVENANCE_FIELDS",
     "PROVENANCE_NAME",
     "check",
-    "format_trace",
     "trace",
 ]
-
-log = logging.getLogger(__name__)
 
 #: the records' names (featcal_core.provenance.records)
 LOCK_NAME = LOCK
@@ -86,69 +96,6 @@ PROVENANCE_FIELDS: dict[str, tuple[str, ...]] = {
 #: provenance.json keys of a report directory that point at what it reports on
 _POINTERS = ("checkpoint", "results_dir")
 
-_KIND_LABELS = {
-    "calibrated": "calibrated checkpoint",
-    "merged": "merged checkpoint",
-    "results": "results directory",
-}
-#: what the chain shows of a calibration set's own record
-_SET_KEYS = (
-    "task", "source", "split", "modality", "seed", "n_requested", "rows_available", "n_rows",
-    "digest", "row_ids",
-)  # fmt: skip
-_RERUN = "restore the recorded input or rerun the pipeline (featcal run) so the records match"
-
-
-# ------------------------------------------------------------------------------------ helpers
-
-
-def _tree_digests(directory: Path, exclude: str) -> tuple[str, str]:
-    """(featcal_core.io.checkpoint.sha256_tree of `directory`, the same without the top-level file
-    `exclude` and the guarded writer's marker: what calibration_set.json's digest covers); every
-    file is read once."""
-    full, without = hashlib.sha256(), hashlib.sha256()
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        relative = str(path.relative_to(directory)).encode()
-        content = bytes.fromhex(sha256_file(path))
-        full.update(relative)
-        full.update(content)
-        if relative not in (exclude.encode(), MARKER.encode()):
-            without.update(relative)
-            without.update(content)
-    return full.hexdigest(), without.hexdigest()
-
-
-def _short(digest: Any) -> str:
-    return f"{digest[:12]}…" if isinstance(digest, str) and digest else str(digest)
-
-
-def _changed_after(directory: Path, reference: Path) -> list[str]:
-    """Files below `directory` modified after `reference` was written (a hint, by mtime);
-    empty when none or all are (a copy resets every time stamp)."""
-    try:
-        written = reference.stat().st_mtime_ns
-        files = [p for p in directory.rglob("*") if p.is_file() and p != reference]
-        newer = [p for p in files if p.stat().st_mtime_ns > written]
-    except OSError:
-        return []
-    if not newer or len(newer) == len(files):
-        return []
-    return sorted(str(p.relative_to(directory)) for p in newer)
-
-
-def _sha_map(entry: Any) -> dict[str, str]:
-    """{file name: sha256} of a record's input entry (`sha256`, or the lock's `files`)."""
-    data = as_dict(entry)
-    files = data.get("sha256", data.get("files"))
-    return {str(k): str(v) for k, v in as_dict(files).items()}
-
-
-def _first_existing(candidates: list[Path]) -> Path | None:
-    for candidate in candidates:
-        if candidate.exists():
-            return candidate
-    return None
-
 
 def _is_results_root(directory: Path) -> bool:
     return (
@@ -156,92 +103,6 @@ def _is_results_root(directory: Path) -> bool:
         or (directory / "calibrated" / FEATCAL_RECORD).is_file()
         or (directory / "merged" / MERGE_RECORD).is_file()
     )
-
-
-class _Tracer:
-    """Collects the chain's problems (one per file) and hashes each file once."""
-
-    def __init__(self) -> None:
-        self.problems: list[dict[str, Any]] = []
-        self.notes: list[str] = []
-        self._index: dict[tuple[str, str], dict[str, Any]] = {}
-        self._digests: dict[Path, str | None] = {}
-        self.sets_checked = 0
-
-    def problem(
-        self, file: Path | str, kind: str, message: str, record: Path | str | None = None
-    ) -> dict[str, Any]:
-        """Add a problem, or name `record` in the existing one for the same file and kind."""
-        key = (str(file), kind)
-        if key in self._index:
-            entry = self._index[key]
-            if record is not None and str(record) not in entry["recorded_in"]:
-                entry["recorded_in"].append(str(record))
-            return entry
-        entry = {
-            "file": str(file),
-            "kind": kind,
-            "message": message,
-            "recorded_in": [str(record)] if record is not None else [],
-        }
-        self._index[key] = entry
-        self.problems.append(entry)
-        return entry
-
-    def digest(self, path: Path) -> str | None:
-        key = path.absolute()
-        if key not in self._digests:
-            log.debug("hashing %s", path)
-            self._digests[key] = sha256_file(path) if path.is_file() else None
-        return self._digests[key]
-
-    @property
-    def files_checked(self) -> int:
-        return len(self._digests)
-
-    def read_json(self, path: Path, what: str) -> dict | None:
-        """A record's content; a problem (not an exception) when it is unreadable."""
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            message = " ".join(str(exc).split())
-            self.problem(
-                path, "record", f"{path} ({what}) is not readable JSON ({message}); {_RERUN}"
-            )
-            return None
-        if not isinstance(data, dict):
-            self.problem(path, "record", f"{path} ({what}) is not a JSON object; {_RERUN}")
-            return None
-        return data
-
-    def verify_files(self, directory: Path, files: Mapping[str, str], record: Path, key: str):
-        """{name: {"sha256", "status"}} for recorded files below `directory`."""
-        out: dict[str, dict[str, str]] = {}
-        for name, expected in sorted(files.items()):
-            path = directory / name
-            actual = self.digest(path)
-            if actual is None:
-                status = "missing"
-                self.problem(
-                    path,
-                    "missing",
-                    f"{path} is missing; {record} ({key}) recorded it with sha256 "
-                    f"{_short(expected)}; {_RERUN}",
-                    record,
-                )
-            elif actual != expected:
-                status = "changed"
-                self.problem(
-                    path,
-                    "changed",
-                    f"{path} has sha256 {_short(actual)}, {record} ({key}) recorded "
-                    f"{_short(expected)}; {_RERUN}",
-                    record,
-                )
-            else:
-                status = "ok"
-            out[name] = {"sha256": expected, "status": status}
-        return out
 
 
 # -------------------------------------------------------------------------------------- trace
@@ -557,19 +418,6 @@ def _locate(
     return None
 
 
-def _resolve_local(recorded: Any, root: Path | None) -> Path | None:
-    """A lock path: absolute, else from the working directory, else from folders above root."""
-    if not isinstance(recorded, str) or not recorded:
-        return None
-    path = Path(recorded).expanduser()
-    if path.is_absolute():
-        return path
-    candidates = [Path.cwd() / path]
-    if root is not None:
-        candidates += [folder / path for folder in [root, *list(root.parents)[:3]]]
-    return _first_existing(candidates) or candidates[0]
-
-
 def _add_source(sources, role: str, record: Path, key: str, entry: Any, root: Path | None):
     data = as_dict(entry)
     if not data:
@@ -578,166 +426,6 @@ def _add_source(sources, role: str, record: Path, key: str, entry: Any, root: Pa
     if directory is None:
         return
     sources.setdefault(role, []).append((record, key, directory, _sha_map(data)))
-
-
-def _verify_model(role: str, role_sources, detail: dict[str, Any], tracer: _Tracer) -> dict:
-    """One base or expert entry of the chain: every record's files verified where it says."""
-    first_dir = role_sources[0][2]
-    files: dict[str, dict[str, str]] = {}
-    recorded: dict[str, tuple[Path, str]] = {}  # name → (first record, its sha256)
-    paths: list[str] = []
-    for record, key, directory, sha in role_sources:
-        statuses = tracer.verify_files(directory, sha, record, key)
-        for name, status in statuses.items():
-            files.setdefault(name, status)
-        if str(directory.resolve()) not in paths:
-            paths.append(str(directory.resolve()))
-        for name, digest in sha.items():
-            if name not in recorded:
-                recorded[name] = (record, digest)
-            elif recorded[name][1] != digest:
-                other, expected = recorded[name]
-                tracer.problem(
-                    record,
-                    "inconsistent",
-                    f"{record} records sha256 {_short(digest)} for {role}'s {name}, {other} "
-                    f"records {_short(expected)}: they describe different models; {_RERUN}",
-                )
-    entry = {
-        "role": role,
-        "path": str(first_dir),
-        **{key: value for key, value in detail.items() if value is not None},
-        "files": files,
-        "recorded_in": list(dict.fromkeys(str(s[0]) for s in role_sources)),
-    }
-    if len(paths) > 1:
-        entry["paths"] = paths
-    return entry
-
-
-def _verify_open_clip_source(
-    role: str, source: dict, lock_path: Path, root: Path | None, tracer: _Tracer
-) -> dict[str, Any]:
-    """A lock's `open_clip_source` record with its weight file and config verified."""
-    out = dict(source)
-    key = f"{role}.open_clip_source"
-    directory = _resolve_local(source.get("path"), root)
-    if directory is not None and source.get("file") and source.get("sha256"):
-        status = tracer.verify_files(directory, {source["file"]: source["sha256"]}, lock_path, key)
-        out["status"] = status[source["file"]]["status"]
-    config = _resolve_local(source.get("config"), root)
-    if config is not None and source.get("config_sha256"):
-        status = tracer.verify_files(
-            config.parent, {config.name: source["config_sha256"]}, lock_path, f"{key}.config"
-        )
-        out["config_status"] = status[config.name]["status"]
-    return out
-
-
-def _check_tasks(tasks_by_record: list[tuple[Path, str, set[str]]], tracer: _Tracer) -> None:
-    """The records of one chain name the same tasks."""
-    if not tasks_by_record:
-        return
-    first, first_verb, first_tasks = tasks_by_record[0]
-    for record, verb, tasks in tasks_by_record[1:]:
-        if tasks != first_tasks:
-            tracer.problem(
-                record,
-                "inconsistent",
-                f"{record} {verb} experts {sorted(tasks)} but {first} {first_verb} "
-                f"{sorted(first_tasks)}; the records come from different runs, rerun the "
-                "pipeline (featcal run)",
-            )
-
-
-def _check_lock(lock: dict, lock_path: Path, tracer: _Tracer) -> dict[str, Any]:
-    from featcal_core.provenance.resolve import (
-        lock_digest,  # (imports huggingface_hub; only needed here)
-    )
-
-    recorded = lock.get("lock_digest")
-    actual = lock_digest(lock)
-    ok = recorded == actual
-    if not ok:
-        tracer.problem(
-            lock_path,
-            "lock",
-            f"{lock_path}: lock_digest {_short(recorded)} does not match the content "
-            f"({_short(actual)}; the lock was edited); rerun the pipeline (featcal run) to "
-            "rewrite it",
-        )
-    return {
-        "path": str(lock_path),
-        "version": lock.get("version"),
-        "architecture": lock.get("architecture"),
-        "lock_digest": recorded,
-        "lock_digest_ok": ok,
-    }
-
-
-def _verify_set(
-    task: str,
-    directory: Path | None,
-    entry: dict[str, Any],
-    featcal_path: Path | None,
-    tracer: _Tracer,
-) -> dict[str, Any]:
-    """One calibration set: its own record's digest, and featcal.json's sha256_tree of it."""
-    tracer.sets_checked += 1
-    out: dict[str, Any] = {"path": str(directory) if directory else entry.get("path")}
-    if featcal_path is not None:
-        out["recorded_in"] = [str(featcal_path)]
-    if directory is None or not directory.is_dir():
-        where = f"{featcal_path} (inputs.calibration.{task})" if featcal_path else "the results"
-        tracer.problem(
-            out["path"],
-            "missing",
-            f"calibration set {task!r}: {out['path']} is missing; {where} recorded it; {_RERUN}",
-            featcal_path,
-        )
-        out["status"] = "missing"
-        return out
-    status = "ok"
-    reported: dict[str, Any] | None = None
-    tree, data = _tree_digests(directory, exclude=SET_RECORD)
-    record_path = directory / SET_RECORD
-    record = tracer.read_json(record_path, "calibration set") if record_path.is_file() else None
-    if record is not None:
-        for key in _SET_KEYS:
-            out[key] = record.get(key)
-        out["recorded_in"] = [*out.get("recorded_in", []), str(record_path)]
-        if data != record.get("digest"):
-            status = "changed"
-            reported = _set_problem(
-                task, directory, record_path, data, record.get("digest"), tracer
-            )
-    if entry:
-        out["rows"] = entry.get("rows")
-        out["indices"] = entry.get("indices")
-        out["tree_sha256"] = entry.get("sha256")
-        if entry.get("sha256"):
-            if tree != entry["sha256"] and reported is None:
-                status = "changed"
-                _set_problem(task, directory, featcal_path, tree, entry["sha256"], tracer)
-            elif tree != entry["sha256"]:  # the same change, seen by featcal.json too
-                reported["recorded_in"].append(str(featcal_path))
-    out["status"] = status
-    return out
-
-
-def _set_problem(
-    task: str, directory: Path, record: Path, actual: str, expected: Any, tracer: _Tracer
-) -> dict[str, Any]:
-    suspects = _changed_after(directory, record)
-    hint = f" ({', '.join(suspects)} changed after the record was written)" if suspects else ""
-    file = directory / suspects[0] if len(suspects) == 1 else directory
-    return tracer.problem(
-        file,
-        "digest",
-        f"calibration set {task!r}: {directory} has digest {_short(actual)}, {record} recorded "
-        f"{_short(expected)}{hint}; {_RERUN}",
-        record,
-    )
 
 
 def _provenance(places: list[Path], tracer: _Tracer) -> tuple[dict[str, Any], list[str]]:
@@ -790,122 +478,3 @@ def check(path_or_trace: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         )
         raise FeatCalError(" ".join(f"{first}{more}".split()))
     return result
-
-
-# --------------------------------------------------------------------------------- formatting
-
-
-def _pairs(values: Mapping[str, Any]) -> str:
-    return ", ".join(f"{key}={value_text(value)}" for key, value in values.items()) or DASH
-
-
-def _row_ids(ids: Any, limit: int = 8) -> str:
-    if not isinstance(ids, list):
-        return DASH
-    shown = ", ".join(str(i) for i in ids[:limit])
-    return shown + (f", … ({len(ids)} in all)" if len(ids) > limit else "")
-
-
-_STATUS = {"ok": "ok", "changed": "CHANGED", "missing": "MISSING"}
-
-
-def format_trace(result: Mapping[str, Any]) -> str:
-    """The trace as text, one fact a line (what `featcal lineage PATH` prints)."""
-    chain = result.get("chain") or {}
-    kind = result.get("kind")
-    lines = [f"lineage of {result.get('path')} ({_KIND_LABELS.get(kind, kind)})"]
-    if chain.get("results_dir"):
-        lines.append(f"  results dir      {chain['results_dir']}")
-    calibrated = chain.get("calibrated")
-    if calibrated:
-        lines.append(f"  calibrated       {calibrated['path']}")
-        lines.append(f"    record         {calibrated['record']}")
-        lines.append(
-            f"    FeatCal        {calibrated.get('architecture') or DASH}, "
-            f"{calibrated.get('blocks')} blocks ({calibrated.get('restored')} restored)"
-        )
-        lines.append(f"    settings       {_pairs(calibrated.get('hyperparameters') or {})}")
-    merged = chain.get("merged")
-    if merged:
-        lines.append(f"  merged           {merged['path']}")
-        if merged.get("record"):
-            lines.append(f"    record         {merged['record']}")
-            lines.append(
-                f"    method         {merged.get('method') or DASH} "
-                f"({_pairs(merged.get('hyperparameters') or {})})"
-            )
-        lines += _file_lines(merged.get("files") or {})
-    models = [("base", chain.get("base"))] + [
-        (f"expert {task}", entry) for task, entry in (chain.get("experts") or {}).items()
-    ]
-    for label, entry in models:
-        if not entry:
-            continue
-        lines.append(f"  {label:<16} {entry.get('reference') or entry['path']}")
-        facts = {key: entry.get(key) for key in ("kind", "revision", "commit") if entry.get(key)}
-        if facts:
-            lines.append(f"    {'':<14} {_pairs(facts)}")
-        if entry.get("reference") and entry.get("reference") != entry["path"]:
-            lines.append(f"    path           {entry['path']}")
-        for other in entry.get("paths", [])[1:]:
-            lines.append(f"    also recorded  {other}")
-        lines += _file_lines(entry.get("files") or {})
-        source = entry.get("open_clip_source")
-        if source:
-            lines.append(
-                f"    imported from  {Path(source.get('path') or '') / (source.get('file') or '')}"
-            )
-            lines += _file_lines({"(open_clip source)": {"sha256": source.get("sha256"),
-                                                         "status": source.get("status")}})  # fmt: skip
-    lock = chain.get("lock")
-    if lock:
-        state = "ok" if lock.get("lock_digest_ok") else "EDITED"
-        lines.append(f"  lock             {lock['path']}")
-        lines.append(f"    lock_digest    {_short(lock.get('lock_digest'))} {state}")
-    for task, entry in (chain.get("calibration_sets") or {}).items():
-        lines.append(f"  calibration set  {task}: {entry.get('path')}")
-        if "n_rows" in entry:
-            lines.append(
-                f"    rows           {entry.get('n_rows')} of {entry.get('rows_available')}, "
-                f"seed {value_text(entry.get('seed'))}, split {value_text(entry.get('split'))}, from "
-                f"{entry.get('source')}"
-            )
-            lines.append(f"    row ids        {_row_ids(entry.get('row_ids'))}")
-        if entry.get("indices") is not None:
-            lines.append(f"    calibrated on  {len(entry['indices'])} of {entry.get('rows')} rows")
-        digest = entry.get("digest") or entry.get("tree_sha256")
-        status = _STATUS.get(entry.get("status"), entry.get("status"))
-        lines.append(f"    digest         {_short(digest)} {status}")
-    evaluation = chain.get("evaluation")
-    if isinstance(evaluation, Mapping) and evaluation:
-        lines.append("  evaluation (accuracy)")
-        for task, row in evaluation.items():
-            if isinstance(row, Mapping):
-                cells = ", ".join(
-                    f"{model} {metric_text(as_dict(res).get('accuracy'))}"
-                    for model, res in row.items()
-                )
-                lines.append(f"    {task:<14} {cells}")
-    if chain.get("provenance"):
-        lines.append(f"  provenance       {_pairs(chain['provenance'])}")
-    for note in result.get("notes") or []:
-        lines.append(f"  note: {note}")
-    problems = result.get("problems") or []
-    verified = result.get("verified") or {}
-    if problems:
-        lines.append(f"problems ({len(problems)}):")
-        lines += [f"  - {p['message']}" for p in problems]
-    else:
-        lines.append(
-            f"all recorded inputs verify ({verified.get('files', 0)} files, "
-            f"{verified.get('calibration_sets', 0)} calibration sets)"
-        )
-    return "\n".join(lines)
-
-
-def _file_lines(files: Mapping[str, Mapping[str, str]]) -> list[str]:
-    return [
-        f"    {_STATUS.get(info.get('status'), info.get('status')):<8} {name}  "
-        f"sha256 {_short(info.get('sha256'))}"
-        for name, info in files.items()
-    ]

@@ -1,10 +1,10 @@
-"""Resolve the run's models to local directories, check they form one pool, and lock them.
+"""Resolve the run's models to local directories and check they form one pool.
 
     base = resolve_model(params.models.base, "models.base")
     experts = {t: resolve_model(r, f"models.experts.{t}") for t, r in params.models.experts.items()}
     architecture = check_pool(base, experts)
-    lock = write_lock("data/models.lock.json", base, experts, {"architecture": architecture})
-    problems = verify_lock(read_lock("data/models.lock.json"))
+
+(featcal_core.provenance.lock then locks them: `write_lock`, `read_lock`, `verify_lock`.)
 
 A model reference is anything with `kind` ("hub" or "local"), `repo_id`, `revision` and `path`
 (attributes, e.g. `featcal_core.params.ModelRef`, or mapping keys); `ref` and `trust_remote_code` are
@@ -18,26 +18,13 @@ Transient failures (connection errors, timeouts, HTTP 429 and 5xx) are retried w
 backoff; everything else ends in one `FeatCalError` line naming the params key, the reference,
 what is wrong and what to do.
 
-open_clip references (`format: open_clip`, see featcal_core.params.ModelRef) are imported: from a Hub
-repository only the open_clip config, the one weight file (`file`, default
-`open_clip_model.safetensors`, else `open_clip_pytorch_model.bin`; pickles are read with
-torch.load(weights_only=True) unless `trust_pickle`) and the tokenizer files are fetched; a local
-directory or file is used in place. `featcal_core.open_clip.importer.import_open_clip` then writes
-a featcal checkpoint to `<import_root>/<role>-<first 16 hex of the file's sha256>` (default root
-data/models/open_clip), reused on later runs while its recorded source sha256 and config match.
-The model's `path` is that import; `open_clip_source` records the source directory, file, config
-and their sha256.
-
-The lock file records, for the base and every expert, the reference, the resolved commit, the
-local directory and the sha256 of config.json, the safetensors index and every weight shard (plus,
-for open_clip references only, `open_clip_source`), and `lock_digest`: the sha256 of the lock's own
-content (canonical JSON without `lock_digest`).
+open_clip references (`format: open_clip`, see featcal_core.params.ModelRef) are handed to
+featcal_core.open_clip.references, which fetches or finds the open_clip checkpoint (through
+`_download` here) and imports it into a featcal checkpoint.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import re
@@ -64,7 +51,6 @@ from huggingface_hub.errors import (
 
 from featcal_core.errors import FeatCalError
 from featcal_core.io.checkpoint import Checkpoint, sha256_file
-from featcal_core.io.outputs import write_file
 
 try:  # the HTTP client of huggingface_hub 2.x; older releases use httpx or requests
     import httpx2 as _http
@@ -77,15 +63,9 @@ except ImportError:  # pragma: no cover - depends on the installed huggingface_h
 __all__ = [
     "ALLOW_PATTERNS",
     "IGNORE_PATTERNS",
-    "LOCK_VERSION",
     "ResolvedModel",
     "check_pool",
-    "lock_digest",
-    "models_from_lock",
-    "read_lock",
     "resolve_model",
-    "verify_lock",
-    "write_lock",
 ]
 
 log = logging.getLogger(__name__)
@@ -106,19 +86,6 @@ ALLOW_PATTERNS = (
 IGNORE_PATTERNS = ("*/*", "open_clip_*")
 #: extra pattern when the reference allows the model's own code (trust_remote_code)
 REMOTE_CODE_PATTERNS = ("*.py",)
-#: an open_clip repository's weight files, in order of preference (when `file` is not given)
-OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
-#: small tokenizer files fetched with an open_clip checkpoint (text towers with an HF tokenizer)
-OPEN_CLIP_TOKENIZER_PATTERNS = (
-    "tokenizer*", "special_tokens_map.json", "vocab*", "merges*", "spiece.model",
-)  # fmt: skip
-#: where open_clip checkpoints are imported (relative to the working directory)
-OPEN_CLIP_IMPORT_ROOT = Path("data/models/open_clip")
-#: open_clip's model config file in a repository (featcal_core.open_clip.importer.CONFIG_NAME)
-OPEN_CLIP_CONFIG = "open_clip_config.json"
-
-LOCK_VERSION = 1
-_LOCK_KEYS = ("version", "base", "experts", "lock_digest")
 _COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
 _TRUE = {"1", "ON", "YES", "TRUE"}
 _MAX_BACKOFF_S = 60.0
@@ -393,11 +360,15 @@ def resolve_model(
     retries: extra attempts after a transient failure (so `retries + 1` in all), waiting
     `backoff`, 2·`backoff`, 4·`backoff`... seconds (at most 60) in between.
     offline: read Hub models from `cache_dir` only, never the network (as HF_HUB_OFFLINE=1).
-    import_root: where open_clip references are imported (None: OPEN_CLIP_IMPORT_ROOT).
+    import_root: where open_clip references are imported (None:
+    featcal_core.open_clip.references.OPEN_CLIP_IMPORT_ROOT).
     base_config: the open_clip_config.json an open_clip expert without its own uses (the base's).
     """
     if (_field(ref, "format") or "hf") == "open_clip":
-        return _resolve_open_clip(
+        # (imported here: featcal_core.open_clip.references imports this module)
+        from featcal_core.open_clip.references import OPEN_CLIP_IMPORT_ROOT, resolve_open_clip
+
+        return resolve_open_clip(
             ref,
             role,
             cache_dir=cache_dir,
@@ -475,198 +446,6 @@ def resolve_model(
     )
 
 
-# ------------------------------------------------------------------------- open_clip references
-
-
-def _open_clip_source(
-    ref: Any,
-    role: str,
-    reference: str,
-    *,
-    cache_dir: str | Path | None,
-    retries: int,
-    backoff: float,
-    offline: bool,
-) -> tuple[Path, str, dict[str, Any]]:
-    """(source directory, weight file name relative to it, Hub facts) of an open_clip reference;
-    a Hub repository is fetched (config, the weight file, tokenizer files only)."""
-    kind = _field(ref, "kind")
-    repo_id = _field(ref, "repo_id")
-    revision = _field(ref, "revision")
-    file = _field(ref, "file")
-    names = [file] if file else list(OPEN_CLIP_WEIGHTS)
-    fix = f"set {role}.file to the checkpoint's file name"
-
-    if kind == "local":
-        local = _field(ref, "path")
-        if local is None:
-            raise FeatCalError(f"{role}: local model {reference!r} has no path; fix the params")
-        path = Path(local).expanduser()
-        if path.is_file():
-            if file:
-                raise FeatCalError(
-                    f"{role}: {reference!r} is a weight file and file: {file!r} names another; "
-                    f"remove {role}.file or point ref at the directory"
-                )
-            return path.parent, path.name, {}
-        if not path.is_dir():
-            raise FeatCalError(
-                f"{role}: local open_clip model {reference!r} does not exist (looked in "
-                f"{path.absolute()}); fix {role} in the params (a directory with "
-                f"{OPEN_CLIP_WEIGHTS[0]}, or the weight file itself)"
-            )
-        for name in names:
-            if (path / name).is_file():
-                return path, name, {}
-        raise FeatCalError(
-            f"{role}: open_clip weight file {' or '.join(str(path / n) for n in names)} does not "
-            f"exist; {fix}, or point ref at the weight file"
-        )
-
-    if kind != "hub" or not repo_id:
-        raise FeatCalError(
-            f"{role}: model reference {reference!r} is neither kind 'local' (a path) nor 'hub' "
-            "(a repo_id); give a Hub id owner/name[@revision] or a ./local directory"
-        )
-    log.info("%s: resolving open_clip Hub model %s", role, reference)
-    snapshot = None
-    for name in names:  # one weight file only: Hub repos often hold the same weights twice
-        snapshot, offline = _download(
-            role,
-            reference,
-            repo_id,
-            revision,
-            cache_dir=cache_dir,
-            retries=retries,
-            backoff=backoff,
-            trust_remote_code=False,
-            offline=offline,
-            allow_patterns=[OPEN_CLIP_CONFIG, name, *OPEN_CLIP_TOKENIZER_PATTERNS],
-        )
-        if (snapshot / name).is_file():
-            commit = _commit_of(snapshot, repo_id, revision, offline)
-            return snapshot, name, {"repo_id": repo_id, "revision": revision, "commit": commit}
-    where = "is not in the local cache" if offline else "does not exist in the repository"
-    raise FeatCalError(
-        f"{role}: Hub model {reference!r}: open_clip weight file {' or '.join(names)} {where} "
-        f"({snapshot}); {fix}"
-        + (f", or pre-download it with `hf download {repo_id}`" if offline else "")
-    )
-
-
-def _open_clip_config(ref: Any, role: str, source_dir: Path, base_config: Path | None) -> Path:
-    """The open_clip_config.json of an open_clip reference."""
-    given = _field(ref, "open_clip_config")
-    if given:
-        path = Path(given).expanduser()
-        if not path.is_file():
-            raise FeatCalError(
-                f"{role}.open_clip_config: {given!r} does not exist (looked in "
-                f"{path.absolute()}); give the path of an {OPEN_CLIP_CONFIG}"
-            )
-        return path
-    if (source_dir / OPEN_CLIP_CONFIG).is_file():
-        return source_dir / OPEN_CLIP_CONFIG
-    if base_config is not None:
-        log.info("%s: no %s in %s; using the base's %s", role, OPEN_CLIP_CONFIG, source_dir,
-                 base_config)  # fmt: skip
-        return base_config
-    raise FeatCalError(
-        f"{role}: no {OPEN_CLIP_CONFIG} in {source_dir}; set {role}.open_clip_config to the "
-        "checkpoint's open_clip config (model_cfg.vision_cfg as on the Hub)"
-    )
-
-
-def _reusable_import(target: Path, expected: Mapping[str, Any]) -> bool:
-    """Whether `target` holds an import with exactly the config (source sha256 included) that
-    importing again would write."""
-    try:
-        if json.loads((target / "config.json").read_text(encoding="utf-8")) != expected:
-            return False
-        Checkpoint(target, "open_clip import")  # weights present, headers readable
-    except (OSError, ValueError, FeatCalError):
-        return False
-    return True
-
-
-def _import_name(role: str, digest: str) -> str:
-    name = role.removeprefix("models.")
-    return re.sub(r"[^A-Za-z0-9._-]", "_", name) + f"-{digest[:16]}"
-
-
-def _resolve_open_clip(
-    ref: Any,
-    role: str,
-    *,
-    cache_dir: str | Path | None,
-    retries: int,
-    backoff: float,
-    offline: bool,
-    import_root: Path,
-    base_config: Path | None,
-) -> ResolvedModel:
-    """Fetch or find an open_clip checkpoint and import it (once) into a featcal checkpoint."""
-    import pickle
-
-    from featcal_core.open_clip.importer import _model_config, featcal_config, import_open_clip
-
-    kind = _field(ref, "kind")
-    trust_pickle = bool(_field(ref, "trust_pickle", False))
-    reference = _reference(
-        ref, kind, _field(ref, "repo_id"), _field(ref, "revision"), _field(ref, "path")
-    )
-    source_dir, name, hub = _open_clip_source(
-        ref, role, reference, cache_dir=cache_dir, retries=retries, backoff=backoff,
-        offline=offline,
-    )  # fmt: skip
-    source = source_dir / name
-    config_path = _open_clip_config(ref, role, source_dir, base_config)
-    digest = sha256_file(source)
-    record = {
-        "format": "open_clip",
-        "path": str(source_dir),
-        "file": name,
-        "sha256": digest,
-        "config": str(config_path),
-        "config_sha256": sha256_file(config_path),
-        "trust_pickle": trust_pickle,
-    }
-    target = import_root / _import_name(role, digest)
-    try:
-        expected = featcal_config(*_model_config(source, config_path))
-        expected["open_clip_source"] = {"file": source.name, "sha256": digest}
-        if _reusable_import(target, expected):
-            log.info("%s: reusing the import of %s in %s", role, source, target)
-        else:
-            import_open_clip(
-                source, target, model_cfg=config_path, trust_pickle=trust_pickle,
-                overwrite=target.exists(),
-            )  # fmt: skip
-    except FeatCalError as exc:
-        message = str(exc)
-        if not trust_pickle and isinstance(exc.__context__, pickle.UnpicklingError):
-            what = message.split("; unpickling", 1)[0]
-            raise FeatCalError(
-                f"{role}: {what}; unpickling it can run arbitrary code, so it is refused. Set "
-                f"{role}.trust_pickle: true only for a file you trust, or re-save it with "
-                "torch.save(model.state_dict(), ...)"
-            ) from exc
-        raise FeatCalError(f"{role} ({reference}): {message}") from exc
-    files = _hash_files(target, role)
-    log.info("%s: open_clip %s is the featcal checkpoint %s", role, source, target)
-    return ResolvedModel(
-        role=role,
-        reference=reference,
-        kind=kind,
-        path=target,
-        commit=hub.get("commit"),
-        files=files,
-        repo_id=hub.get("repo_id"),
-        revision=hub.get("revision"),
-        open_clip_source=record,
-    )
-
-
 # ------------------------------------------------------------------------------------- the pool
 
 
@@ -693,135 +472,3 @@ def check_pool(base: ResolvedModel, experts: Mapping[str, ResolvedModel]) -> str
     ModelSet(arch, base_ckpt, base_ckpt, expert_ckpts, {}).check()
     log.info("model pool: %s base and %d expert(s) agree", arch.name, len(expert_ckpts))
     return arch.name
-
-
-# ------------------------------------------------------------------------------------- the lock
-
-
-def _canonical(data: Mapping[str, Any]) -> bytes:
-    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-def lock_digest(lock: Mapping[str, Any]) -> str:
-    """sha256 of the lock's content without its `lock_digest` (canonical JSON: sorted keys)."""
-    return hashlib.sha256(
-        _canonical({k: v for k, v in lock.items() if k != "lock_digest"})
-    ).hexdigest()
-
-
-def write_lock(
-    path: str | Path,
-    base: ResolvedModel,
-    experts: Mapping[str, ResolvedModel],
-    extra: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Write the lock file atomically (temporary file beside it, then os.replace); return it.
-
-    extra: more top-level entries (JSON values, e.g. {"architecture": "hf-clip-vision"}); they
-    may not reuse the keys version, base, experts, lock_digest.
-    """
-    path = Path(path)
-    clash = sorted(set(extra or {}) & set(_LOCK_KEYS))
-    if clash:
-        raise FeatCalError(f"write_lock: extra may not set {', '.join(clash)}; rename those keys")
-    lock: dict[str, Any] = {
-        "version": LOCK_VERSION,
-        "base": base.to_dict(),
-        "experts": {task: model.to_dict() for task, model in experts.items()},
-        **dict(extra or {}),
-    }
-    # the JSON round trip makes the digest the one read_lock will recompute
-    lock = json.loads(json.dumps(lock, ensure_ascii=False))
-    lock["lock_digest"] = lock_digest(lock)
-    write_file(path, json.dumps(lock, indent=2, ensure_ascii=False) + "\n", "lock file")
-    log.info("wrote %s (lock_digest %s)", path, lock["lock_digest"][:12])
-    return lock
-
-
-def read_lock(path: str | Path) -> dict[str, Any]:
-    """The lock written by `write_lock`; a FeatCalError when missing, malformed or edited."""
-    path = Path(path)
-    if not path.is_file():
-        raise FeatCalError(f"{path} does not exist; run the download-experts step first")
-    try:
-        lock = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise FeatCalError(
-            f"{path} is not valid JSON ({_one_line(exc)}); delete it and re-run download-experts"
-        ) from exc
-    if not isinstance(lock, dict):
-        raise FeatCalError(f"{path} is not a lock object; delete it and re-run download-experts")
-    missing = [key for key in _LOCK_KEYS if key not in lock]
-    if missing:
-        raise FeatCalError(
-            f"{path} lacks {', '.join(missing)}; it is not a models lock, re-run download-experts"
-        )
-    if lock["version"] != LOCK_VERSION:
-        raise FeatCalError(
-            f"{path} has lock version {lock['version']!r}, this code reads {LOCK_VERSION}; "
-            "re-run download-experts"
-        )
-    if lock_digest(lock) != lock["lock_digest"]:
-        raise FeatCalError(
-            f"{path}: lock_digest does not match the content (the file was edited); "
-            "re-run download-experts to rewrite it"
-        )
-    return lock
-
-
-def models_from_lock(lock: Mapping[str, Any]) -> tuple[ResolvedModel, dict[str, ResolvedModel]]:
-    """The base and the experts (task → model) recorded in a lock."""
-    base = ResolvedModel.from_dict(lock["base"])
-    experts = {task: ResolvedModel.from_dict(entry) for task, entry in lock["experts"].items()}
-    return base, experts
-
-
-def verify_lock(lock: Mapping[str, Any]) -> list[str]:
-    """Problems with a lock: a stale lock_digest, locked files that are missing or changed.
-
-    Relative local paths are taken from the working directory. An empty list: all files match.
-    """
-    problems = []
-    if "lock_digest" in lock and lock_digest(lock) != lock["lock_digest"]:
-        problems.append("lock_digest does not match the lock's content (the lock was edited)")
-    base, experts = models_from_lock(lock)
-    for model in [base, *experts.values()]:
-        for name, expected in sorted(model.files.items()):
-            file = model.path / name
-            if not file.is_file():
-                problems.append(f"{model.role} ({model.reference}): {file} is missing")
-                continue
-            actual = sha256_file(file)
-            if actual != expected:
-                problems.append(
-                    f"{model.role} ({model.reference}): {file} has sha256 {actual[:12]}…, the lock "
-                    f"has {expected[:12]}…"
-                )
-        problems += _source_problems(model)
-    return problems
-
-
-def _source_problems(model: ResolvedModel) -> list[str]:
-    """Problems with an open_clip model's recorded source file and config."""
-    source = model.open_clip_source
-    if not source:
-        return []
-    checks = []
-    if source.get("path") and source.get("file"):
-        checks.append((Path(source["path"]) / source["file"], source.get("sha256")))
-    if source.get("config"):
-        checks.append((Path(source["config"]), source.get("config_sha256")))
-    problems = []
-    for file, expected in checks:
-        if not expected:
-            continue
-        if not file.is_file():
-            problems.append(f"{model.role} ({model.reference}): open_clip source {file} is missing")
-            continue
-        actual = sha256_file(file)
-        if actual != expected:
-            problems.append(
-                f"{model.role} ({model.reference}): open_clip source {file} has sha256 "
-                f"{actual[:12]}…, the lock has {expected[:12]}…"
-            )
-    return problems

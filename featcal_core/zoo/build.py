@@ -177,7 +177,8 @@ def _load_task_data(task: str, source: str, spec: ZooSpec):
     """DatasetDict train/validation/test of one task (a registered source or a directory)."""
     import datasets
 
-    from featcal_core.zoo.sources import SOURCES, check_dataset, load_source
+    from featcal_core.zoo.dataset_check import check_dataset
+    from featcal_core.zoo.sources import SOURCES, load_source
 
     if source in SOURCES:
         if SOURCES[source].modality != spec.modality:
@@ -229,8 +230,10 @@ def build_zoo(
     threads: int | None = None,
 ) -> dict[str, Any]:
     """Build (or reuse) the zoo described by `spec` in `out_dir`; returns the manifest."""
-    from featcal_core.zoo import training
-    from featcal_core.zoo.sources import SourceUnavailable
+    from featcal_core.zoo.pretraining import pretrain_vision_base
+    from featcal_core.zoo.source_files import SourceUnavailable
+    from featcal_core.zoo.text_finetuning import finetune_text_expert
+    from featcal_core.zoo.vision_finetuning import finetune_vision_expert
 
     out = Path(out_dir).expanduser()
     if spec.modality not in ("image", "text"):
@@ -281,7 +284,7 @@ def build_zoo(
             base_dir = minilm_dir()
         else:
             base_dir = work / "base"
-            base_stats = training.pretrain_vision_base(
+            base_stats = pretrain_vision_base(
                 data, base_dir, steps=spec.pretrain_steps, batch_size=spec.batch_size,
                 seed=spec.seed, progress=progress, **spec.extra.get("pretrain", {}),
             )  # fmt: skip
@@ -296,9 +299,9 @@ def build_zoo(
             common = dict(steps=spec.expert_steps, batch_size=spec.batch_size, lr=spec.lr,
                           seed=seed, progress=progress, threads=threads)  # fmt: skip
             if spec.modality == "image":
-                stats = training.finetune_vision_expert(base_dir, dataset, expert_dir, **common)
+                stats = finetune_vision_expert(base_dir, dataset, expert_dir, **common)
             else:
-                stats = training.finetune_text_expert(
+                stats = finetune_text_expert(
                     base_dir, dataset, expert_dir, max_length=spec.max_length, **common
                 )
             commit = hub_cache.publish(expert_dir, hub, repo_id(spec.name, task))

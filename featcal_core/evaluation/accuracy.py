@@ -1,0 +1,121 @@
+"""Accuracy and cross-entropy of a model (base, expert, merged or calibrated) on a labelled set.
+
+`evaluate(model_dir, head, dataset_dir, ...)` runs the model in eval mode without gradients over a
+`datasets.save_to_disk` directory (`featcal_core.evaluation.dataset`) under a head
+(`featcal_core.evaluation.head`) and returns {"accuracy", "loss", "examples"}; inputs are
+preprocessed by the head. All computation is in float32. `normalized_accuracy` relates a model's
+accuracy to its task's expert's.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from featcal_core.errors import FeatCalError
+from featcal_core.evaluation.dataset import _check_labels, _load_split
+from featcal_core.evaluation.head import Head
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["evaluate", "normalized_accuracy"]
+
+
+def _device(device: str | torch.device) -> torch.device:
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise FeatCalError(f"device {device!r} is not a torch device (cpu, cuda, auto)") from exc
+
+
+@torch.no_grad()
+def evaluate(
+    model_dir: str | Path,
+    head: Head,
+    dataset_dir: str | Path,
+    split: str | None = None,
+    *,
+    batch_size: int = 64,
+    max_examples: int | None = None,
+    image_column: str | None = "image",
+    text_column: str | None = "text",
+    label_column: str | None = "label",
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> dict[str, float | int]:
+    """Evaluate the tower in `model_dir` under `head` on a labelled `save_to_disk` set.
+
+    split: the DatasetDict split (None: the only split, or a plain Dataset); max_examples: the
+    first N rows only. Returns {"accuracy": fraction correct, "loss": mean cross-entropy,
+    "examples": rows evaluated}.
+    """
+    from tqdm.auto import tqdm
+
+    if batch_size < 1:
+        raise FeatCalError(f"batch_size must be at least 1 (got {batch_size})")
+    if max_examples is not None and max_examples < 1:
+        raise FeatCalError(f"max_examples must be at least 1 or None (got {max_examples})")
+    where = f"evaluation set {dataset_dir}" + (f" (split {split})" if split else "")
+    data = _load_split(dataset_dir, split)
+    if head.modality == "image":
+        input_column = image_column or "image"
+    else:
+        input_column = text_column or "text"
+    label_column = label_column or "label"
+    for column, role in ((input_column, f"{head.modality} input"), (label_column, "label")):
+        if column not in data.column_names:
+            raise FeatCalError(
+                f"{where}: no {role} column {column!r} (has {data.column_names}); pass the "
+                f"{role.split()[-1]} column name"
+            )
+    if max_examples is not None and len(data) > max_examples:
+        data = data.select(range(max_examples))
+    if len(data) == 0:
+        raise FeatCalError(f"{where} has no rows; evaluate on a non-empty set")
+    labels = _check_labels(list(data[label_column]), head.num_classes, where, label_column)
+    data = data.select_columns([input_column])
+
+    target = _device(device)
+    model = head.classifier(model_dir, target)
+    total = len(data)
+    correct = 0
+    loss_sum = 0.0
+    batches = range(0, total, batch_size)
+    bar = tqdm(batches, desc=f"evaluate {Path(model_dir).name}", unit="batch", disable=not progress)
+    for start in bar:
+        rows = data[start : start + batch_size][input_column]
+        inputs = {k: v.to(target) for k, v in head.preprocess(rows).items()}
+        logits = model(**inputs).float()
+        batch_labels = labels[start : start + len(rows)].to(target)
+        loss_sum += float(F.cross_entropy(logits, batch_labels, reduction="sum"))
+        correct += int((logits.argmax(dim=-1) == batch_labels).sum())
+    result = {"accuracy": correct / total, "loss": loss_sum / total, "examples": total}
+    logger.info(
+        "%s on %s: accuracy %.4f, loss %.4f over %d examples",
+        model_dir,
+        where,
+        result["accuracy"],
+        result["loss"],
+        total,
+    )
+    return result
+
+
+def normalized_accuracy(model_acc: float, expert_acc: float) -> float:
+    """Accuracy relative to the task's expert: model_acc / expert_acc."""
+    if not np.isfinite(model_acc) or not np.isfinite(expert_acc):
+        raise FeatCalError(
+            f"normalized accuracy needs finite accuracies (got {model_acc}, {expert_acc})"
+        )
+    if expert_acc <= 0:
+        raise FeatCalError(
+            f"normalized accuracy is undefined: the expert's accuracy is {expert_acc}; check the "
+            "expert's evaluation (labels, head)"
+        )
+    return float(model_acc) / float(expert_acc)

@@ -1,0 +1,145 @@
+"""The pieces of a block's statistics pass (method page, "Data flow", step 2).
+
+`Capture` hooks record the input of every Linear and norm of a block module while it runs on a
+batch of hidden states (B, S, d) with its token mask (B, S). `linear_groups` and `new_norm_stats`
+make the accumulators (statistics.py) for one block: Linears that read the same tensor with the
+same token weights share one `LinearInputStats` (Gram (d_in, d_in) ...), each norm gets a
+`NormStats` ((d,) per channel). `accumulate` adds one batch's captured inputs, flattened to their weighted
+tokens (N, d) with weights (N,), to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from featcal_core.errors import FeatCalError
+from featcal_core.method.statistics import LinearInputStats, NormStats, Scratch
+
+
+def run_block(arch, block, hidden, mask, context):
+    """arch.run_block, with the decoder's context only when there is one."""
+    if context is None:
+        return arch.run_block(block, hidden, mask)
+    return arch.run_block(block, hidden, mask, context=context)
+
+
+class Capture:
+    """Forward pre-hooks that record the input of the named submodules during `run`."""
+
+    def __init__(self, arch, module: nn.Module, names: list[str]):
+        self.arch = arch
+        self.inputs: dict[str, torch.Tensor] = {}
+        self._active = False
+        for name in names:
+            module.get_submodule(name).register_forward_pre_hook(self._hook(name))
+
+    def _hook(self, name: str):
+        def hook(_module, args):
+            if self._active:
+                self.inputs[name] = args[0]
+
+        return hook
+
+    def run(self, block: nn.Module, hidden: torch.Tensor, mask: torch.Tensor, context=None):
+        """(block output, {module name: its input}) for one batch; the caller owns the dict."""
+        self.inputs = {}
+        self._active = True
+        try:
+            with torch.no_grad():
+                out = run_block(self.arch, block, hidden, mask, context)
+        finally:
+            self._active = False
+        inputs, self.inputs = self.inputs, {}
+        return out, inputs
+
+
+def _pooled(arch, name: str, last: bool) -> bool:
+    return last and arch.pooled_position is not None and arch.is_pooled_module(name)
+
+
+def linear_groups(
+    arch, block: nn.Module, linears: list[str], captured: dict[str, torch.Tensor], last: bool,
+    tokens: int, device: torch.device,
+):  # fmt: skip
+    """Group Linear modules that read the same tensor with the same token weights; each group
+    is labelled by its first module's name (stable across processes)."""
+    labels: dict[tuple[int, bool], str] = {}
+    groups: dict[str, str] = {}
+    members: dict[str, dict[str, tuple[int, bool]]] = {}
+    for name in linears:
+        label = labels.setdefault((id(captured[name]), _pooled(arch, name, last)), name)
+        groups[name] = label
+        module = block.get_submodule(name)
+        members.setdefault(label, {})[name] = (module.out_features, module.bias is not None)
+    stats = {}
+    scratch = Scratch(device)
+    for label, modules in members.items():
+        d_in = block.get_submodule(label).in_features
+        stats[label] = LinearInputStats(d_in, modules, device, tokens, scratch)
+    return stats, groups
+
+
+def new_norm_stats(
+    block: nn.Module, norms: list[str], rms_norm_types: tuple, device: torch.device
+) -> dict[str, NormStats]:
+    """An empty `NormStats` for each norm module of `block` (its eps, RMS or not, bias or not)."""
+    out = {}
+    for name in norms:
+        module = block.get_submodule(name)
+        eps = float(getattr(module, "eps", getattr(module, "variance_epsilon", 1e-6)))
+        rms = isinstance(module, rms_norm_types)
+        has_bias = getattr(module, "bias", None) is not None
+        out[name] = NormStats(module.weight.shape[0], eps, rms, has_bias, device)
+    return out
+
+
+def accumulate(
+    arch, linears, x_s, x_e, mask, context_mask, last, alpha, groups, linear_stats, norm_stats,
+    expert_params,
+):  # fmt: skip
+    """Add one batch's captured inputs (student x_s, expert x_e: module → (B, S, d)) to the
+    Linear groups' and norms' accumulators, each token weighted by `arch.token_weights`."""
+    done: set[str] = set()
+    for name in linears:
+        key = groups[name]
+        if key in done:
+            continue
+        done.add(key)
+        stats = linear_stats[key]
+        tokens = context_mask if arch.reads_context(name) else mask
+        (xs, xe), w = _weighted_tokens(arch.token_weights(name, last, tokens), x_s[name], x_e[name])
+        params = {member: expert_params[member] for member in stats.targets}
+        stats.add(xs, xe, w, alpha, params)
+    for name, stats in norm_stats.items():
+        (xs,), w = _weighted_tokens(arch.token_weights(name, last, mask), x_s[name])
+        stats.add(xs, w)
+
+
+def _weighted_tokens(weights: torch.Tensor, *hidden: torch.Tensor):
+    """Flatten (B, S, d) inputs to their tokens of non-zero weight: ([tokens (N, d), ...], w (N))
+    with w None when every kept weight is 1."""
+    weights = weights.reshape(-1)
+    keep = weights > 0
+    flat = [h.reshape(-1, h.shape[-1]) for h in hidden]
+    if not bool(keep.all()):
+        weights = weights[keep]
+        flat = [h[keep] for h in flat]
+    w = None if bool((weights == 1).all()) else weights
+    return flat, w
+
+
+@contextmanager
+def tokens_needed(index: int, task: str, module: str) -> Iterator[None]:
+    """Turn a statistics' "no weighted tokens" ValueError into a FeatCalError naming the task,
+    block and module."""
+    try:
+        yield
+    except ValueError as exc:
+        raise FeatCalError(
+            f"task {task!r} gives no weighted tokens to {module} in block {index} ({exc}); check "
+            "its calibration set and token weighting"
+        ) from exc

@@ -1,0 +1,42 @@
+"""The run report: one directory with report.md, report.html and two plots.
+
+    paths = write_report(
+        "data/results/report", run_name="clip-vit-b32 8 tasks",
+        evaluation=table,          # tasks/evaluate.py evaluate_models
+        calibration=featcal_json,  # featcal_core/method/calibration.py record, or None (FeatCal disabled)
+        merge=merge_json,          # featcal_core/merging/run.py record, or None
+        lock=lock,                 # featcal_core/provenance/lock.py lock file, or None
+    )
+
+The directory is written atomically (`guarded_directory`, overwrite=True): every file is written
+under a temporary name beside it and only a complete report replaces the old one, so a failed
+write leaves the previous report as it was. The directory belongs to the report: one that holds
+anything but report files is refused rather than replaced.
+
+Numbers are shown as given in the records; the only derived figures are averages over tasks
+(per column), the mean drift over tasks of each block, the share of the merged→expert gap closed
+(`gap_closed`) and the peak RSS in MiB. Accuracy, normalized accuracy and gap closed are shown in
+percent with one decimal. A missing value (no base model without a zero-shot head, no calibrated
+model when FeatCal is disabled, a non-finite number) is shown as "—" and left out of averages.
+
+Pure library: matplotlib (Agg canvas, no pyplot, so no global backend is touched) is imported
+inside the plotting functions.
+
+The package: `tables` (the accuracy table's rows and averages, gap closed, per-block drift means),
+`sections` (the other sections, as content), `markdown` and `html` (rendering), `plots` (the two
+PNGs), `writer` (`write_report`: the directory).
+"""
+
+from featcal_core.report.plots import plot_accuracy, plot_drift
+from featcal_core.report.tables import DASH, MODEL_ORDER, gap_closed
+from featcal_core.report.writer import REPORT_FILES, write_report
+
+__all__ = [
+    "DASH",
+    "MODEL_ORDER",
+    "REPORT_FILES",
+    "gap_closed",
+    "plot_accuracy",
+    "plot_drift",
+    "write_report",
+]

@@ -1,0 +1,167 @@
+"""The report's figures: the accuracy table's rows (one per task, then the average), the share
+of the merged→expert gap closed, per-block mean drift, and how numbers are shown (percent with one
+decimal; a missing value as DASH, left out of averages)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DASH", "MODEL_ORDER", "gap_closed"]
+
+#: models of the evaluation table, in display order
+MODEL_ORDER = ("base", "expert", "merged", "calibrated")
+
+
+#: shown for a missing value
+DASH = "—"
+#: |expert − merged| at or below this is "no gap" (guards against a float-noise denominator)
+_GAP_EPS = 1e-12
+
+
+_COLUMNS = (
+    "task",
+    "base",
+    "expert",
+    "merged",
+    "calibrated",
+    "normalized (merged)",
+    "normalized (calibrated)",
+    "gap closed",
+)
+
+
+def gap_closed(
+    merged: float | None, calibrated: float | None, expert: float | None
+) -> float | None:
+    """Share of the merged→expert accuracy gap that calibration closed, in percent.
+
+    (calibrated − merged) / (expert − merged) × 100: 0 when calibration changed nothing, 100 when
+    it reached the expert, negative when it made things worse, above 100 when it beat the expert.
+    None when a value is missing or non-finite, or when expert == merged (no gap to close).
+    """
+    values = (merged, calibrated, expert)
+    if any(v is None or not math.isfinite(v) for v in values):
+        return None
+    gap = expert - merged
+    if abs(gap) <= _GAP_EPS:
+        return None
+    return (calibrated - merged) / gap * 100.0
+
+
+def _number(value: Any) -> float | None:
+    """A finite float, else None (missing, NaN, inf, not a number)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _mean(values: Sequence[float | None]) -> tuple[float | None, int]:
+    present = [v for v in values if v is not None]
+    return (sum(present) / len(present) if present else None), len(present)
+
+
+@dataclass
+class _Row:
+    label: str
+    accuracy: dict[str, float | None]  # model → accuracy (fraction)
+    normalized: dict[str, float | None]  # "merged" / "calibrated" → normalized (fraction)
+    gap: float | None  # percent
+    counts: dict[str, int] = field(default_factory=dict)  # average row: tasks behind each column
+
+
+def _rows(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[_Row]:
+    """One row per task, then the average row (absent when there are no tasks)."""
+    rows = []
+    for task, models in evaluation.items():
+        models = models or {}
+        accuracy = {m: _number((models.get(m) or {}).get("accuracy")) for m in MODEL_ORDER}
+        normalized = {
+            m: _number((models.get(m) or {}).get("normalized")) for m in ("merged", "calibrated")
+        }
+        gap = gap_closed(accuracy["merged"], accuracy["calibrated"], accuracy["expert"])
+        rows.append(_Row(str(task), accuracy, normalized, gap))
+    if not rows:
+        return rows
+    accuracy, normalized, counts = {}, {}, {}
+    for m in MODEL_ORDER:
+        accuracy[m], counts[m] = _mean([r.accuracy[m] for r in rows])
+    for m in ("merged", "calibrated"):
+        normalized[m], counts[f"normalized ({m})"] = _mean([r.normalized[m] for r in rows])
+    gap = gap_closed(accuracy["merged"], accuracy["calibrated"], accuracy["expert"])
+    rows.append(_Row("average", accuracy, normalized, gap, counts))
+    return rows
+
+
+def _pct(value: float | None) -> str:
+    if value is None:
+        return DASH
+    text = f"{value * 100:.1f}"
+    return "0.0" if text == "-0.0" else text
+
+
+def _gap_text(value: float | None) -> str:
+    return _pct(None if value is None else value / 100)
+
+
+def _cells(row: _Row) -> list[str]:
+    return [
+        row.label,
+        *(_pct(row.accuracy[m]) for m in MODEL_ORDER),
+        _pct(row.normalized["merged"]),
+        _pct(row.normalized["calibrated"]),
+        _gap_text(row.gap),
+    ]
+
+
+def _average_notes(rows: list[_Row]) -> list[str]:
+    """Columns whose average covers only some of the tasks (those that have the value)."""
+    if not rows:
+        return []
+    average, tasks = rows[-1], len(rows) - 1
+    return [
+        f"{column}: averaged over the {count} of {tasks} tasks that have it"
+        for column, count in average.counts.items()
+        if 0 < count < tasks
+    ]
+
+
+def _summary(rows: list[_Row], calibration_present: bool) -> str:
+    if not rows:
+        return "The evaluation table is empty: no task was evaluated."
+    average, tasks = rows[-1], len(rows) - 1
+    parts = [
+        f"{m} {_pct(average.accuracy[m])} %"
+        for m in ("expert", "merged", "calibrated")
+        if average.accuracy[m] is not None
+    ]
+    text = f"Average accuracy over {tasks} task{'s' if tasks != 1 else ''}: " + ", ".join(parts)
+    if average.accuracy["base"] is not None:
+        text += f" (base {_pct(average.accuracy['base'])} %)"
+    text += ". "
+    if average.accuracy["calibrated"] is None:
+        text += "No calibrated model was evaluated" + (
+            "." if calibration_present else " (FeatCal was not run)."
+        )
+    elif average.gap is None:
+        text += "On average the merged model matches the expert: there is no gap to close."
+    else:
+        text += f"Calibration closed {_gap_text(average.gap)} % of the merged→expert gap."
+    return text
+
+
+def _block_means(
+    calibration: Mapping[str, Any],
+) -> list[tuple[int, float | None, float | None, bool]]:
+    """(index, mean drift before, mean drift after, restored) per block, in record order."""
+    out = []
+    for position, block in enumerate(calibration.get("blocks") or []):
+        index = block.get("index", position)
+        before = _mean([_number(v) for v in (block.get("drift_before") or {}).values()])[0]
+        after = _mean([_number(v) for v in (block.get("drift_after") or {}).values()])[0]
+        out.append((index, before, after, bool(block.get("restored"))))
+    return out

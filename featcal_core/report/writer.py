@@ -1,0 +1,72 @@
+"""`write_report`: the report directory (report.md, report.html and the plots), written
+atomically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from featcal_core.io.outputs import check_output, guarded_directory
+from featcal_core.report import plots as plotting  # looked up at call time (tests patch it)
+from featcal_core.report.html import _html
+from featcal_core.report.markdown import _markdown
+from featcal_core.report.sections import (
+    _calibration_section,
+    _extra_section,
+    _heads_section,
+    _inputs_section,
+    _merge_section,
+)
+from featcal_core.report.tables import _average_notes, _rows, _summary
+
+__all__ = ["REPORT_FILES", "write_report"]
+
+#: every file the report directory may hold
+REPORT_FILES = ("report.md", "report.html", "accuracy.png", "drift.png")
+
+
+def write_report(
+    out_dir: str | Path,
+    *,
+    run_name: str,
+    evaluation: dict,
+    calibration: dict | None,
+    merge: dict | None,
+    lock: dict | None,
+    extra: dict | None = None,
+) -> dict[str, Path]:
+    """Write report.md, report.html, accuracy.png and drift.png (only when the calibration record
+    has blocks) into `out_dir`, replacing an earlier report there atomically.
+
+    evaluation: {task: {model: {"accuracy", "loss", "examples", "normalized"}}} (evaluate_models);
+    calibration: featcal.json; merge: merge.json; lock: the lock file; extra: more key → value
+    pairs shown under "Run details" (e.g. params, MLflow run id). Returns {file name: final path}.
+    Raises FeatCalError when `out_dir` holds anything but report files; on any error an existing
+    report is left as it was.
+    """
+    out = Path(out_dir)
+    check_output(out, overwrite=True, flag="report directory")  # before any work
+    rows = _rows(evaluation)
+    notes = _average_notes(rows)
+    summary = _summary(rows, calibration is not None)
+    has_drift = bool(calibration and calibration.get("blocks"))
+    plots = [("accuracy.png", "accuracy per task")]
+    if has_drift:
+        plots.append(("drift.png", "feature drift per block"))
+    sections = [_calibration_section(calibration), _inputs_section(lock), _merge_section(merge)]
+    if (heads_section := _heads_section(evaluation)) is not None:
+        sections.insert(0, heads_section)
+    if (extra_section := _extra_section(extra)) is not None:
+        sections.append(extra_section)
+
+    with guarded_directory(out, overwrite=True, flag="report directory") as tmp:
+        plotting.plot_accuracy(tmp / "accuracy.png", evaluation)
+        if has_drift:
+            plotting.plot_drift(tmp / "drift.png", calibration)
+        (tmp / "report.md").write_text(
+            _markdown(run_name, summary, rows, notes, plots, sections), encoding="utf-8"
+        )
+        (tmp / "report.html").write_text(
+            _html(run_name, summary, rows, notes, plots, sections), encoding="utf-8"
+        )
+        names = sorted(p.name for p in tmp.iterdir())
+    return {name: out / name for name in names}

@@ -1,0 +1,128 @@
+"""Fine-tuning a zoo vision expert: the base `CLIPVisionModel` plus a Linear head on one task.
+
+`finetune_vision_expert` saves a plain `CLIPVisionModel` + image processor + `classifier.*`
+(linear_head). Seeded and deterministic; the test split is never read; the output directory is
+written under a temporary sibling name and renamed into place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from featcal_core.evaluation.linear_head import save_linear_head
+from featcal_core.io.outputs import guarded_directory
+from featcal_core.zoo.training_inputs import (
+    check_out_dir,
+    check_run,
+    class_names,
+    label_tensor,
+    load_pretrained,
+)
+from featcal_core.zoo.training_loop import (
+    evaluate,
+    index_batches,
+    tail_mean,
+    torch_threads,
+    train_steps,
+)
+from featcal_core.zoo.vision_model import PixelStore, base_processor
+
+logger = logging.getLogger(__name__)
+
+
+def finetune_vision_expert(
+    base_dir: str | Path,
+    dataset: Any,
+    out_dir: str | Path,
+    *,
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 5e-4,
+    weight_decay: float = 0.01,
+    seed: int = 0,
+    augment: bool = False,
+    progress: bool = True,
+    threads: int | None = None,
+    overwrite: bool = False,
+) -> dict:
+    """Fine-tune the `CLIPVisionModel` in base_dir with a fresh Linear head on `pooler_output`.
+
+    Everything trains (AdamW, 10% linear warmup then cosine decay) on dataset["train"]
+    (`image`, ClassLabel `label`); augment: random translations of up to 1/8 of the image side.
+    Saves the tower (save_pretrained), the base's image processor and the head (save_linear_head,
+    labels = the ClassLabel names) into out_dir. Returns {"validation_accuracy",
+    "validation_loss", "train_loss" (mean of the last 10% of steps), "num_classes", "steps",
+    "seconds" (wall)}; the test split is never read.
+    """
+    from transformers import CLIPVisionModel
+
+    base_dir, out_dir = Path(base_dir), Path(out_dir)
+    check_out_dir(out_dir, overwrite)
+    check_run(steps, batch_size, lr)
+    what = f"dataset for {out_dir.name}"
+    names = class_names(dataset, ("image", "label"), what)
+    processor = base_processor(base_dir)
+    started = time.perf_counter()
+    with torch_threads(threads), torch.random.fork_rng(devices=[]):
+        store = PixelStore(processor)
+        train_x, val_x = (store.encode(dataset[s], what, s) for s in ("train", "validation"))
+        train_y, val_y = (
+            label_tensor(dataset[s], len(names), what, s) for s in ("train", "validation")
+        )
+        model = load_pretrained(CLIPVisionModel, base_dir, "vision base")
+        logger.info(
+            "%s: fine-tuning on %d train images, %d classes, %d steps of %d",
+            out_dir.name, len(train_x), len(names), steps, batch_size,
+        )  # fmt: skip
+        torch.manual_seed(seed)
+        head = nn.Linear(model.config.hidden_size, len(names))
+        model.train()
+        parameters = [*model.parameters(), *head.parameters()]
+        generator = torch.Generator().manual_seed(seed)
+        batches = index_batches(len(train_x), batch_size, generator)
+
+        def step_loss(_: int) -> torch.Tensor:
+            index = next(batches)
+            pixels = store.pixels(train_x[index])
+            if augment:
+                pixels = _translate(pixels, max(1, pixels.shape[-1] // 8), generator)
+            return F.cross_entropy(head(model(pixel_values=pixels).pooler_output), train_y[index])
+
+        losses = train_steps(step_loss, parameters, steps, lr, weight_decay, out_dir.name, progress)
+        model.eval()
+
+        def logits(index: torch.Tensor) -> torch.Tensor:
+            return head(model(pixel_values=store.pixels(val_x[index])).pooler_output)
+
+        val_accuracy, val_loss = evaluate(logits, val_y)
+        with guarded_directory(out_dir, overwrite=overwrite, flag="out_dir") as tmp:
+            model.save_pretrained(tmp)
+            processor.save_pretrained(tmp)
+            save_linear_head(tmp, head.weight, head.bias, names)
+    stats = {
+        "validation_accuracy": val_accuracy,
+        "validation_loss": val_loss,
+        "train_loss": tail_mean(losses),
+        "num_classes": len(names),
+        "steps": steps,
+        "seconds": time.perf_counter() - started,
+    }
+    logger.info("%s: fine-tuned %s", out_dir.name, stats)
+    return stats
+
+
+def _translate(pixels: torch.Tensor, shift: int, generator: torch.Generator) -> torch.Tensor:
+    """pixels (B, C, H, W) each shifted by up to ±shift pixels (edge-replicated borders)."""
+    height, width = pixels.shape[-2:]
+    padded = F.pad(pixels, (shift, shift, shift, shift), mode="replicate")
+    offsets = torch.randint(0, 2 * shift + 1, (len(pixels), 2), generator=generator).tolist()
+    return torch.stack(
+        [padded[i, :, y : y + height, x : x + width] for i, (y, x) in enumerate(offsets)]
+    )

@@ -25,7 +25,8 @@ def add_arguments(cal: argparse.ArgumentParser) -> None:
     cal.add_argument("--calib", action="append", type=task_path("--calib"), metavar="TASK=DIR")
     cal.add_argument("--out", help="output directory (save_pretrained layout)")
     setting_flags(cal, FeatCalSettings, ["alpha", "rho", "lam", "eps", "num_per_task",
-                  "batch_size", "device", "max_length", "pooling", "token_weighting"], "featcal")  # fmt: skip
+                  "batch_size", "device", "max_length", "pooling", "token_weighting", "precision"],
+                  "featcal")  # fmt: skip
     setting_flags(cal, RunSettings, ["seed"], "run")
     cal.add_argument("--spill-dir", default=None, help="keep hidden-state streams on disk here")
     cal.add_argument("--heads", action="store_true",
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         max_length=args.max_length,
         pooling=args.pooling,
         token_weighting=args.token_weighting,
+        precision=args.precision,
         spill_dir=args.spill_dir,
         overwrite=args.overwrite,
         progress=not args.no_progress,
@@ -115,7 +117,7 @@ def _flow(args: argparse.Namespace) -> int:
     configure()
     from featcal.flows.calibration import calibration_flow, make_spec
     from featcal_core import FeatCalParams
-    from featcal_core.method.calibration import Settings
+    from featcal_core.method.settings import Settings
 
     spec = make_spec(
         args.base,
@@ -125,7 +127,7 @@ def _flow(args: argparse.Namespace) -> int:
         args.results_dir,
         FeatCalParams(alpha=args.alpha, rho=args.rho, lam=args.lam, eps=args.eps),
         Settings(args.num_per_task, args.batch_size, args.seed, args.device, args.max_length,
-                 args.pooling, args.token_weighting),
+                 args.pooling, args.token_weighting, args.precision),
         args.runner, args.dask_address, args.dask_workers,
     )  # fmt: skip
     record = calibration_flow(spec, args.out, args.overwrite)

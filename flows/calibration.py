@@ -27,8 +27,9 @@ from featcal_core.errors import FeatCalError
 from featcal_core.io.outputs import check_output, guarded_directory, prepare_root, sweep_tree
 from featcal_core.io.run_lock import run_lock
 from featcal_core.io.safetensors_io import read_header
-from featcal_core.method.calibration import RECORD_NAME, Settings, calibration_inputs, check_tasks
+from featcal_core.method.calibration import RECORD_NAME, calibration_inputs, check_tasks
 from featcal_core.method.hyperparameters import FeatCalParams
+from featcal_core.method.settings import Settings
 from featcal_core.method.state import BLOCK, digest_of, verify
 
 log = logging.getLogger(__name__)

@@ -195,8 +195,8 @@ class Steps:
 
     def calibration_spec(self) -> dict:
         from featcal.flows.calibration import make_spec
-        from featcal_core.method.calibration import Settings
         from featcal_core.method.hyperparameters import FeatCalParams
+        from featcal_core.method.settings import Settings
 
         base, experts = self.models()
         featcal, seed = self.params.featcal, self.params.run.seed
@@ -205,7 +205,8 @@ class Steps:
             self.paths["calibration"],
             FeatCalParams(featcal.alpha, featcal.rho, featcal.lam, featcal.eps),
             Settings(featcal.num_per_task, featcal.batch_size, seed, featcal.device,
-                     featcal.max_length, featcal.pooling, featcal.token_weighting),
+                     featcal.max_length, featcal.pooling, featcal.token_weighting,
+                     featcal.precision),
             featcal.runner, featcal.dask_address, featcal.dask_workers,
         )  # fmt: skip
 

@@ -25,8 +25,9 @@ import featcal_core
 from featcal_core.io.checkpoint import sha256_file, sha256_tree
 from featcal_core.io.outputs import temp_path
 from featcal_core.io.safetensors_io import save_tensors
-from featcal_core.method.calibration import Calibration, Settings, block_summary, log_block
+from featcal_core.method.calibration import Calibration, block_summary, log_block
 from featcal_core.method.hyperparameters import FeatCalParams
+from featcal_core.method.settings import Settings
 from featcal_core.method.state import (
     BLOCK,
     STREAMS,

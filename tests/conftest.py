@@ -115,3 +115,19 @@ def pytest_collection_modifyitems(config, items):
         group = _group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print the figures tests report (`record_property("report: ...", value)`), e.g. the
+    worst relative error of the float32 statistics path (tests/test_precision.py)."""
+    lines = []
+    for report in terminalreporter.stats.get("passed", []):
+        if report.when != "call":
+            continue
+        for key, value in report.user_properties:
+            if str(key).startswith("report: "):
+                lines.append(f"{key[len('report: ') :]}: {value}")
+    if lines:
+        terminalreporter.section("reported figures")
+        for line in sorted(lines):
+            terminalreporter.write_line(line)

@@ -21,8 +21,9 @@ from featcal_core.method.block_statistics import tokens_needed
 from featcal_core.method.calibration import Calibration, block_summary
 from featcal_core.method.drift import mean_drift
 from featcal_core.method.hyperparameters import FeatCalParams
+from featcal_core.method.norm_statistics import NormStats
 from featcal_core.method.solvers import Fallbacks
-from featcal_core.method.statistics import LinearInputStats, NormStats
+from featcal_core.method.statistics import LinearInputStats
 from featcal_core.method.streams import HiddenStreams
 from featcal_core.method.task_statistics import TaskStatistics
 

@@ -7,8 +7,9 @@ import torch
 
 from featcal_core.errors import FeatCalError
 from featcal_core.method import solvers, statistics
+from featcal_core.method.norm_statistics import NormStats
 from featcal_core.method.solvers import anchor
-from featcal_core.method.statistics import LinearInputStats, NormStats
+from featcal_core.method.statistics import LinearInputStats
 
 D64 = torch.float64
 

@@ -9,7 +9,8 @@ import torch
 import factories
 from featcal_core.errors import FeatCalError
 from featcal_core.method.calibration import Calibration
-from featcal_core.method.statistics import LinearInputStats, NormStats
+from featcal_core.method.norm_statistics import NormStats
+from featcal_core.method.statistics import LinearInputStats
 from featcal_core.method.streams import EXPERT, STUDENT, HiddenStreams
 from featcal_core.method.task_statistics import TaskStatistics
 

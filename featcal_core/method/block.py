@@ -12,7 +12,8 @@ and one expert is in memory at a time.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,8 +33,9 @@ from featcal_core.method.block_statistics import (
 from featcal_core.method.drift import check_finite, drift_sums, drift_token_mask, mean_drift
 from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.model_set import ModelSet
+from featcal_core.method.norm_statistics import NormStats
 from featcal_core.method.solvers import Fallbacks
-from featcal_core.method.statistics import LinearInputStats, NormStats
+from featcal_core.method.statistics import LinearInputStats
 from featcal_core.method.streams import (
     EXPERT,
     EXPERT_CONTEXT,
@@ -56,6 +58,10 @@ class BlockResult:
     drift_before: dict[str, float] = field(default_factory=dict)
     drift_after: dict[str, float] = field(default_factory=dict)
     seconds: float = 0.0
+    # seconds per phase in this process: "read" (weights from disk into the block modules),
+    # "forward" (block passes), "statistics" (accumulating and closing the tasks' sums, folding
+    # them), "solve" (the closed forms); task statistics computed in other processes not counted
+    phases: dict[str, float] = field(default_factory=dict)
     # solver fallbacks, clamped values and tasks without tokens (see solvers.Fallbacks), in a
     # fixed order: per task (task order), then per Linear group and norm, then per task again
     fallbacks: list[dict] = field(default_factory=list)
@@ -64,8 +70,12 @@ class BlockResult:
 class BlockRunner:
     """Reusable block modules (merged and expert) with capture hooks, for one architecture."""
 
-    def __init__(self, models: ModelSet, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, models: ModelSet, dtype: torch.dtype, device: torch.device, precision: str = "float64"
+    ):
         self.models = models
+        self.precision = precision  # of the statistics' token products (statistics.py)
+        self.phases: dict[str, float] = {}  # seconds per phase since the last block's result
         self.arch = models.arch
         self.dtype = dtype
         self.device = device
@@ -97,6 +107,15 @@ class BlockRunner:
     def load(self, module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         state = {name: tensors[name].to(self.device, self.dtype) for name in self.local_names}
         module.load_state_dict(state, strict=True)
+
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the seconds of the enclosed work to `self.phases[phase]`."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[phase] = self.phases.get(phase, 0.0) + time.perf_counter() - start
 
     def read_block(self, checkpoint, index: int) -> dict[str, torch.Tensor]:
         keys = {name: self.arch.checkpoint_key(index, name) for name in self.local_names}
@@ -159,8 +178,9 @@ class BlockRunner:
     def _load_merged(self, index: int) -> dict[str, torch.Tensor]:
         """Load block `index` of the (uncalibrated) merged model; returns its tensors: views of
         the loaded module's own where they have the same dtype and device (no second copy)."""
-        merged_sd = self.read_block(self.models.merged, index)
-        self.load(self.merged_block, merged_sd)
+        with self.timed("read"):
+            merged_sd = self.read_block(self.models.merged, index)
+            self.load(self.merged_block, merged_sd)
         self._merged_index = index
         loaded = self.merged_block.state_dict()
         for name, tensor in merged_sd.items():
@@ -189,8 +209,9 @@ class BlockRunner:
             self._load_merged(index)
         phase = self._phase(index)
         student_kind, expert_kind = self._input_kinds(phase)
-        expert_sd = self.read_block(self.models.experts[task], index)
-        self.load(self.expert_block, expert_sd)
+        with self.timed("read"):
+            expert_sd = self.read_block(self.models.experts[task], index)
+            self.load(self.expert_block, expert_sd)
         del expert_sd
         expert_params = {
             name: (mod.weight, mod.bias)
@@ -217,18 +238,22 @@ class BlockRunner:
             student = student.to(self.device)
             expert_hidden = expert_hidden.to(self.device)
             mask, weighted = mask.to(self.device), weighted.to(self.device)
-            out_m, x_s = self.merged_capture.run(self.merged_block, student, mask, context_s)
-            out_e, x_e = self.expert_capture.run(self.expert_block, expert_hidden, mask, context_e)
+            with self.timed("forward"):
+                out_m, x_s = self.merged_capture.run(self.merged_block, student, mask, context_s)
+                out_e, x_e = self.expert_capture.run(self.expert_block, expert_hidden, mask,
+                                                     context_e)  # fmt: skip
             check_finite(out_e, f"expert {task!r} output of block {index}")
             check_finite(out_m, f"merged output of block {index} on task {task!r}")
             if linear_stats is None:
                 tokens = min(int(m.sum()) for m in masks.values())  # a hint for the cost
                 linear_stats, groups = linear_groups(self.arch, self.merged_block, self.linears,
-                                                     x_s, last, tokens, self.device)  # fmt: skip
+                                                     x_s, last, tokens, self.device,
+                                                     self.precision)  # fmt: skip
                 norm_stats = self._norm_stats()
             context_mask = None if context_s is None else context_s[1]
-            accumulate(self.arch, self.linears, x_s, x_e, weighted, context_mask, last,
-                       params.alpha, groups, linear_stats, norm_stats, expert_params)  # fmt: skip
+            with self.timed("statistics"):
+                accumulate(self.arch, self.linears, x_s, x_e, weighted, context_mask, last,
+                           params.alpha, groups, linear_stats, norm_stats, expert_params)  # fmt: skip
             del x_s, x_e
             sq, tok = drift_sums(out_m, out_e, self._drift_mask(weighted, last))
             sq_sum, tok_sum = sq_sum + sq, tok_sum + tok
@@ -239,16 +264,18 @@ class BlockRunner:
         del new_expert
         found = Fallbacks(f"block {index}")
         linear = {}
-        for label, stats in linear_stats.items():
-            members = {name: expert_params[name] for name in stats.targets}
-            with tokens_needed(index, task, label):
-                linear[label] = stats.task_contribution(params.eps, params.alpha, members,
-                                                        fallbacks=found, task=task)  # fmt: skip
         norms = {}
-        for name, stats in norm_stats.items():
-            module = self.expert_block.get_submodule(name)
-            with tokens_needed(index, task, name):
-                norms[name] = stats.task_contribution(module.weight, getattr(module, "bias", None))
+        with self.timed("statistics"):
+            for label, stats in linear_stats.items():
+                members = {name: expert_params[name] for name in stats.targets}
+                with tokens_needed(index, task, label):
+                    linear[label] = stats.task_contribution(params.eps, params.alpha, members,
+                                                            fallbacks=found, task=task)  # fmt: skip
+            for name, stats in norm_stats.items():
+                module = self.expert_block.get_submodule(name)
+                with tokens_needed(index, task, name):
+                    norms[name] = stats.task_contribution(module.weight,
+                                                          getattr(module, "bias", None))  # fmt: skip
         layout = {
             label: {"d_in": stats.d_in, "tokens": tokens, "modules": stats.modules}
             for label, stats in linear_stats.items()
@@ -311,19 +338,24 @@ class BlockRunner:
             if isinstance(stats, StoredStatistics):
                 stored.append(stats)
             else:
-                fold(linear_sums, norm_sums, stats.layout, stats.linear.get, stats.norms.get,
-                     self.device)  # fmt: skip
+                with self.timed("statistics"):
+                    fold(linear_sums, norm_sums, stats.layout, stats.linear.get, stats.norms.get,
+                         self.device)  # fmt: skip
             del stats
 
-        base_sd = self.read_block(self.models.base, index)
+        with self.timed("read"):
+            base_sd = self.read_block(self.models.base, index)
         if stored:
-            solved = fold_and_solve(stored, self._norm_stats(), merged_sd, base_sd, params,
-                                    self.device, found)  # fmt: skip
+            with self.timed("solve"):  # folding stored statistics included
+                solved = fold_and_solve(stored, self._norm_stats(), merged_sd, base_sd, params,
+                                        self.device, found)  # fmt: skip
             for done in stored:
                 if scratch_dir is not None and done.path.parent == Path(scratch_dir):
                     done.path.unlink(missing_ok=True)
         else:
-            solved = solve(linear_sums, norm_sums, merged_sd, base_sd, params, self.device, found)
+            with self.timed("solve"):
+                solved = solve(linear_sums, norm_sums, merged_sd, base_sd, params, self.device,
+                               found)  # fmt: skip
         del linear_sums, norm_sums, stored
         del base_sd
         result.tensors = {name: solved[name].to(merged_sd[name].dtype) for name in solved}
@@ -343,8 +375,9 @@ class BlockRunner:
                 strict=True,
             )
             for student, expert_out, mask, weighted, context in batches:
-                out = self.forward(self.merged_block, student.to(self.device),
-                                   mask.to(self.device), context)  # fmt: skip
+                with self.timed("forward"):
+                    out = self.forward(self.merged_block, student.to(self.device),
+                                       mask.to(self.device), context)  # fmt: skip
                 check_finite(out, f"calibrated output of block {index} on task {task!r}")
                 drift_mask = self._drift_mask(weighted.to(self.device), last)
                 sq, tok = drift_sums(out, expert_out.to(self.device), drift_mask)
@@ -355,6 +388,7 @@ class BlockRunner:
             target.put(STUDENT, task, torch.cat(outputs))
         result.fallbacks = found.entries
         result.seconds = time.perf_counter() - start
+        result.phases, self.phases = self.phases, {}
         return result
 
     # ----- helpers ----------------------------------------------------------------------------

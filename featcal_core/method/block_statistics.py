@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from featcal_core.errors import FeatCalError
-from featcal_core.method.statistics import LinearInputStats, NormStats, Scratch
+from featcal_core.method.norm_statistics import NormStats
+from featcal_core.method.statistics import LinearInputStats, Scratch
 
 
 def run_block(arch, block, hidden, mask, context):
@@ -63,10 +64,11 @@ def _pooled(arch, name: str, last: bool) -> bool:
 
 def linear_groups(
     arch, block: nn.Module, linears: list[str], captured: dict[str, torch.Tensor], last: bool,
-    tokens: int, device: torch.device,
+    tokens: int, device: torch.device, precision: str = "float64",
 ):  # fmt: skip
     """Group Linear modules that read the same tensor with the same token weights; each group
-    is labelled by its first module's name (stable across processes)."""
+    is labelled by its first module's name (stable across processes). `precision`: of the
+    token products (statistics.py)."""
     labels: dict[tuple[int, bool], str] = {}
     groups: dict[str, str] = {}
     members: dict[str, dict[str, tuple[int, bool]]] = {}
@@ -79,7 +81,7 @@ def linear_groups(
     scratch = Scratch(device)
     for label, modules in members.items():
         d_in = block.get_submodule(label).in_features
-        stats[label] = LinearInputStats(d_in, modules, device, tokens, scratch)
+        stats[label] = LinearInputStats(d_in, modules, device, tokens, scratch, precision)
     return stats, groups
 
 

@@ -7,7 +7,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -24,6 +24,9 @@ from featcal_core.memory import peak_rss_bytes
 from featcal_core.method.block import BlockResult, BlockRunner
 from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.model_set import ModelSet
+from featcal_core.method.settings import SETTING_DEFAULTS as _DEFAULT
+from featcal_core.method.settings import Settings
+from featcal_core.method.statistics import PRECISIONS
 from featcal_core.method.streams import (
     EXPERT,
     EXPERT_DECODER,
@@ -72,19 +75,6 @@ def check_tasks(experts: dict[str, object], calib: dict[str, object]) -> None:
         raise FeatCalError("no tasks: pass at least one --expert TASK=DIR and --calib TASK=DIR")
 
 
-@dataclass(frozen=True)
-class Settings:
-    """How calibration inputs are drawn and run (not FeatCal's hyperparameters)."""
-
-    num_per_task: int = 256  # calibration inputs per task (seeded sample when a set is larger)
-    batch_size: int = 16
-    seed: int = 0
-    device: str = "cpu"  # cpu | cuda | auto
-    max_length: int = 128  # token limit for text models
-    pooling: str | None = None  # cls | mean | None (the architecture's default)
-    token_weighting: str = "all"  # all | answer (causal LMs: only positions predicting targets)
-
-
 class Calibration:
     """A validated FeatCal calibration, run in stages.
 
@@ -106,6 +96,11 @@ class Calibration:
         check_tasks(experts, calib)
         if settings.batch_size < 1:
             raise FeatCalError(f"--batch-size must be at least 1 (got {settings.batch_size})")
+        if settings.precision not in PRECISIONS:
+            raise FeatCalError(
+                f"--precision must be one of {', '.join(sorted(PRECISIONS))} "
+                f"(got {settings.precision!r})"
+            )
         self.params = params
         self.settings = settings
         self.device = resolve_device(settings.device)
@@ -127,6 +122,9 @@ class Calibration:
                         "as a 'target' column or use --token-weighting all"
                     )
         self.dtype = self.models.compute_dtype()
+        # the token products run in float32 only for models computing in a narrower dtype
+        wide = self.dtype == torch.float64
+        self.precision = "float64" if wide else settings.precision
         self._runner: BlockRunner | None = None
 
     @property
@@ -142,7 +140,8 @@ class Calibration:
 
     def _block_runner(self) -> BlockRunner:
         if self._runner is None:
-            self._runner = BlockRunner(self.models, self.dtype, self.device)
+            self._runner = BlockRunner(self.models, self.dtype, self.device,
+                                       self.precision)  # fmt: skip
         return self._runner
 
     def task_statistics(
@@ -192,6 +191,7 @@ class Calibration:
     def record(self, blocks: list[dict], started: float) -> dict:
         settings = asdict(self.settings)
         settings["device"] = str(self.device)
+        settings["precision"] = self.precision  # the products' dtype that ran
         settings["pooled_position"] = self.arch.pooled_position
         record = _record(self.models, self.sets, self.params, blocks, settings, started)
         found = [entry for block in blocks for entry in block.get("fallbacks", [])]
@@ -214,6 +214,7 @@ def block_summary(result: BlockResult, restored: bool = False) -> dict:
     return {
         "index": result.index,
         "seconds": round(result.seconds, 4),
+        "phases": {phase: round(seconds, 4) for phase, seconds in sorted(result.phases.items())},
         "restored": restored,
         "drift_before": result.drift_before,
         "drift_after": result.drift_after,
@@ -245,13 +246,14 @@ def calibrate(
     out: str | Path,
     params: FeatCalParams = FeatCalParams(),
     *,
-    num_per_task: int = 256,
-    batch_size: int = 16,
-    seed: int = 0,
-    device: str = "cpu",
-    max_length: int = 128,
-    pooling: str | None = None,
-    token_weighting: str = "all",
+    num_per_task: int = _DEFAULT["num_per_task"],
+    batch_size: int = _DEFAULT["batch_size"],
+    seed: int = _DEFAULT["seed"],
+    device: str = _DEFAULT["device"],
+    max_length: int = _DEFAULT["max_length"],
+    pooling: str | None = _DEFAULT["pooling"],
+    token_weighting: str = _DEFAULT["token_weighting"],
+    precision: str = _DEFAULT["precision"],
     spill_dir: str | Path | None = None,
     overwrite: bool = False,
     progress: bool = True,
@@ -265,7 +267,7 @@ def calibrate(
     inputs = calibration_inputs(base, merged, experts, calib)
     check_output(out, overwrite=overwrite, inputs=inputs)
     settings = Settings(
-        num_per_task, batch_size, seed, device, max_length, pooling, token_weighting
+        num_per_task, batch_size, seed, device, max_length, pooling, token_weighting, precision
     )
     run = Calibration(base, merged, experts, calib, params, settings)
     log.info(

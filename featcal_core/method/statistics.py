@@ -8,6 +8,13 @@ sums, so memory is O(d_in²) per input whatever the number of tasks T. The two s
 contribution folded here (same sums, bit for bit, as folding in place in the same task order).
 
 Shapes: x_s, x_e are (N, d_in) token vectors (student / expert inputs); w is (N,) token weights.
+
+Precision: the sums are float64 whatever runs the products. With `precision="float32"` the
+token products (Gram, mixed and cross terms) run in float32 into float32 partial sums that are
+added to the float64 sums every `FLUSH_TOKENS` tokens (and when a task closes), so no float32 sum
+covers more than a few thousand tokens; token means, the per-task scaling, the cross terms' final
+products with W_t and every solve stay float64. `precision="float64"` runs everything in float64
+(the audit path; it is the code the float64 reference tests were written against).
 """
 
 from __future__ import annotations
@@ -22,10 +29,8 @@ from featcal_core.method.solvers import (
     Fallbacks,
     ensure_fallbacks,
     ridge_system,
-    solve_layernorm,
     solve_linear_bias,
     solve_linear_weight,
-    solve_rmsnorm,
 )
 
 #: Gram matrices at least this wide are accumulated by block rows, upper triangle only
@@ -33,6 +38,19 @@ SYMMETRIC_BLOCK = 768
 #: tokens per float64 work chunk in `LinearInputStats.add` (bounds its scratch buffers to a few
 #: TOKEN_CHUNK × d_in float64 matrices whatever the batch size)
 TOKEN_CHUNK = 512
+#: tokens per work chunk when the products run in float32 (longer GEMMs, same scratch bytes)
+TOKEN_CHUNK_FP32 = 1024
+#: float32 partial sums are added to the float64 sums after at most this many tokens
+FLUSH_TOKENS = 4096
+#: the dtype of the token products for each `precision` setting
+PRECISIONS: dict[str, torch.dtype] = {"float64": torch.float64, "float32": torch.float32}
+
+
+def product_dtype(precision: str) -> torch.dtype:
+    """The dtype of the token products for `precision` ("float32" | "float64")."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    return PRECISIONS[precision]
 
 
 def add_gram(acc: torch.Tensor, xw: torch.Tensor, x: torch.Tensor) -> None:
@@ -78,11 +96,12 @@ class Scratch:
         self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def take(self, key: str, rows: int, cols: int) -> torch.Tensor:
-        """An uninitialised (rows × cols) float64 view of buffer `key`, grown when needed."""
+    def take(self, key: str, rows: int, cols: int, dtype: torch.dtype = DTYPE) -> torch.Tensor:
+        """An uninitialised (rows × cols) view of buffer `key` (float64 unless `dtype`), grown
+        when needed."""
         buffer = self._buffers.get(key)
-        if buffer is None or buffer.numel() < rows * cols:
-            buffer = self._buffers[key] = torch.empty(rows * cols, dtype=DTYPE, device=self.device)
+        if buffer is None or buffer.numel() < rows * cols or buffer.dtype != dtype:
+            buffer = self._buffers[key] = torch.empty(rows * cols, dtype=dtype, device=self.device)
         return buffer[: rows * cols].view(rows, cols)
 
 
@@ -119,8 +138,11 @@ class LinearInputStats:
         device: torch.device,
         tokens_hint: int | None = None,
         scratch: Scratch | None = None,
+        precision: str = "float64",
     ):
         self.d_in = d_in
+        self.precision = precision
+        self.product = product_dtype(precision)
         self.device = device
         self.modules = dict(modules)
         self.scratch = scratch or Scratch(device)
@@ -138,6 +160,9 @@ class LinearInputStats:
         self._task_mixed: torch.Tensor | None = None  # via X_t: Σ ω x_s x_eᵀ
         self._task_student: torch.Tensor | None = None  # Σ ω x_s
         self._task_expert: torch.Tensor | None = None  # Σ ω x_e
+        # float32 products: partial sums of the three product terms, flushed into the above
+        self._partial: dict[str, torch.Tensor] = {}
+        self._partial_tokens = 0
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=DTYPE, device=self.device)
@@ -157,7 +182,28 @@ class LinearInputStats:
         for buffer in buffers:
             if buffer is not None:
                 buffer.zero_()
+        if self.product != DTYPE and not self._partial:
+            self._partial = {"gram": torch.zeros_like(self._task_gram, dtype=self.product)}
+            if self.via_x:
+                self._partial["mixed"] = torch.zeros_like(self._task_mixed, dtype=self.product)
+            for name, target in self.targets.items():
+                if target.task_cross is not None:
+                    self._partial[f"cross:{name}"] = torch.zeros_like(
+                        target.task_cross, dtype=self.product
+                    )
+        self._partial_tokens = 0
         self._task_open = True
+
+    def _flush(self) -> None:
+        """Add the float32 partial sums to the float64 task sums and zero them."""
+        if not self._partial or self._partial_tokens == 0:
+            return
+        sums = {"gram": self._task_gram, "mixed": self._task_mixed}
+        sums.update({f"cross:{n}": t.task_cross for n, t in self.targets.items()})
+        for key, partial in self._partial.items():
+            sums[key].add_(partial)
+            partial.zero_()
+        self._partial_tokens = 0
 
     def add(
         self,
@@ -171,14 +217,18 @@ class LinearInputStats:
 
         expert_params: name → (W_t (d_out × d_in), b_t or None).
         """
-        if x_s.shape[0] > TOKEN_CHUNK:
-            for start in range(0, x_s.shape[0], TOKEN_CHUNK):
-                stop = start + TOKEN_CHUNK
+        chunk = TOKEN_CHUNK if self.product == DTYPE else TOKEN_CHUNK_FP32
+        if x_s.shape[0] > chunk:
+            for start in range(0, x_s.shape[0], chunk):
+                stop = start + chunk
                 self.add(x_s[start:stop], x_e[start:stop], None if w is None else w[start:stop],
                          alpha, expert_params)  # fmt: skip
             return
         if not self._task_open:
             self._open_task()
+        if self.product != DTYPE:
+            self._add_reduced(x_s, x_e, w, alpha, expert_params)
+            return
         tokens = x_s.shape[0]
         x_s = self.scratch.take("x_s", tokens, self.d_in).copy_(x_s)
         x_e = self.scratch.take("x_e", tokens, self.d_in).copy_(x_e)
@@ -206,6 +256,43 @@ class LinearInputStats:
                 y = torch.matmul(x_t, rows.T, out=self.scratch.take("y", tokens, rows.shape[0]))
                 target.task_cross[:, start : start + rows.shape[0]].addmm_(xw.T, y)
 
+    def _add_reduced(self, x_s, x_e, w, alpha, expert_params) -> None:
+        """`add` with the products in `self.product` (float32) into the partial sums; token sums
+        accumulate in float64."""
+        tokens = x_s.shape[0]
+        if self._partial_tokens and self._partial_tokens + tokens > FLUSH_TOKENS:
+            self._flush()
+        dtype = self.product
+        x_s = self.scratch.take("x_s32", tokens, self.d_in, dtype).copy_(x_s)
+        x_e = self.scratch.take("x_e32", tokens, self.d_in, dtype).copy_(x_e)
+        if w is None:
+            xw = x_s
+            self._task_student += x_s.sum(0, dtype=DTYPE)
+            self._task_expert += x_e.sum(0, dtype=DTYPE)
+            self._task_weight += float(tokens)
+        else:
+            w64 = w.to(DTYPE)
+            xw = torch.mul(x_s, w.to(dtype)[:, None],
+                           out=self.scratch.take("xw32", tokens, self.d_in, dtype))  # fmt: skip
+            self._task_student += w64 @ x_s.to(DTYPE)
+            self._task_expert += w64 @ x_e.to(DTYPE)
+            self._task_weight += float(w64.sum())
+        add_gram(self._partial["gram"], xw, x_s)
+        self._partial_tokens += tokens
+        if self.via_x:
+            self._partial["mixed"].addmm_(xw.T, x_e)
+            return
+        x_t = torch.lerp(x_s, x_e, alpha, out=x_e)
+        for name, target in self.targets.items():
+            weight_t = expert_params[name][0]
+            partial = self._partial[f"cross:{name}"]
+            for start in range(0, target.d_out, SOLVE_COLUMNS):
+                rows = weight_t[start : start + SOLVE_COLUMNS].to(dtype)
+                y = torch.matmul(
+                    x_t, rows.T, out=self.scratch.take("y32", tokens, rows.shape[0], dtype)
+                )
+                partial[:, start : start + rows.shape[0]].addmm_(xw.T, y)
+
     def task_contribution(
         self,
         eps: float,
@@ -224,6 +311,7 @@ class LinearInputStats:
         total = self._task_weight
         if total <= 0 or not self._task_open:
             raise ValueError("a task contributed no weighted tokens to a Linear input")
+        self._flush()
         gram = self._task_gram  # upper block rows only when wide: linear in the sums below
         norm = gram_norm(gram) / total
         if norm < eps:
@@ -309,6 +397,7 @@ class LinearInputStats:
         for target in self.targets.values():
             target.task_cross = None
         self._task_gram = self._task_mixed = None
+        self._partial = {}
         system = ridge_system(symmetrize_(self.gram), lam, eps, in_place=True,
                               fallbacks=fallbacks, modules=tuple(self.targets))  # fmt: skip
         self.gram = None
@@ -328,102 +417,3 @@ class LinearInputStats:
                 )
             out[name] = (weight, bias)
         return out
-
-
-class NormStats:
-    """Running per-channel sums for one LayerNorm (γ, β) or scale-only RMS norm (γ) of width d."""
-
-    def __init__(self, d: int, norm_eps: float, rms: bool, has_bias: bool, device: torch.device):
-        self.d = d
-        self.norm_eps = norm_eps
-        self.rms = rms
-        self.has_bias = has_bias
-        zeros = lambda: torch.zeros(d, dtype=DTYPE, device=device)  # noqa: E731
-        self.e_sum, self.m_sum, self.rhs_gamma, self.rhs_beta = zeros(), zeros(), zeros(), zeros()
-        self.num_tasks = 0
-        self._reset_task()
-
-    def _reset_task(self) -> None:
-        self._task_weight = 0.0
-        self._task_z = None
-        self._task_z2 = None
-
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """z = norm_without_affine(x) in float64 with the merged module's eps; x is (N, d)."""
-        x = x.to(DTYPE)
-        if self.rms:
-            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.norm_eps)
-        mean = x.mean(-1, keepdim=True)
-        var = (x - mean).pow(2).mean(-1, keepdim=True)
-        return (x - mean) * torch.rsqrt(var + self.norm_eps)
-
-    def add(self, x_s: torch.Tensor, w: torch.Tensor | None) -> None:
-        """Add one batch (N, d) of task t's student inputs (w None: all weights 1)."""
-        z = self.normalize(x_s)
-        if w is None:
-            w = torch.ones(z.shape[0], dtype=DTYPE, device=z.device)
-        w = w.to(DTYPE)
-        z_sum = w @ z
-        z2_sum = w @ (z * z)
-        self._task_z = z_sum if self._task_z is None else self._task_z + z_sum
-        self._task_z2 = z2_sum if self._task_z2 is None else self._task_z2 + z2_sum
-        self._task_weight += float(w.sum())
-
-    def task_contribution(
-        self, gamma_t: torch.Tensor, beta_t: torch.Tensor | None
-    ) -> dict[str, torch.Tensor]:
-        """Close the current task with expert t's affine parameters (γ_t, β_t): its terms
-        `e` (E_t[z²]), `m` (E_t[z]), `rhs_gamma`, `rhs_beta`, float64 (d,)."""
-        total = self._task_weight
-        if total <= 0 or self._task_z is None:
-            raise ValueError("a task contributed no weighted tokens to a norm")
-        m_t = self._task_z / total
-        e_t = self._task_z2 / total
-        gamma_t = gamma_t.to(DTYPE)
-        beta_t = torch.zeros_like(gamma_t) if beta_t is None else beta_t.to(DTYPE)
-        if self.rms:
-            rhs_gamma, rhs_beta = e_t * gamma_t, torch.zeros_like(gamma_t)
-        else:
-            rhs_gamma, rhs_beta = e_t * gamma_t + m_t * beta_t, m_t * gamma_t + beta_t
-        self._reset_task()
-        return {"e": e_t, "m": m_t, "rhs_gamma": rhs_gamma, "rhs_beta": rhs_beta}
-
-    def merge(self, contribution: dict[str, torch.Tensor]) -> None:
-        """Add one task's terms (from `task_contribution`, here or in another process)."""
-        device = self.e_sum.device
-        self.e_sum += contribution["e"].to(device, DTYPE)
-        self.m_sum += contribution["m"].to(device, DTYPE)
-        self.rhs_gamma += contribution["rhs_gamma"].to(device, DTYPE)
-        self.rhs_beta += contribution["rhs_beta"].to(device, DTYPE)
-        self.num_tasks += 1
-
-    def end_task(self, gamma_t: torch.Tensor, beta_t: torch.Tensor | None) -> None:
-        """Fold the current task with expert t's affine parameters (γ_t, β_t)."""
-        self.merge(self.task_contribution(gamma_t, beta_t))
-
-    def solve(
-        self,
-        lam: float,
-        eps: float,
-        anchor_gamma: torch.Tensor | None,
-        anchor_beta: torch.Tensor | None,
-        fallbacks: Fallbacks | None = None,
-        module: str | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(γ, β) in float64 (β None for a scale-only norm); clamps are recorded in `fallbacks`
-        under `module`."""
-        found = {"fallbacks": fallbacks, "module": module}
-        if self.rms or not self.has_bias:
-            return solve_rmsnorm(self.e_sum, self.rhs_gamma, lam, eps, anchor_gamma, **found), None
-        return solve_layernorm(
-            self.e_sum,
-            self.m_sum,
-            self.rhs_gamma,
-            self.rhs_beta,
-            self.num_tasks,
-            lam,
-            eps,
-            anchor_gamma,
-            anchor_beta,
-            **found,
-        )

@@ -14,6 +14,7 @@ from pydantic import (
 from featcal_core.errors import FeatCalError
 from featcal_core.io.outputs import check_target
 from featcal_core.method.hyperparameters import BOUNDS, DEFAULTS
+from featcal_core.method.settings import SETTING_DEFAULTS
 from featcal_core.names import name_problem
 from featcal_core.params.base import (
     FiniteFloat,
@@ -90,6 +91,11 @@ def _method_field(name: str, description: str) -> Any:
     return Field(DEFAULTS[name], ge=low, le=high, description=f"{description}, in {where}")
 
 
+def _setting_field(name: str, description: str, **bounds: Any) -> Any:
+    """A calibration setting's field: its default from featcal_core.method.settings."""
+    return Field(SETTING_DEFAULTS[name], description=description, **bounds)
+
+
 class FeatCalSettings(_Section):
     """FeatCal hyperparameters and how the calibration runs (see featcal_core.method.hyperparameters.FeatCalParams)."""
 
@@ -100,19 +106,25 @@ class FeatCalSettings(_Section):
     rho: FiniteFloat = _method_field("rho", "anchor blend ρ (ρ > 1 extrapolates past the merge)")
     lam: FiniteFloat = _method_field("lam", "ridge weight λ")
     eps: FiniteFloat = _method_field("eps", "jitter ε")
-    num_per_task: StrictInt = Field(
-        256, ge=1, description="calibration inputs per task (seeded sample)"
+    num_per_task: StrictInt = _setting_field(
+        "num_per_task", "calibration inputs per task (seeded sample)", ge=1
     )
-    batch_size: StrictInt = Field(16, ge=1, description="calibration batch size")
-    device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="where calibration runs")
-    max_length: StrictInt = Field(128, ge=1, description="token limit for text models")
-    pooling: Literal["cls", "mean"] | None = Field(
-        None, description="output pooling; null: the architecture's default"
+    batch_size: StrictInt = _setting_field("batch_size", "calibration batch size", ge=1)
+    device: Literal["cpu", "cuda", "auto"] = _setting_field("device", "where calibration runs")
+    max_length: StrictInt = _setting_field("max_length", "token limit for text models", ge=1)
+    pooling: Literal["cls", "mean"] | None = _setting_field(
+        "pooling", "output pooling; null: the architecture's default"
     )
-    token_weighting: Literal["all", "answer"] = Field(
-        "all",
-        description="causal LMs: weigh every real token (all) or only the positions predicting "
-        "the calibration set's `target` tokens (answer)",
+    token_weighting: Literal["all", "answer"] = _setting_field(
+        "token_weighting",
+        "causal LMs: weigh every real token (all) or only the positions predicting the "
+        "calibration set's `target` tokens (answer)",
+    )
+    precision: Literal["float32", "float64"] = _setting_field(
+        "precision",
+        "dtype of the token products feeding the statistics (float32: faster, partial sums "
+        "flushed into float64 every few thousand tokens; float64: the audit path); sums and "
+        "solves are float64 either way",
     )
     heads: StrictBool = Field(
         False,

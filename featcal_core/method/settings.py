@@ -1,0 +1,27 @@
+"""How a calibration runs (not FeatCal's hyperparameters): defaults defined once (import-light:
+no torch). featcal_core/params/sections.py builds the matching `featcal:` fields, and so the CLI
+flags, from `SETTING_DEFAULTS`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class Settings:
+    """How calibration inputs are drawn and run."""
+
+    num_per_task: int = 256  # calibration inputs per task (seeded sample when a set is larger)
+    batch_size: int = 16
+    seed: int = 0
+    device: str = "cpu"  # cpu | cuda | auto
+    max_length: int = 128  # token limit for text models
+    pooling: str | None = None  # cls | mean | None (the architecture's default)
+    token_weighting: str = "all"  # all | answer (causal LMs: only positions predicting targets)
+    # float32 | float64: the dtype of the token products feeding the float64 statistics
+    # (featcal_core/method/statistics.py); sums and solves are float64 either way
+    precision: str = "float32"
+
+
+#: the default of each setting
+SETTING_DEFAULTS: dict[str, object] = {f.name: f.default for f in fields(Settings)}

@@ -1,0 +1,105 @@
+"""The float32 product path (`precision="float32"`, the default for float32/bf16 models) against
+the float64 path: the accumulators on random tokens (direct and via-X cross terms, the wide
+symmetric Gram, token weights, several flushes), and whole calibrations of tiny CLIP and BERT
+pools. The worst relative error of the calibrated weights is reported in the test summary
+(`tests/conftest.py` prints each test's `report:` properties)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import factories
+from featcal_core import calibrate
+from featcal_core.errors import FeatCalError
+from featcal_core.method import statistics
+from featcal_core.method.statistics import LinearInputStats
+
+CPU = torch.device("cpu")
+#: the stated tolerance: worst |Δ| over max |W| per calibrated tensor
+TOLERANCE = 1e-4
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.to(torch.float64), b.to(torch.float64)
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _solve(precision: str, d_in: int, d_out: int, via_x: bool, tokens: int, weighted: bool):
+    g = torch.Generator().manual_seed(7)
+    hint = tokens if via_x else None
+    stats = LinearInputStats(d_in, {"fc": (d_out, True)}, CPU, hint, precision=precision)
+    assert stats.via_x == via_x
+    for _ in range(3):  # tasks
+        params = {"fc": (torch.randn(d_out, d_in, generator=g) / d_in**0.5,
+                         torch.randn(d_out, generator=g))}  # fmt: skip
+        mean = torch.randn(d_in, generator=g)  # uncentered inputs, as hidden states are
+        for _ in range(0, tokens, 700):  # batches
+            x_s = mean + torch.randn(700, d_in, generator=g)
+            x_e = x_s + 0.1 * torch.randn(700, d_in, generator=g)
+            w = torch.rand(700, generator=g) if weighted else None
+            stats.add(x_s.float(), x_e.float(), w, 0.25, params)
+        stats.end_task(1e-8, 0.25, params)
+    anchors = {"fc": (torch.zeros(d_out, d_in, dtype=torch.float64),
+                      torch.zeros(d_out, dtype=torch.float64))}  # fmt: skip
+    return stats.solve(0.05, 1e-8, anchors)["fc"]
+
+
+@pytest.mark.parametrize(
+    "d_in, d_out, via_x, weighted",
+    [(48, 40, False, True), (48, 200, True, False), (1600, 24, False, False)],
+    ids=["direct-weighted", "via-x", "wide-symmetric-gram"],
+)
+def test_float32_products_match_float64_accumulators(d_in, d_out, via_x, weighted, monkeypatch):
+    monkeypatch.setattr(statistics, "FLUSH_TOKENS", 1500)  # several flushes per task
+    tokens = 2800 if d_in < 1000 else 1400
+    w64, b64 = _solve("float64", d_in, d_out, via_x, tokens, weighted)
+    w32, b32 = _solve("float32", d_in, d_out, via_x, tokens, weighted)
+    assert w32.dtype == torch.float64  # solved in float64 either way
+    assert not torch.equal(w32, w64)  # the products did run in float32
+    assert _relative(w32, w64) <= TOLERANCE and _relative(b32, b64) <= TOLERANCE
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match="precision"):
+        LinearInputStats(4, {"q": (2, False)}, CPU, precision="float16")
+
+
+@pytest.mark.parametrize("kind", ["clip", "bert"])
+def test_float32_calibration_matches_the_float64_path(tmp_path, kind, record_property):
+    build = {"clip": factories.clip_zoo, "bert": factories.bert_zoo}[kind]
+    zoo = build(tmp_path / "zoo", tasks=("alpha", "beta", "gamma"), dtype=torch.float32)
+    outs = {}
+    for precision in ("float32", "float64"):
+        out = outs[precision] = tmp_path / precision
+        record = calibrate(zoo.base, zoo.merged, zoo.experts, zoo.calib, out, num_per_task=8,
+                           precision=precision, progress=False)  # fmt: skip
+        assert record["hyperparameters"]["precision"] == precision
+    fast = load_file(str(outs["float32"] / "model.safetensors"))
+    exact = load_file(str(outs["float64"] / "model.safetensors"))
+    merged = load_file(str(zoo.merged / "model.safetensors"))
+    calibrated = [k for k in exact if not torch.equal(exact[k], merged[k])]
+    assert calibrated  # the comparison covers calibrated tensors
+    worst = max(_relative(fast[k], exact[k]) for k in calibrated)
+    record_property(
+        "report: worst relative error, float32 vs float64 products", f"{kind}: {worst:.2e}"
+    )
+    print(
+        f"{kind}: worst relative error of the calibrated weights, float32 vs float64: {worst:.2e}"
+    )
+    assert worst <= TOLERANCE
+
+
+def test_float64_models_always_use_float64_products(tmp_path):
+    zoo = factories.clip_zoo(tmp_path / "zoo", tasks=("alpha", "beta"), dtype=torch.float64)
+    out = tmp_path / "out"
+    calibrate(zoo.base, zoo.merged, zoo.experts, zoo.calib, out, num_per_task=4,
+              precision="float32", progress=False)  # fmt: skip
+    record = json.loads((out / "featcal.json").read_text())
+    assert record["hyperparameters"]["precision"] == "float64"
+    with pytest.raises(FeatCalError, match="--precision"):
+        calibrate(zoo.base, zoo.merged, zoo.experts, zoo.calib, tmp_path / "bad",
+                  precision="half", progress=False)  # fmt: skip

@@ -64,6 +64,11 @@ def pytest_configure(config):
     """The xdist controller starts the workers' shared Prefect server without waiting for it:
     the workers start at once and wait in `prefect_api` (a start costs ~15 s of CPU, paid once
     per run instead of once per worker)."""
+    # the persistent digest store (featcal_core/io/digests.py): one per test session, never the
+    # user's ~/.cache (set before any test starts a featcal process, which inherits it)
+    if "FEATCAL_DIGEST_CACHE" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="featcal-digests-")
+        os.environ["FEATCAL_DIGEST_CACHE"] = os.path.join(folder, "digests.sqlite")
     xdist_controller = not hasattr(config, "workerinput") and config.getoption("numprocesses", None)
     if xdist_controller and _selects_server_tests(config) and not os.environ.get(SHARED_API):
         from featcal.flows.prefect_server import start_server

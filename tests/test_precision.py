@@ -63,6 +63,33 @@ def test_float32_products_match_float64_accumulators(d_in, d_out, via_x, weighte
     assert _relative(w32, w64) <= TOLERANCE and _relative(b32, b64) <= TOLERANCE
 
 
+@pytest.mark.parametrize("precision", ["float32", "float64"])
+def test_wide_contributions_are_full_and_fold_anywhere(precision):
+    """A task's Gram leaves `task_contribution` full and symmetric, whatever block layout its
+    accumulator used, so folding it into an accumulator made elsewhere (as `fold` does, from the
+    layout only) solves the same as folding in place."""
+    g = torch.Generator().manual_seed(3)
+    d_in, d_out = 1600, 8
+    params = {"fc": (torch.randn(d_out, d_in, generator=g) / 40, torch.randn(d_out, generator=g))}
+    in_place = LinearInputStats(d_in, {"fc": (d_out, True)}, CPU, precision=precision)
+    elsewhere = LinearInputStats(d_in, {"fc": (d_out, True)}, CPU)  # float64 layout
+    for _ in range(2):
+        x_s = torch.randn(600, d_in, generator=g)
+        x_e = x_s + 0.1 * torch.randn(600, d_in, generator=g)
+        apart = LinearInputStats(d_in, {"fc": (d_out, True)}, CPU, precision=precision)
+        apart.add(x_s, x_e, None, 0.25, params)
+        contribution = apart.task_contribution(1e-8, 0.25, params)
+        torch.testing.assert_close(contribution["gram"], contribution["gram"].T, rtol=0, atol=0)
+        elsewhere.merge({k: v.clone() for k, v in contribution.items()})
+        in_place.add(x_s, x_e, None, 0.25, params)
+        in_place.end_task(1e-8, 0.25, params)
+    anchors = {"fc": (torch.zeros(d_out, d_in, dtype=torch.float64),
+                      torch.zeros(d_out, dtype=torch.float64))}  # fmt: skip
+    a = in_place.solve(0.05, 1e-8, anchors)["fc"]
+    b = elsewhere.solve(0.05, 1e-8, anchors)["fc"]
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
 def test_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="precision"):
         LinearInputStats(4, {"q": (2, False)}, CPU, precision="float16")

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from featcal_core.errors import FeatCalError
-from featcal_core.io import failpoints
+from featcal_core.io import digests, failpoints
 from featcal_core.io.run_lock import LOCK_NAME
 
 #: the marker file of every directory this tool writes
@@ -48,17 +48,25 @@ _DIGESTS: dict[tuple[int, int, int, int, int], str] = {}
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file's bytes (memoised per process while the file is unchanged)."""
+    """Hex sha256 of a file's bytes, remembered while the file is unchanged: in this process and,
+    for files of at least `digests.MIN_BYTES`, across processes (featcal_core/io/digests.py)."""
     with open(path, "rb") as handle:
         st = os.fstat(handle.fileno())
         key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         cached = _DIGESTS.get(key)
         if cached is not None:
             return cached
+        stored = st.st_size >= digests.MIN_BYTES
+        cached = digests.lookup(key) if stored else None
+        if cached is not None:
+            _DIGESTS[key] = cached
+            return cached
         digest = hashlib.sha256()
         while block := handle.read(chunk):
             digest.update(block)
     _DIGESTS[key] = digest.hexdigest()
+    if stored:
+        digests.record(key, _DIGESTS[key])
     return _DIGESTS[key]
 
 

@@ -33,8 +33,10 @@ from featcal_core.method.solvers import (
     solve_linear_weight,
 )
 
-#: Gram matrices at least this wide are accumulated by block rows, upper triangle only
+#: Gram matrices at least twice this wide are accumulated by block rows, upper triangle only
 SYMMETRIC_BLOCK = 768
+#: the same with float32 products (finer blocks: more of the triangle skipped, for d ≥ 768 too)
+SYMMETRIC_BLOCK_FP32 = 384
 #: tokens per float64 work chunk in `LinearInputStats.add` (bounds its scratch buffers to a few
 #: TOKEN_CHUNK × d_in float64 matrices whatever the batch size)
 TOKEN_CHUNK = 512
@@ -53,37 +55,43 @@ def product_dtype(precision: str) -> torch.dtype:
     return PRECISIONS[precision]
 
 
-def add_gram(acc: torch.Tensor, xw: torch.Tensor, x: torch.Tensor) -> None:
-    """acc += xwᵀ x for xw = diag(ω) x, in place. Wide matrices: only the upper triangle by block
-    rows (the rest follows by symmetry: see `gram_norm` and `symmetrize_`)."""
+def add_gram(
+    acc: torch.Tensor, xw: torch.Tensor, x: torch.Tensor, block: int | None = None
+) -> None:
+    """acc += xwᵀ x for xw = diag(ω) x, in place. Matrices at least two blocks wide (`block`,
+    default SYMMETRIC_BLOCK): only the upper triangle by block rows (the rest follows by
+    symmetry: see `gram_norm` and `symmetrize_`, called with the same `block`)."""
+    block = block or SYMMETRIC_BLOCK
     d = x.shape[1]
-    if d < 2 * SYMMETRIC_BLOCK:
+    if d < 2 * block:
         acc.addmm_(xw.T, x)
         return
-    for i in range(0, d, SYMMETRIC_BLOCK):
-        acc[i : i + SYMMETRIC_BLOCK, i:].addmm_(xw[:, i : i + SYMMETRIC_BLOCK].T, x[:, i:])
+    for i in range(0, d, block):
+        acc[i : i + block, i:].addmm_(xw[:, i : i + block].T, x[:, i:])
 
 
-def _blocks(d: int) -> list[tuple[int, int]]:
-    return [(i, min(i + SYMMETRIC_BLOCK, d)) for i in range(0, d, SYMMETRIC_BLOCK)]
+def _blocks(d: int, block: int) -> list[tuple[int, int]]:
+    return [(i, min(i + block, d)) for i in range(0, d, block)]
 
 
-def gram_norm(acc: torch.Tensor) -> float:
+def gram_norm(acc: torch.Tensor, block: int | None = None) -> float:
     """Frobenius norm of the symmetric matrix that `add_gram` holds in `acc` (upper block rows)."""
+    block = block or SYMMETRIC_BLOCK
     d = acc.shape[0]
-    if d < 2 * SYMMETRIC_BLOCK:
+    if d < 2 * block:
         return float(torch.linalg.matrix_norm(acc))
     total = 0.0
-    for i, j in _blocks(d):
+    for i, j in _blocks(d, block):
         total += float(acc[i:j, i:j].pow(2).sum()) + 2.0 * float(acc[i:j, j:].pow(2).sum())
     return total**0.5
 
 
-def symmetrize_(acc: torch.Tensor) -> torch.Tensor:
+def symmetrize_(acc: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """Fill, in place, the lower block triangle that `add_gram` left out; returns `acc`."""
+    block = block or SYMMETRIC_BLOCK
     d = acc.shape[0]
-    if d >= 2 * SYMMETRIC_BLOCK:
-        for i, j in _blocks(d):
+    if d >= 2 * block:
+        for i, j in _blocks(d, block):
             acc[j:, i:j] = acc[i:j, j:].T
     return acc
 
@@ -143,6 +151,8 @@ class LinearInputStats:
         self.d_in = d_in
         self.precision = precision
         self.product = product_dtype(precision)
+        # the Gram's block layout (add_gram, gram_norm, symmetrize_): None is SYMMETRIC_BLOCK
+        self.block = None if self.product == DTYPE else SYMMETRIC_BLOCK_FP32
         self.device = device
         self.modules = dict(modules)
         self.scratch = scratch or Scratch(device)
@@ -271,13 +281,12 @@ class LinearInputStats:
             self._task_expert += x_e.sum(0, dtype=DTYPE)
             self._task_weight += float(tokens)
         else:
-            w64 = w.to(DTYPE)
-            xw = torch.mul(x_s, w.to(dtype)[:, None],
-                           out=self.scratch.take("xw32", tokens, self.d_in, dtype))  # fmt: skip
-            self._task_student += w64 @ x_s.to(DTYPE)
-            self._task_expert += w64 @ x_e.to(DTYPE)
-            self._task_weight += float(w64.sum())
-        add_gram(self._partial["gram"], xw, x_s)
+            w = w.to(dtype)
+            xw = torch.mul(x_s, w[:, None], out=self.scratch.take("xw32", tokens, self.d_in, dtype))
+            self._task_student += xw.sum(0, dtype=DTYPE)
+            self._task_expert += torch.mv(x_e.T, w)  # float32 over ≤ one chunk of tokens
+            self._task_weight += float(w.sum(dtype=DTYPE))
+        add_gram(self._partial["gram"], xw, x_s, self.block)
         self._partial_tokens += tokens
         if self.via_x:
             self._partial["mixed"].addmm_(xw.T, x_e)
@@ -313,7 +322,7 @@ class LinearInputStats:
             raise ValueError("a task contributed no weighted tokens to a Linear input")
         self._flush()
         gram = self._task_gram  # upper block rows only when wide: linear in the sums below
-        norm = gram_norm(gram) / total
+        norm = gram_norm(gram, self.block) / total
         if norm < eps:
             reason = f"‖C_t‖_F = {norm:.3g} < ε = {eps:g}: the task scale s_t was clamped to 1/ε"
             found = ensure_fallbacks(fallbacks)
@@ -321,8 +330,10 @@ class LinearInputStats:
         s_t = 1.0 / max(norm, eps)
         scale = s_t / total
         teacher_mean = (alpha * self._task_expert + (1.0 - alpha) * self._task_student) / total
+        # contributions hold the full symmetric Gram: the block layout never leaves this object
+        symmetrize_(gram, self.block)
         if self.via_x:  # Σ ω x_s x_tᵀ, over the per-task buffer
-            mixed = self._task_mixed.mul_(alpha).add_(symmetrize_(gram), alpha=1.0 - alpha)
+            mixed = self._task_mixed.mul_(alpha).add_(gram, alpha=1.0 - alpha)
         out = {
             "scale": torch.tensor([s_t], dtype=DTYPE),
             "student_mean": self._task_student.mul_(scale),
@@ -331,9 +342,13 @@ class LinearInputStats:
             weight_t, bias_t = expert_params[name]
             if self.via_x:  # X_t W_tᵀ, by blocks of W_t's rows (no float64 copy of all of W_t)
                 cross = torch.empty(self.d_in, target.d_out, dtype=DTYPE, device=self.device)
+                left = mixed if self.product == DTYPE else mixed.to(self.product)
                 for start in range(0, target.d_out, SOLVE_COLUMNS):
-                    rows = weight_t[start : start + SOLVE_COLUMNS].to(DTYPE)
-                    torch.mm(mixed, rows.T, out=cross[:, start : start + SOLVE_COLUMNS])
+                    rows = weight_t[start : start + SOLVE_COLUMNS].to(self.product)
+                    if self.product == DTYPE:
+                        torch.mm(left, rows.T, out=cross[:, start : start + SOLVE_COLUMNS])
+                    else:
+                        cross[:, start : start + SOLVE_COLUMNS] = left @ rows.T
                 out[f"cross:{name}"] = cross.mul_(scale)
             else:
                 out[f"cross:{name}"] = target.task_cross.mul_(scale)
@@ -398,7 +413,7 @@ class LinearInputStats:
             target.task_cross = None
         self._task_gram = self._task_mixed = None
         self._partial = {}
-        system = ridge_system(symmetrize_(self.gram), lam, eps, in_place=True,
+        system = ridge_system(self.gram, lam, eps, in_place=True,
                               fallbacks=fallbacks, modules=tuple(self.targets))  # fmt: skip
         self.gram = None
         out = {}

@@ -1,0 +1,89 @@
+"""File digests that outlive the process: a small SQLite store of sha256 by file identity.
+
+Every pipeline step runs in a new process and checks the weight files it reads against their
+recorded sha256 (reuse only what verifies). At LLM scale that is gigabytes read per step just to
+hash. A file's digest is therefore kept, once computed, under its identity (device, inode, size,
+mtime, ctime, all in ns): any write to the file, a rename over it or a metadata change moves its
+ctime, which no user tool can set back, so a file that changed is always read again; a copy has
+another inode and is read again too.
+
+The store: `$FEATCAL_DIGEST_CACHE` (a file path; `off` disables it), else
+`$XDG_CACHE_HOME/featcal/digests.sqlite` (default `~/.cache/featcal/`). Concurrent processes share
+it through SQLite's own locking; any failure to read or write it only costs a re-hash.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: smaller files are hashed again rather than looked up (records, configs: cheaper to read)
+MIN_BYTES = 1 << 20
+#: a file's identity: (device, inode, size, mtime_ns, ctime_ns)
+Identity = tuple[int, int, int, int, int]
+
+_SCHEMA = """CREATE TABLE IF NOT EXISTS digests (
+    dev INTEGER, ino INTEGER, size INTEGER, mtime_ns INTEGER, ctime_ns INTEGER,
+    sha256 TEXT NOT NULL, PRIMARY KEY (dev, ino))"""
+
+
+def store_path() -> Path | None:
+    """Where the store lives (None: disabled)."""
+    setting = os.environ.get("FEATCAL_DIGEST_CACHE")
+    if setting is not None:
+        return None if setting.strip().lower() in ("", "off", "0", "false") else Path(setting)
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "featcal" / "digests.sqlite"
+
+
+def _connect() -> sqlite3.Connection | None:
+    path = store_path()
+    if path is None:
+        return None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        connection = sqlite3.connect(path, timeout=10.0)
+        connection.execute(_SCHEMA)
+        return connection
+    except (OSError, sqlite3.Error) as exc:
+        log.debug("digest store %s unavailable (%s): hashing without it", path, exc)
+        return None
+
+
+def lookup(identity: Identity) -> str | None:
+    """The recorded sha256 of the file with this identity, if one was recorded."""
+    connection = _connect()
+    if connection is None:
+        return None
+    try:
+        with connection:
+            row = connection.execute(
+                "SELECT size, mtime_ns, ctime_ns, sha256 FROM digests WHERE dev = ? AND ino = ?",
+                identity[:2],
+            ).fetchone()
+    except sqlite3.Error:
+        return None
+    finally:
+        connection.close()
+    if row is None or tuple(row[:3]) != identity[2:]:
+        return None
+    return row[3]
+
+
+def record(identity: Identity, sha256: str) -> None:
+    """Remember `sha256` for the file with this identity (replacing what its inode held)."""
+    connection = _connect()
+    if connection is None:
+        return
+    try:
+        with connection:
+            connection.execute("INSERT OR REPLACE INTO digests VALUES (?, ?, ?, ?, ?, ?)",
+                               (*identity, sha256))  # fmt: skip
+    except sqlite3.Error as exc:
+        log.debug("digest store: not recorded (%s)", exc)
+    finally:
+        connection.close()

@@ -371,3 +371,16 @@ def test_calibrate_flags_and_params_yaml_agree():
     assert compared >= 14  # α, ρ, λ, ε, counts, device, pooling, weighting, heads λ, runner, seed
     args = parser.parse_args(["calibrate"])
     assert (args.alpha, args.rho, args.lam, args.num_per_task) == (0.25, 2.2, 0.05, 256)
+
+
+def test_params_reference_page_is_generated_from_the_schema():
+    """docs/params.md is `python -m featcal_core.params.reference`'s output: a field added, a
+    default or a description changed without regenerating the page fails here."""
+    from featcal_core.params.reference import markdown
+
+    page = ROOT / "docs" / "params.md"
+    assert page.read_text() == markdown(), (
+        "docs/params.md is stale: run .venv/bin/python -m featcal_core.params.reference > "
+        "docs/params.md"
+    )
+    assert "`featcal.precision`" in page.read_text()

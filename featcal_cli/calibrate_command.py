@@ -39,7 +39,8 @@ def add_arguments(cal: argparse.ArgumentParser) -> None:
         default=None,
         help="run as the resumable Prefect flow, persisting each block's result here",
     )
-    setting_flags(cal, FeatCalSettings, ["runner", "dask_address", "dask_workers"], "featcal")
+    setting_flags(cal, FeatCalSettings, ["runner", "dask_address", "dask_workers", "memory_budget"],
+                  "featcal")  # fmt: skip
     cal.add_argument("--no-progress", action="store_true", help="no progress bar")
     cal.add_argument("--params", help="run the pipeline's calibrate step from this params.yaml "
                      "(instead of --base/--merged/--expert/--calib/--out)")  # fmt: skip
@@ -128,7 +129,7 @@ def _flow(args: argparse.Namespace) -> int:
         FeatCalParams(alpha=args.alpha, rho=args.rho, lam=args.lam, eps=args.eps),
         Settings(args.num_per_task, args.batch_size, args.seed, args.device, args.max_length,
                  args.pooling, args.token_weighting, args.precision),
-        args.runner, args.dask_address, args.dask_workers,
+        args.runner, args.dask_address, args.dask_workers, args.memory_budget,
     )  # fmt: skip
     record = calibration_flow(spec, args.out, args.overwrite)
     computed = sum(not block["restored"] for block in record["blocks"])

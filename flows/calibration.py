@@ -46,9 +46,12 @@ def make_spec(
     runner: str = "local",
     dask_address: str | None = None,
     dask_workers: int = 2,
+    memory_budget: float | None = None,
 ) -> dict:
     """A JSON-able description of one calibration (what the tasks receive). The runner settings
-    change only where the per-task statistics run, never the result (not in any cache key)."""
+    change only where the per-task statistics run, and the memory budget (GiB; None: half the
+    available RAM) only whether they are folded in memory or through files: never the result
+    (neither is in any cache key)."""
     check_tasks(experts, calib)
     if runner not in RUNNERS:
         raise FeatCalError(f"runner {runner!r} is not one of {', '.join(RUNNERS)}")
@@ -65,6 +68,7 @@ def make_spec(
         "params": asdict(params),
         "settings": asdict(settings),
         "runner": {"kind": runner, "address": dask_address, "workers": dask_workers},
+        "memory_budget_gib": memory_budget,
     }
 
 

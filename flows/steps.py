@@ -207,7 +207,7 @@ class Steps:
             Settings(featcal.num_per_task, featcal.batch_size, seed, featcal.device,
                      featcal.max_length, featcal.pooling, featcal.token_weighting,
                      featcal.precision),
-            featcal.runner, featcal.dask_address, featcal.dask_workers,
+            featcal.runner, featcal.dask_address, featcal.dask_workers, featcal.memory_budget,
         )  # fmt: skip
 
     def calibrate(self) -> dict:

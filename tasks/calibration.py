@@ -139,6 +139,16 @@ def carry_forward(source: HiddenStreams, target: HiddenStreams) -> None:
                 shutil.copy2(path, kept)
 
 
+def memory_budget_bytes(gib: float | None) -> int:
+    """The statistics' memory budget in bytes: `gib` GiB, or (None) half of the RAM available
+    now."""
+    if gib is not None:
+        return int(gib * 2**30)
+    import psutil
+
+    return int(psutil.virtual_memory().available // 2)
+
+
 def statistics_file(work: str | Path, task_name: str) -> Path:
     """Where `task_statistics_task` leaves one task's statistics of a block."""
     return Path(work) / stream_file_name("statistics", task_name)
@@ -205,15 +215,23 @@ def block_task(
         def precomputed(task_name: str) -> Path:  # folded group by group from the file
             return statistics_file(work, task_name)
 
-    scratch = temp_path(final.parent / "statistics")
-    scratch.mkdir(parents=True)
+    needed = cal.statistics_bytes(index)  # one task's statistics of this block, at most
+    budget = memory_budget_bytes(spec.get("memory_budget_gib"))
+    in_memory = precomputed is None and 2 * needed <= budget  # running sums + one task's
+    scratch = None if in_memory else temp_path(final.parent / "statistics")
     try:
+        if scratch is not None:
+            scratch.mkdir(parents=True)
         result = cal.block(index, streams_of(source), target, masks, precomputed, scratch)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     carry_forward(streams_of(source), target)
     save_tensors(tmp / BLOCK, cal.checkpoint_keys(result))
     save_masks(tmp, masks)
-    commit_state(tmp, final, index, block_summary(result))
+    summary = block_summary(result)
+    summary["statistics"] = {"held": "memory" if in_memory else "files", "task_bytes": needed,
+                             "budget_bytes": budget}  # fmt: skip
+    commit_state(tmp, final, index, summary)
     log_block(result, cal.num_blocks)
     return {"path": str(final), "reused": False}

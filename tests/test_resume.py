@@ -188,3 +188,22 @@ def test_dask_runner_gives_the_local_checkpoint(zoo, tmp_path, prefect_api, refe
     assert not (tmp_path / "results_dask" / "work").exists() or not any(
         (tmp_path / "results_dask" / "work").iterdir()
     )
+
+
+def test_memory_budget_decides_where_statistics_go_not_the_result(zoo, tmp_path, prefect_api,
+                                                                  reference):  # fmt: skip
+    """With room (the reference run: half the available RAM) each block's statistics are folded
+    in memory; with `--memory-budget 0` every task's statistics go through files. Same bytes."""
+    held = {b["statistics"]["held"] for b in _record(reference)["blocks"]}
+    assert held == {"memory"}
+    out = tmp_path / "out"
+    subprocess.run(_command(zoo, out, tmp_path / "results", "--memory-budget", "0"),
+                   env=_env(tmp_path / "home", prefect_api), check=True, capture_output=True,
+                   timeout=600)  # fmt: skip
+    blocks = _record(out)["blocks"]
+    assert {b["statistics"]["held"] for b in blocks} == {"files"}
+    assert all(b["statistics"]["task_bytes"] > 0 and b["statistics"]["budget_bytes"] == 0
+               for b in blocks)  # fmt: skip
+    assert (out / "model.safetensors").read_bytes() == (
+        reference / "model.safetensors"
+    ).read_bytes()

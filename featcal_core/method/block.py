@@ -108,6 +108,20 @@ class BlockRunner:
         state = {name: tensors[name].to(self.device, self.dtype) for name in self.local_names}
         module.load_state_dict(state, strict=True)
 
+    def statistics_bytes(self, index: int) -> int:
+        """An upper bound of one task's statistics of block `index` in bytes: per Linear a Gram
+        (d_in²) and a cross term (d_in · d_out), means and target sums, as if no two Linears
+        shared an input; per norm four (d,) vectors; all float64."""
+        self._use(index)
+        total = 0
+        for name in self.linears:
+            module = self.merged_block.get_submodule(name)
+            d_in, d_out = module.in_features, module.out_features
+            total += d_in * d_in + d_in * d_out + 2 * d_in + d_out
+        for name in self.norms:
+            total += 4 * self.merged_block.get_submodule(name).weight.shape[0]
+        return 8 * total
+
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
         """Add the seconds of the enclosed work to `self.phases[phase]`."""

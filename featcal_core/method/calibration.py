@@ -174,6 +174,10 @@ class Calibration:
             scratch_dir,
         )  # fmt: skip
 
+    def statistics_bytes(self, index: int) -> int:
+        """An upper bound of one task's statistics of block `index` in bytes (float64)."""
+        return self._block_runner().statistics_bytes(index)
+
     def checkpoint_keys(self, result: BlockResult) -> dict[str, torch.Tensor]:
         """The block's calibrated tensors under the merged checkpoint's own key names."""
         prefix = self.models.prefix(self.models.merged)

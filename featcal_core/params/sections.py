@@ -137,6 +137,13 @@ class FeatCalSettings(_Section):
         None, description="scheduler address for runner dask; null: a local Dask cluster"
     )
     dask_workers: StrictInt = Field(2, ge=1, description="workers of the local Dask cluster")
+    memory_budget: FiniteFloat | None = Field(
+        None,
+        ge=0.0,
+        description="GiB the resumable flow may use to hold a block's statistics in memory "
+        "instead of writing every task's statistics to disk and reading them back (same result); "
+        "null: half of the RAM available when the block starts",
+    )
 
     @model_validator(mode="after")
     def _dask_only(self) -> FeatCalSettings:

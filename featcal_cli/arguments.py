@@ -31,6 +31,31 @@ def params_arguments(parser: argparse.ArgumentParser, default: str | None = "par
                         help="override a value of the params file, e.g. featcal.alpha=0.3")  # fmt: skip
 
 
+def refuse_with_params(command: str, args: argparse.Namespace, add_arguments) -> None:
+    """`featcal <command> --params FILE` runs the pipeline step, which reads everything from the
+    params file: any other flag of the command that was given (a value other than its default)
+    would be silently ignored, so it is refused, naming the flags. Without --params, --set (which
+    only overrides the params file) is refused too."""
+    defaults = argparse.ArgumentParser(add_help=False)
+    add_arguments(defaults)
+    given = [
+        "--" + action.dest.replace("_", "-")
+        for action in defaults._actions
+        if action.dest not in ("params", "set", "help")
+        and getattr(args, action.dest, action.default) != action.default
+    ]
+    if args.params is not None and given:
+        raise FeatCalError(
+            f"featcal {command} --params runs the pipeline step from {args.params}, so "
+            f"{', '.join(given)} would have no effect; set those values in the params file or "
+            "with --set KEY=VALUE (e.g. --set featcal.alpha=0.3), or drop --params"
+        )
+    if args.params is None and args.set:
+        raise FeatCalError(
+            f"featcal {command}: --set overrides values of a params file and needs --params FILE"
+        )
+
+
 def task_path(flag: str):
     """An argparse `type` for TASK=DIR values of `flag` (e.g. --expert)."""
 

@@ -11,7 +11,7 @@ import argparse
 import logging
 from pathlib import Path
 
-from featcal_cli.arguments import Command, pairs, setting_flags, task_path
+from featcal_cli.arguments import Command, pairs, refuse_with_params, setting_flags, task_path
 from featcal_cli.step_runner import run_step
 from featcal_core.errors import FeatCalError
 
@@ -49,6 +49,7 @@ def add_arguments(cal: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_with_params("calibrate", args, add_arguments)
     if args.params is not None:
         return run_step("calibrate", args)
     missing = [f"--{n}" for n in ("base", "merged", "out") if getattr(args, n) is None]
@@ -68,13 +69,15 @@ def run(args: argparse.Namespace) -> int:
         return _flow(args)
     if args.runner != "local" or args.dask_address is not None:
         raise FeatCalError("--runner dask / --dask-address need --results-dir (the Prefect flow)")
+    if args.memory_budget is not None:
+        raise FeatCalError(
+            "--memory-budget applies to the resumable flow (--results-dir); without it the "
+            "statistics are folded in memory already (--spill-dir writes the streams to disk)"
+        )
     from featcal_core import FeatCalParams, calibrate
 
     experts, calib = pairs("--expert", args.expert), pairs("--calib", args.calib)
-    if args.heads:  # before the calibration, not after it
-        from featcal_core.method.head_calibration import check_expert_heads
-
-        check_expert_heads(experts, tokenizer_dir=args.base)
+    _check_heads(args, experts)
     record = calibrate(
         base=args.base,
         merged=args.merged,
@@ -98,17 +101,31 @@ def run(args: argparse.Namespace) -> int:
         "calibrated %d blocks in %.1f s, peak RSS %.0f MB -> %s",
         len(record["blocks"]), record["wall_seconds"], record["peak_rss_bytes"] / 1e6, args.out,
     )  # fmt: skip
-    if args.heads:
-        from featcal_core.method.head_calibration import refit_expert_heads
-
-        heads = refit_expert_heads(
-            args.out, experts, calib,
-            Path(args.out) / "heads", num_per_task=args.num_per_task, seed=args.seed,
-            lam=args.head_lam, batch_size=args.batch_size, device=args.device,
-            tokenizer_dir=args.base,
-        )  # fmt: skip
-        logging.getLogger("featcal").info("refit heads: %s", ", ".join(heads.values()))
+    _refit_heads(args, experts, calib)
     return 0
+
+
+def _check_heads(args: argparse.Namespace, experts: dict[str, str]) -> None:
+    """With --heads: every expert has a head that can be refit (before any calibration)."""
+    if args.heads:
+        from featcal_core.method.head_calibration import check_expert_heads
+
+        check_expert_heads(experts, tokenizer_dir=args.base)
+
+
+def _refit_heads(args: argparse.Namespace, experts: dict[str, str], calib: dict[str, str]):
+    """With --heads: refit each expert's head for the calibrated model into OUT/heads/<task>/."""
+    if not args.heads:
+        return
+    from featcal_core.method.head_calibration import refit_expert_heads
+
+    heads = refit_expert_heads(
+        args.out, experts, calib,
+        Path(args.out) / "heads", num_per_task=args.num_per_task, seed=args.seed,
+        lam=args.head_lam, batch_size=args.batch_size, device=args.device,
+        tokenizer_dir=args.base,
+    )  # fmt: skip
+    logging.getLogger("featcal").info("refit heads: %s", ", ".join(heads.values()))
 
 
 def _flow(args: argparse.Namespace) -> int:
@@ -120,11 +137,13 @@ def _flow(args: argparse.Namespace) -> int:
     from featcal_core import FeatCalParams
     from featcal_core.method.settings import Settings
 
+    experts, calib = pairs("--expert", args.expert), pairs("--calib", args.calib)
+    _check_heads(args, experts)
     spec = make_spec(
         args.base,
         args.merged,
-        pairs("--expert", args.expert),
-        pairs("--calib", args.calib),
+        experts,
+        calib,
         args.results_dir,
         FeatCalParams(alpha=args.alpha, rho=args.rho, lam=args.lam, eps=args.eps),
         Settings(args.num_per_task, args.batch_size, args.seed, args.device, args.max_length,
@@ -137,6 +156,7 @@ def _flow(args: argparse.Namespace) -> int:
         "%d blocks computed, %d restored -> %s",
         computed, len(record["blocks"]) - computed, args.out,
     )  # fmt: skip
+    _refit_heads(args, experts, calib)
     return 0
 
 

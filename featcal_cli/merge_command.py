@@ -16,7 +16,7 @@ import logging
 
 import yaml
 
-from featcal_cli.arguments import Command, pairs, task_path
+from featcal_cli.arguments import Command, pairs, refuse_with_params, task_path
 from featcal_cli.step_runner import run_step
 from featcal_core.errors import FeatCalError
 
@@ -70,6 +70,7 @@ def add_arguments(merge: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run `featcal merge` for parsed arguments; FeatCalError propagates to the caller."""
+    refuse_with_params("merge", args, add_arguments)
     if args.params is not None:
         return run_step("merge", args)
     missing = [f"--{n}" for n in ("base", "method", "out") if getattr(args, n) is None]

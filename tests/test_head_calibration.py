@@ -134,7 +134,9 @@ def test_with_linear_checks_shapes(bert):  # noqa: F811
         head.with_linear(torch.zeros(head.num_classes, 8), torch.zeros(2, 2))
 
 
-def test_featcal_calibrate_heads_writes_refit_heads(tmp_path):
+def test_featcal_calibrate_heads_writes_refit_heads(tmp_path, monkeypatch, prefect_api):
+    """--heads refits the heads after the direct calibration and after the resumable flow
+    (--results-dir) alike: the same heads, byte for byte."""
     from test_pipeline import _bert_with_heads, _labelled_texts
 
     from featcal_cli.main import main
@@ -155,6 +157,40 @@ def test_featcal_calibrate_heads_writes_refit_heads(tmp_path):
         original = ExpertHead(path).parts(path, torch.device("cpu"))[1]
         assert head.weight.shape == original.weight.shape
         assert not torch.equal(head.weight, original.weight.detach())
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
+    monkeypatch.setenv("PREFECT_API_URL", prefect_api)
+    flow_out = tmp_path / "flow_out"
+    flow_argv = [flow_out if a == str(tmp_path / "out") else a for a in argv]
+    assert main([*map(str, flow_argv), "--results-dir", str(tmp_path / "results")]) == 0
+    for task in experts:
+        weights = sorted((tmp_path / "out" / "heads" / task).glob("*.safetensors"))
+        assert weights
+        for file in weights:
+            assert (flow_out / "heads" / task / file.name).read_bytes() == file.read_bytes()
+
+
+def test_flags_that_would_be_ignored_are_refused(tmp_path, capsys):
+    """With --params the step reads the params file: other flags are refused, not ignored;
+    --set needs --params; --memory-budget needs --results-dir."""
+    from featcal_cli.main import main
+
+    params = tmp_path / "p.yaml"
+    params.write_text("run: {name: x}\n")
+    cases = [
+        (["calibrate", "--params", str(params), "--alpha", "0.3", "--out", "o"], ["--alpha", "--out", "--set"]),
+        (["merge", "--params", str(params), "--method", "ties"], ["--method"]),
+        (["calibrate", "--base", "b", "--merged", "m", "--out", "o", "--set", "featcal.alpha=1"], ["--set", "needs --params"]),
+        (["calibrate", "--base", "b", "--merged", "m", "--out", "o", "--memory-budget", "1"], ["--memory-budget", "--results-dir"]),
+    ]  # fmt: skip
+    for argv, needles in cases:
+        capsys.readouterr()
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("featcal: error: ") and "\n" not in err, err
+        for needle in needles:
+            assert needle in err, (needle, err)
+    assert not (tmp_path / "o").exists()
 
 
 def test_zero_shot_class_embeddings_are_refit(clip, tmp_path):  # noqa: F811

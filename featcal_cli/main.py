@@ -7,7 +7,9 @@ module; this module only assembles the parser from them and dispatches.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
+import os
 import sys
 
 from featcal_cli import (
@@ -50,7 +52,9 @@ def commands() -> dict[str, Command]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="featcal", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more output, anywhere on the command line: -v every module's log "
+                        "and the libraries' progress bars, -vv debug")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True)
     for command in commands().values():
         command.add_arguments(
@@ -59,14 +63,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def split_verbosity(argv: list[str]) -> tuple[list[str], int]:
+    """argv without its -v / -vv / --verbose flags (accepted anywhere), and their count."""
+    rest, count = [], 0
+    for arg in argv:
+        if arg in ("-v", "--verbose"):
+            count += 1
+        elif arg == "-vv":
+            count += 2
+        else:
+            rest.append(arg)
+    return rest, count
+
+
+#: loggers that still speak at INFO when quiet: the run's steps, blocks and results
+QUIET_INFO = ("featcal", "featcal.tasks", "featcal_core.method.calibration")
+
+
+def configure_logging(verbosity: int) -> None:
+    """Quiet by default: featcal's step, block and result lines at INFO, every other module and
+    library from WARNING, the libraries' progress bars off; -v: everything at INFO with bars;
+    -vv: DEBUG."""
+    level = logging.DEBUG if verbosity > 1 else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level)  # also when something configured the root before
+    logging.getLogger("featcal_core").setLevel(logging.NOTSET)
+    for noisy in ("httpx", "urllib3", "datasets", "transformers", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.DEBUG if verbosity > 1 else logging.WARNING)
+    if verbosity == 0:
+        logging.getLogger("featcal_core").setLevel(logging.WARNING)
+        for name in QUIET_INFO:
+            logging.getLogger(name).setLevel(logging.INFO)
+        _library_bars_off()
+
+
+def _library_bars_off() -> None:
+    """transformers' "Loading weights", datasets' "Saving the dataset" and the Hub's bars: both
+    libraries read these switches when imported (later, in this process or the flow's); one
+    already imported is switched off directly."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    for module, function in (("transformers.utils.logging", "disable_progress_bar"),
+                             ("datasets.utils.logging", "disable_progress_bar")):  # fmt: skip
+        if module.split(".")[0] in sys.modules:
+            getattr(importlib.import_module(module), function)()
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv, verbosity = split_verbosity(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    for noisy in ("httpx", "urllib3", "datasets", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    configure_logging(verbosity)
     tune_allocator()
     try:
         return commands()[args.command].run(args)

@@ -136,3 +136,15 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("reported figures")
         for line in sorted(lines):
             terminalreporter.write_line(line)
+
+
+@pytest.fixture(autouse=True)
+def _restore_logger_levels():
+    """`featcal_cli.main.main` sets logger levels for its process (quiet by default); tests call
+    it in-process, so each test starts from the levels it found."""
+    names = ["", "featcal", "featcal.tasks", "featcal_core", "featcal_core.method.calibration",
+             "httpx", "urllib3", "datasets", "transformers", "huggingface_hub"]  # fmt: skip
+    levels = {name: logging.getLogger(name).level for name in names}
+    yield
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)

@@ -1,0 +1,35 @@
+"""The command line's output: quiet by default (featcal's steps, blocks and results at INFO; other
+modules from WARNING; the libraries' progress bars off), -v / -vv anywhere on the line."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from featcal_cli.main import build_parser, configure_logging, split_verbosity
+
+
+def test_verbose_flags_anywhere_on_the_line():
+    assert split_verbosity(["lineage", "p", "-v"]) == (["lineage", "p"], 1)
+    assert split_verbosity(["-v", "calibrate", "--verbose"]) == (["calibrate"], 2)
+    assert split_verbosity(["report", "-vv"]) == (["report"], 2)
+    args = build_parser().parse_args(split_verbosity(["lineage", "somewhere", "-v"])[0])
+    assert args.command == "lineage" and args.path == "somewhere"
+
+
+def test_quiet_by_default_loud_on_request(monkeypatch):
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", root.level)  # restored after the test
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    monkeypatch.delenv("HF_DATASETS_DISABLE_PROGRESS_BARS", raising=False)
+    configure_logging(0)
+    assert not logging.getLogger("featcal_core.evaluation.accuracy").isEnabledFor(logging.INFO)
+    assert logging.getLogger("featcal_core.method.calibration").isEnabledFor(logging.INFO)
+    assert logging.getLogger("featcal.tasks.evaluate").isEnabledFor(logging.INFO)
+    assert not logging.getLogger("transformers").isEnabledFor(logging.INFO)
+    assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
+    assert os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1"
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS")
+    configure_logging(1)
+    assert logging.getLogger("featcal_core.evaluation.accuracy").isEnabledFor(logging.INFO)
+    assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ

@@ -3,6 +3,10 @@ real (tiny) BERT classification expert."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from test_evaluation import (  # noqa: F401  (module fixtures: tiny BERT expert, tiny CLIP)
@@ -134,7 +138,7 @@ def test_with_linear_checks_shapes(bert):  # noqa: F811
         head.with_linear(torch.zeros(head.num_classes, 8), torch.zeros(2, 2))
 
 
-def test_featcal_calibrate_heads_writes_refit_heads(tmp_path, monkeypatch, prefect_api):
+def test_featcal_calibrate_heads_writes_refit_heads(tmp_path, prefect_api):
     """--heads refits the heads after the direct calibration and after the resumable flow
     (--results-dir) alike: the same heads, byte for byte."""
     from test_pipeline import _bert_with_heads, _labelled_texts
@@ -158,11 +162,14 @@ def test_featcal_calibrate_heads_writes_refit_heads(tmp_path, monkeypatch, prefe
         assert head.weight.shape == original.weight.shape
         assert not torch.equal(head.weight, original.weight.detach())
 
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect"))
-    monkeypatch.setenv("PREFECT_API_URL", prefect_api)
+    # the resumable flow in its own process (as the CLI runs it), on the tests' Prefect server
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": prefect_api}
     flow_out = tmp_path / "flow_out"
-    flow_argv = [flow_out if a == str(tmp_path / "out") else a for a in argv]
-    assert main([*map(str, flow_argv), "--results-dir", str(tmp_path / "results")]) == 0
+    flow_argv = [str(flow_out) if a == str(tmp_path / "out") else a for a in argv]
+    cmd = [sys.executable, "-m", "featcal_cli.main", *flow_argv, "--results-dir",
+           str(tmp_path / "results")]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     for task in experts:
         weights = sorted((tmp_path / "out" / "heads" / task).glob("*.safetensors"))
         assert weights

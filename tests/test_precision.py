@@ -1,6 +1,6 @@
 """The float32 product path (`precision="float32"`, the default for float32/bf16 models) against
 the float64 path: the accumulators on random tokens (direct and via-X cross terms, the wide
-symmetric Gram, token weights, several flushes), and whole calibrations of tiny CLIP and BERT
+symmetric Gram, token weights, several chunks per batch), and whole calibrations of tiny CLIP and BERT
 pools. The worst relative error of the calibrated weights is reported in the test summary
 (`tests/conftest.py` prints each test's `report:` properties)."""
 
@@ -54,7 +54,7 @@ def _solve(precision: str, d_in: int, d_out: int, via_x: bool, tokens: int, weig
     ids=["direct-weighted", "via-x", "wide-symmetric-gram"],
 )
 def test_float32_products_match_float64_accumulators(d_in, d_out, via_x, weighted, monkeypatch):
-    monkeypatch.setattr(statistics, "FLUSH_TOKENS", 1500)  # several flushes per task
+    monkeypatch.setattr(statistics, "TOKEN_CHUNK_FP32", 256)  # several chunks per batch
     tokens = 2800 if d_in < 1000 else 1400
     w64, b64 = _solve("float64", d_in, d_out, via_x, tokens, weighted)
     w32, b32 = _solve("float32", d_in, d_out, via_x, tokens, weighted)

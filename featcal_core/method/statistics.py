@@ -10,10 +10,11 @@ contribution folded here (same sums, bit for bit, as folding in place in the sam
 Shapes: x_s, x_e are (N, d_in) token vectors (student / expert inputs); w is (N,) token weights.
 
 Precision: the sums are float64 whatever runs the products. With `precision="float32"` the
-token products (Gram, mixed and cross terms) run in float32 into float32 partial sums that are
-added to the float64 sums every `FLUSH_TOKENS` tokens (and when a task closes), so no float32 sum
-covers more than a few thousand tokens; token means, the per-task scaling, the cross terms' final
-products with W_t and every solve stay float64. `precision="float64"` runs everything in float64
+token products (Gram, mixed and cross terms) run in float32, one chunk of at most
+`TOKEN_CHUNK_FP32` tokens and `SYMMETRIC_BLOCK_FP32` rows at a time, each added to the float64 sums
+at once (so no float32 sum covers more than one chunk, and the float32 work memory is one such
+row block, not a second copy of the sums); token sums, the per-task scaling and every solve stay
+float64. `precision="float64"` runs everything in float64
 (the audit path; it is the code the float64 reference tests were written against).
 """
 
@@ -42,8 +43,6 @@ SYMMETRIC_BLOCK_FP32 = 384
 TOKEN_CHUNK = 512
 #: tokens per work chunk when the products run in float32 (longer GEMMs, same scratch bytes)
 TOKEN_CHUNK_FP32 = 1024
-#: float32 partial sums are added to the float64 sums after at most this many tokens
-FLUSH_TOKENS = 4096
 #: the dtype of the token products for each `precision` setting
 PRECISIONS: dict[str, torch.dtype] = {"float64": torch.float64, "float32": torch.float32}
 
@@ -170,9 +169,6 @@ class LinearInputStats:
         self._task_mixed: torch.Tensor | None = None  # via X_t: Σ ω x_s x_eᵀ
         self._task_student: torch.Tensor | None = None  # Σ ω x_s
         self._task_expert: torch.Tensor | None = None  # Σ ω x_e
-        # float32 products: partial sums of the three product terms, flushed into the above
-        self._partial: dict[str, torch.Tensor] = {}
-        self._partial_tokens = 0
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=DTYPE, device=self.device)
@@ -192,28 +188,7 @@ class LinearInputStats:
         for buffer in buffers:
             if buffer is not None:
                 buffer.zero_()
-        if self.product != DTYPE and not self._partial:
-            self._partial = {"gram": torch.zeros_like(self._task_gram, dtype=self.product)}
-            if self.via_x:
-                self._partial["mixed"] = torch.zeros_like(self._task_mixed, dtype=self.product)
-            for name, target in self.targets.items():
-                if target.task_cross is not None:
-                    self._partial[f"cross:{name}"] = torch.zeros_like(
-                        target.task_cross, dtype=self.product
-                    )
-        self._partial_tokens = 0
         self._task_open = True
-
-    def _flush(self) -> None:
-        """Add the float32 partial sums to the float64 task sums and zero them."""
-        if not self._partial or self._partial_tokens == 0:
-            return
-        sums = {"gram": self._task_gram, "mixed": self._task_mixed}
-        sums.update({f"cross:{n}": t.task_cross for n, t in self.targets.items()})
-        for key, partial in self._partial.items():
-            sums[key].add_(partial)
-            partial.zero_()
-        self._partial_tokens = 0
 
     def add(
         self,
@@ -267,11 +242,9 @@ class LinearInputStats:
                 target.task_cross[:, start : start + rows.shape[0]].addmm_(xw.T, y)
 
     def _add_reduced(self, x_s, x_e, w, alpha, expert_params) -> None:
-        """`add` with the products in `self.product` (float32) into the partial sums; token sums
-        accumulate in float64."""
+        """`add` with the token products in `self.product` (float32), added row block by row
+        block to the float64 sums; token sums accumulate in float64."""
         tokens = x_s.shape[0]
-        if self._partial_tokens and self._partial_tokens + tokens > FLUSH_TOKENS:
-            self._flush()
         dtype = self.product
         x_s = self.scratch.take("x_s32", tokens, self.d_in, dtype).copy_(x_s)
         x_e = self.scratch.take("x_e32", tokens, self.d_in, dtype).copy_(x_e)
@@ -286,21 +259,32 @@ class LinearInputStats:
             self._task_student += xw.sum(0, dtype=DTYPE)
             self._task_expert += torch.mv(x_e.T, w)  # float32 over ≤ one chunk of tokens
             self._task_weight += float(w.sum(dtype=DTYPE))
-        add_gram(self._partial["gram"], xw, x_s, self.block)
-        self._partial_tokens += tokens
+        self._add_product(self._task_gram, xw, x_s, symmetric=self.d_in >= 2 * self.block)
         if self.via_x:
-            self._partial["mixed"].addmm_(xw.T, x_e)
+            self._add_product(self._task_mixed, xw, x_e)
             return
         x_t = torch.lerp(x_s, x_e, alpha, out=x_e)
         for name, target in self.targets.items():
             weight_t = expert_params[name][0]
-            partial = self._partial[f"cross:{name}"]
             for start in range(0, target.d_out, SOLVE_COLUMNS):
                 rows = weight_t[start : start + SOLVE_COLUMNS].to(dtype)
                 y = torch.matmul(
                     x_t, rows.T, out=self.scratch.take("y32", tokens, rows.shape[0], dtype)
                 )
-                partial[:, start : start + rows.shape[0]].addmm_(xw.T, y)
+                self._add_product(target.task_cross[:, start : start + rows.shape[0]], xw, y)
+
+    def _add_product(self, acc, left, right, symmetric: bool = False) -> None:
+        """acc (float64, r × c) += leftᵀ right for left (N, r), right (N, c) in float32, by
+        blocks of `self.block` rows; symmetric: only the upper block triangle (add_gram's
+        layout)."""
+        block = self.block
+        for i in range(0, acc.shape[0], block):
+            start = i if symmetric else 0
+            part = left[:, i : i + block]
+            product = self.scratch.take("product32", part.shape[1], right.shape[1] - start,
+                                        self.product)  # fmt: skip
+            torch.mm(part.T, right[:, start:], out=product)
+            acc[i : i + block, start:].add_(product)
 
     def task_contribution(
         self,
@@ -320,7 +304,6 @@ class LinearInputStats:
         total = self._task_weight
         if total <= 0 or not self._task_open:
             raise ValueError("a task contributed no weighted tokens to a Linear input")
-        self._flush()
         gram = self._task_gram  # upper block rows only when wide: linear in the sums below
         norm = gram_norm(gram, self.block) / total
         if norm < eps:
@@ -412,7 +395,6 @@ class LinearInputStats:
         for target in self.targets.values():
             target.task_cross = None
         self._task_gram = self._task_mixed = None
-        self._partial = {}
         system = ridge_system(self.gram, lam, eps, in_place=True,
                               fallbacks=fallbacks, modules=tuple(self.targets))  # fmt: skip
         self.gram = None

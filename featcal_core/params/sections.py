@@ -122,9 +122,9 @@ class FeatCalSettings(_Section):
     )
     precision: Literal["float32", "float64"] = _setting_field(
         "precision",
-        "dtype of the token products feeding the statistics (float32: faster, partial sums "
-        "flushed into float64 every few thousand tokens; float64: the audit path); sums and "
-        "solves are float64 either way",
+        "dtype of the token products feeding the statistics (float32: faster, each chunk's "
+        "product added to the float64 sums; float64: the audit path); sums and solves are "
+        "float64 either way",
     )
     heads: StrictBool = Field(
         False,

@@ -51,7 +51,8 @@ def add_arguments(cal: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     refuse_with_params("calibrate", args, add_arguments)
     if args.params is not None:
-        return run_step("calibrate", args)
+        run_step("calibrate", args)
+        return 0
     missing = [f"--{n}" for n in ("base", "merged", "out") if getattr(args, n) is None]
     if missing:
         raise FeatCalError(f"featcal calibrate needs {', '.join(missing)} (or --params FILE)")

@@ -31,19 +31,11 @@ def run(args: argparse.Namespace) -> int:
 
     params = load_params(args.params, args.set)  # validated before any heavy work
     from featcal.flows.pipeline import run_pipeline
-    from featcal.flows.summary import accuracy_table
+    from featcal.flows.summary import run_summary
 
     started = time.perf_counter()
     summary = run_pipeline(params)
-    print()
-    print(accuracy_table(summary.get("evaluation") or {}))
-    print()
-    if summary.get("report"):
-        print(f"report:      {summary['report']}")
-    if summary.get("mlflow_run_id"):
-        print(f"MLflow run:  {summary['mlflow_run_id']} ({summary.get('mlflow_uri')}; "
-              "browse with `mlflow ui --backend-store-uri <uri>`)")  # fmt: skip
-    print(f"results:     {summary['paths']['root']}")
+    print(run_summary(summary))
     print(f"wall time:   {time.perf_counter() - started:.0f} s")
     return 0
 

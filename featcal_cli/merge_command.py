@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     """Run `featcal merge` for parsed arguments; FeatCalError propagates to the caller."""
     refuse_with_params("merge", args, add_arguments)
     if args.params is not None:
-        return run_step("merge", args)
+        run_step("merge", args)
+        return 0
     missing = [f"--{n}" for n in ("base", "method", "out") if getattr(args, n) is None]
     if missing:
         raise FeatCalError(f"featcal merge needs {', '.join(missing)} (or --params FILE)")

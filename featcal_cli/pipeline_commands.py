@@ -11,14 +11,38 @@ from featcal_cli.arguments import Command, params_arguments
 from featcal_cli.step_runner import run_step
 
 
+def _json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true",
+                        help="print the full result as JSON instead of the table")  # fmt: skip
+
+
+def _run_arguments(parser: argparse.ArgumentParser) -> None:
+    params_arguments(parser)
+    _json_argument(parser)
+
+
 def _run(args: argparse.Namespace) -> int:
     from featcal_core.params import load_params
 
     params = load_params(args.params, args.set)  # validated before any heavy work
     from featcal.flows.pipeline import run_pipeline
+    from featcal.flows.summary import run_summary
 
     summary = run_pipeline(params)
-    print(json.dumps(summary, indent=2))
+    print(json.dumps(summary, indent=2) if args.json else run_summary(summary))
+    return 0
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    result = run_step("evaluate", args)
+    from featcal.flows.summary import accuracy_table
+    from featcal_core.provenance.records import EVALUATION
+
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"\n{accuracy_table(result)}\n\nfull record: {EVALUATION} in the results folder "
+              "(run.results_dir); --json prints it")  # fmt: skip
     return 0
 
 
@@ -36,20 +60,26 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _step(name: str, step: str, text: str) -> Command:
-    return Command(name, f"pipeline step: {text}", params_arguments,
-                   lambda args: run_step(step, args))  # fmt: skip
+    def run(args: argparse.Namespace) -> int:
+        run_step(step, args)
+        return 0
+
+    return Command(name, f"pipeline step: {text}", params_arguments, run)
 
 
 COMMANDS = (
-    Command(
-        "run", "run the whole pipeline (Prefect flow) from params.yaml", params_arguments, _run
-    ),
+    Command("run", "run the whole pipeline (Prefect flow) from params.yaml", _run_arguments, _run),
     Command(
         "serve", "run the pipeline on a schedule (Prefect deployment)", _serve_arguments, _serve
     ),
     _step("download", "download", "resolve the models of params.yaml and write the lock file"),
     _step("calib-set", "calibration_sets", "draw the calibration sets of params.yaml"),
     _step("heads", "heads", "head calibration (refit each task's head; featcal.heads)"),
-    _step("evaluate", "evaluate", "evaluate base, experts, merged and calibrated models"),
+    Command(
+        "evaluate",
+        "pipeline step: evaluate base, experts, merged and calibrated models",
+        _run_arguments,
+        _evaluate,
+    ),  # fmt: skip
     _step("report", "report", "write reports/<run>/report.md and report.html with plots"),
 )

@@ -4,13 +4,12 @@ params.yaml, inside the pipeline's session: checked outputs and the run lock."""
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 
 
-def run_step(step: str, args: argparse.Namespace) -> int:
-    """Run `featcal.flows.steps.Steps.<step>` for `args.params` / `args.set`; params are validated
-    before any heavy work. `featcal evaluate` prints its results as JSON."""
+def run_step(step: str, args: argparse.Namespace):
+    """Run `featcal.flows.steps.Steps.<step>` for `args.params` / `args.set` and return its result;
+    params are validated before any heavy work."""
     from featcal.flows.steps import Steps
     from featcal_core.params import load_params
 
@@ -24,6 +23,4 @@ def run_step(step: str, args: argparse.Namespace) -> int:
             steps.check_heads()
         result = getattr(steps, step)()
     logging.getLogger("featcal").info("%s: done (%s)", step, steps.paths["root"])
-    if step == "evaluate":
-        print(json.dumps(result, indent=2))
-    return 0
+    return result

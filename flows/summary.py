@@ -1,4 +1,5 @@
-"""The per-task accuracy table printed at the end of `featcal demo` (plain text, monospace)."""
+"""What a pipeline run prints at its end (`featcal demo`, `featcal run`, `featcal evaluate`): the
+per-task accuracy table (plain text, monospace) and where the full record is."""
 
 from __future__ import annotations
 
@@ -59,3 +60,16 @@ def _cells(label, acc, present, normalized) -> list[str]:
         gap = gap_closed(merged, acc[key], expert)
         cells.append("—" if gap is None else f"{gap:.0f} %")
     return cells
+
+
+def run_summary(summary: Mapping[str, Any]) -> str:
+    """The accuracy table of a `run_pipeline` summary, then where the report, the MLflow run and
+    the results are (the full record: `featcal run --json`)."""
+    lines = ["", accuracy_table(summary.get("evaluation") or {}), ""]
+    if summary.get("report"):
+        lines.append(f"report:      {summary['report']}")
+    if summary.get("mlflow_run_id"):
+        lines.append(f"MLflow run:  {summary['mlflow_run_id']} ({summary.get('mlflow_uri')}; "
+                     "browse with `mlflow ui --backend-store-uri <uri>`)")  # fmt: skip
+    lines.append(f"results:     {summary['paths']['root']}")
+    return "\n".join(lines)

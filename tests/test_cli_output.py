@@ -33,3 +33,19 @@ def test_quiet_by_default_loud_on_request(monkeypatch):
     configure_logging(1)
     assert logging.getLogger("featcal_core.evaluation.accuracy").isEnabledFor(logging.INFO)
     assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ
+
+
+def test_run_ends_with_a_table_and_where_the_record_is():
+    from featcal.flows.summary import run_summary
+
+    row = {"expert": {"accuracy": 0.9}, "merged": {"accuracy": 0.5},
+           "calibrated": {"accuracy": 0.7}}  # fmt: skip
+    text = run_summary({
+        "evaluation": {"mnist": row}, "report": "reports/x/report.html",
+        "mlflow_run_id": "abc", "mlflow_uri": "sqlite:///m.db", "paths": {"root": "data/results"},
+    })  # fmt: skip
+    lines = text.splitlines()
+    assert any(line.startswith("mnist") and "90.0" in line and "70.0" in line for line in lines)
+    assert "report:      reports/x/report.html" in lines and "results:     data/results" in lines
+    assert build_parser().parse_args(["run", "--json"]).json
+    assert build_parser().parse_args(["evaluate", "--json"]).json

@@ -119,7 +119,7 @@ def test_installed_featcal_runs_from_a_user_folder(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PREFECT_", "MLFLOW_", "FEATCAL_"))}  # fmt: skip
     env["PATH"] = f"{featcal.parent}{os.pathsep}{env.get('PATH', '')}"
-    proc = subprocess.run(["featcal", "run", "--params", "my.yaml"], env=env, cwd=user,
+    proc = subprocess.run(["featcal", "run", "--params", "my.yaml", "--json"], env=env, cwd=user,
                           capture_output=True, text=True, timeout=900)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout[proc.stdout.index("{") :])

@@ -67,7 +67,7 @@ def test_featcal_run_end_to_end(tmp_path, prefect_api):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": uri,
            "PREFECT_API_URL": prefect_api}  # fmt: skip
     cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path),
-           "--set", "featcal.alpha=0.3"]  # fmt: skip
+           "--set", "featcal.alpha=0.3", "--json"]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout[proc.stdout.index("{") :])

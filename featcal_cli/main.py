@@ -112,7 +112,7 @@ def _library_bars_off() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv, verbosity = split_verbosity(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
-    configure_logging(verbosity)
+    configure_logging(verbosity + args.verbose)  # e.g. -vvv before the command
     tune_allocator()
     try:
         return commands()[args.command].run(args)

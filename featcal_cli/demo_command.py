@@ -29,12 +29,12 @@ def run(args: argparse.Namespace) -> int:
         return _synthetic(args)
     from featcal_core.params import load_params
 
-    params = load_params(args.params, args.set)  # validated before any heavy work
+    load_params(args.params, args.set)  # validated before any heavy work (and the flow's import)
     from featcal.flows.pipeline import run_pipeline
     from featcal.flows.summary import run_summary
 
     started = time.perf_counter()
-    summary = run_pipeline(params)
+    summary = run_pipeline(args.params, args.set)
     print(run_summary(summary))
     print(f"wall time:   {time.perf_counter() - started:.0f} s")
     return 0

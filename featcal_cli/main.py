@@ -14,11 +14,14 @@ import sys
 
 from featcal_cli import (
     calibrate_command,
+    compare_command,
     demo_command,
     lineage_command,
     merge_command,
     open_clip_command,
     pipeline_commands,
+    regmean_command,
+    surgery_command,
     zoo_command,
 )
 from featcal_cli.arguments import Command
@@ -33,6 +36,9 @@ MODULES = (
     pipeline_commands,
     merge_command,
     calibrate_command,
+    compare_command,
+    regmean_command,
+    surgery_command,
     lineage_command,
     open_clip_command,
     zoo_command,

@@ -24,11 +24,11 @@ def _run_arguments(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     from featcal_core.params import load_params
 
-    params = load_params(args.params, args.set)  # validated before any heavy work
+    load_params(args.params, args.set)  # validated before any heavy work (and the flow's import)
     from featcal.flows.pipeline import run_pipeline
     from featcal.flows.summary import run_summary
 
-    summary = run_pipeline(params)
+    summary = run_pipeline(args.params, args.set)
     print(json.dumps(summary, indent=2) if args.json else run_summary(summary))
     return 0
 
@@ -50,12 +50,27 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     params_arguments(parser)
     parser.add_argument("--cron", help='cron schedule, e.g. "0 3 * * *"')
     parser.add_argument("--interval", type=float, help="schedule every N seconds")
+    parser.add_argument("--ui", action="store_true",
+                        help="the local Prefect server also serves its web UI (URL printed)")  # fmt: skip
 
 
 def _serve(args: argparse.Namespace) -> int:
     from featcal.flows.serve import serve
 
-    serve(args.params, args.set, cron=args.cron, interval_s=args.interval)
+    serve(args.params, args.set, cron=args.cron, interval_s=args.interval, ui=args.ui)
+    return 0
+
+
+def _code_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="data/code",
+                        help="folder for <stage>.sha256 (default: data/code)")  # fmt: skip
+
+
+def _code_digests(args: argparse.Namespace) -> int:
+    from featcal.flows.code_digests import write_code_digests
+
+    for stage, digest in write_code_digests(args.out).items():
+        print(f"{stage:10s} {digest}")
     return 0
 
 
@@ -82,4 +97,10 @@ COMMANDS = (
         _evaluate,
     ),  # fmt: skip
     _step("report", "report", "write reports/<run>/report.md and report.html with plots"),
+    Command(
+        "code-digests",
+        "write one sha256 per DVC stage of the code it runs (dvc.yaml's code dependencies)",
+        _code_arguments,
+        _code_digests,
+    ),
 )

@@ -23,6 +23,19 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def reset_peak_rss() -> bool:
+    """Restart this process's peak-RSS count from the current resident set (Linux: writes 5 to
+    /proc/self/clear_refs, which resets VmHWM), so `peak_rss_bytes` afterwards is the peak of
+    what runs next. Returns False where that is not possible (the peak then stays the process's
+    high-water mark)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as file:
+            file.write("5")
+    except OSError:
+        return False
+    return True
+
+
 _M_MMAP_THRESHOLD = -3
 
 

@@ -2,6 +2,9 @@
 
 Without PREFECT_API_URL each process starts Prefect's temporary local server backed by SQLite in
 PREFECT_HOME (here: `.prefect/` in the project, git-ignored). Values already set are kept.
+featcal's own loggers (`featcal`, `featcal_core`) also send their records to the Prefect API while
+a flow or task run is active, so the steps' and blocks' lines show in the Prefect UI beside the
+run (at the level the CLI set: INFO for the step and block lines by default, everything with -v).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ DEFAULTS = {
     "PREFECT_LOGGING_LEVEL": "WARNING",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "DO_NOT_TRACK": "1",
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "featcal,featcal_core",
+    "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
 }
 
 

@@ -139,7 +139,11 @@ def wait_healthy(api_url: str, timeout_s: float, server: subprocess.Popen | None
 
 
 def start_server(
-    *, port: int | None = None, home: str | Path | None = None, auth: str | None = None
+    *,
+    port: int | None = None,
+    home: str | Path | None = None,
+    auth: str | None = None,
+    ui: bool = False,
 ) -> tuple[subprocess.Popen, str]:
     """Start `prefect server start` on 127.0.0.1 and return at once (not waiting for it to
     answer: see `wait_healthy`) with the process and its API URL; stop it with `stop_server`.
@@ -147,10 +151,10 @@ def start_server(
     port: None picks a free one. home: the server's PREFECT_HOME (its SQLite database); None keeps
     this process's. auth: a basic-auth string `user:password` (`api_auth_string`) that every API
     request must carry, passed in the server's environment (never its command line); None leaves
-    the API open. On Linux the server gets SIGTERM when the calling thread's process dies."""
+    the API open. ui: also serve Prefect's web UI (at the API URL without `/api`). On Linux the server gets SIGTERM when the calling thread's process dies."""
     port = _free_port() if port is None else port
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-               "--port", str(port), "--no-ui", "--analytics-off"]  # fmt: skip
+               "--port", str(port), "--ui" if ui else "--no-ui", "--analytics-off"]  # fmt: skip
     env = dict(os.environ)
     if home is not None:
         env["PREFECT_HOME"] = str(home)
@@ -179,9 +183,10 @@ def local_server(
     port: int | None = None,
     home: str | Path | None = None,
     auth: str | None = None,
+    ui: bool = False,
 ) -> Iterator[str]:
     """A supervised `start_server`; yields its API URL once it answers, stops it on exit."""
-    server, api_url = start_server(port=port, home=home, auth=auth)
+    server, api_url = start_server(port=port, home=home, auth=auth, ui=ui)
     try:
         wait_healthy(api_url, timeout_s, server)
         log.info("local Prefect server at %s (pid %d, %s)", api_url, server.pid,

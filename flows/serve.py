@@ -8,8 +8,8 @@ any). The local server requires HTTP basic auth: its token is generated once and
 PREFECT_HOME (`flows.prefect_server.api_auth_string`, a user-only file); the server gets it as
 PREFECT_SERVER_API_AUTH_STRING, this process and its flow runs as PREFECT_API_AUTH_STRING, so other
 local users cannot start runs with their own params. Each scheduled run executes
-`featcal_scheduled_run`, the same pipeline as `featcal run`, with the params file and overrides
-given here.
+`featcal.flows.pipeline.featcal_run`, the flow of `featcal run`, with the params file and
+overrides given here. `ui=True` starts the local server with Prefect's web UI and logs its URL.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import os
 from pathlib import Path
 
 from featcal.flows.environment import configure
-from featcal.flows.prefect_server import api_auth_string, local_server
+from featcal.flows.prefect_server import AUTH_USER, TOKEN_FILE, api_auth_string, local_server
 from featcal_core.errors import FeatCalError
 
 configure()  # before prefect is imported
-from prefect import flow  # noqa: E402
 from prefect.settings import (  # noqa: E402
     PREFECT_API_AUTH_STRING,
     PREFECT_API_URL,
@@ -35,22 +34,16 @@ log = logging.getLogger(__name__)
 DEPLOYMENT = "featcal-scheduled"
 
 
-@flow(name="featcal-scheduled-run")
-def featcal_scheduled_run(params_path: str, overrides: list[str]) -> dict:
-    """One scheduled pipeline run (the deployment's flow; `featcal run` runs as its subflow)."""
-    from featcal.flows.pipeline import run_from_file
-
-    return run_from_file(params_path, overrides)
-
-
 def serve(
     params_path: str,
     overrides: list[str],
     *,
     cron: str | None = None,
     interval_s: float | None = None,
+    ui: bool = False,
 ) -> None:
-    """Serve the pipeline with a cron or interval schedule until interrupted."""
+    """Serve the pipeline with a cron or interval schedule until interrupted; `ui`: the local
+    server (when PREFECT_API_URL is unset) also serves Prefect's web UI."""
     if (cron is None) == (interval_s is None):
         raise FeatCalError("featcal serve needs exactly one of --cron EXPR or --interval SECONDS")
     from featcal_core.params import load_params
@@ -60,7 +53,11 @@ def serve(
         _serve(params_path, overrides, cron, interval_s)
         return
     auth = api_auth_string(os.environ["PREFECT_HOME"])  # set by configure()
-    with local_server(auth=auth) as api_url:
+    with local_server(auth=auth, ui=ui) as api_url:
+        if ui:
+            log.info("Prefect UI: %s (log in with `%s:` followed by the token in %s)",
+                     api_url.removesuffix("/api"), AUTH_USER,
+                     Path(os.environ["PREFECT_HOME"]) / TOKEN_FILE)  # fmt: skip
         # the environment for the flow-run processes; the settings for this process, whose
         # Prefect settings were read at import
         os.environ.update(PREFECT_API_URL=api_url, PREFECT_API_AUTH_STRING=auth)
@@ -71,7 +68,9 @@ def serve(
 def _serve(params_path, overrides, cron, interval_s) -> None:
     parameters = {"params_path": str(Path(params_path).resolve()), "overrides": list(overrides)}
     log.info("serving %s (%s) with %s", DEPLOYMENT, cron or f"every {interval_s} s", parameters)
-    featcal_scheduled_run.serve(
+    from featcal.flows.pipeline import featcal_run
+
+    featcal_run.serve(
         name=DEPLOYMENT,
         cron=cron,
         interval=interval_s,

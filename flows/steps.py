@@ -193,40 +193,61 @@ class Steps:
             if spec.class_names is None and spec.templates is None:  # else: zero-shot
                 ExpertHead(experts[task], tokenizer_dir=base).require_head()
 
+    def calibration_settings(self):
+        """featcal: as `featcal_core.method.settings.Settings` (what the repairs share)."""
+        from featcal_core.method.settings import Settings
+
+        featcal, seed = self.params.featcal, self.params.run.seed
+        return Settings(featcal.num_per_task, featcal.batch_size, seed, featcal.device,
+                        featcal.max_length, featcal.pooling, featcal.token_weighting,
+                        featcal.precision)  # fmt: skip
+
     def calibration_spec(self) -> dict:
         from featcal.flows.calibration import make_spec
         from featcal_core.method.hyperparameters import FeatCalParams
-        from featcal_core.method.settings import Settings
 
         base, experts = self.models()
-        featcal, seed = self.params.featcal, self.params.run.seed
+        featcal = self.params.featcal
         return make_spec(
             base, self.paths["merged"], experts, self.calibration_set_dirs(),
             self.paths["calibration"],
             FeatCalParams(featcal.alpha, featcal.rho, featcal.lam, featcal.eps),
-            Settings(featcal.num_per_task, featcal.batch_size, seed, featcal.device,
-                     featcal.max_length, featcal.pooling, featcal.token_weighting,
-                     featcal.precision),
+            self.calibration_settings(),
             featcal.runner, featcal.dask_address, featcal.dask_workers, featcal.memory_budget,
         )  # fmt: skip
 
     def calibrate(self) -> dict:
+        """The repair of the merged model (`repair.method`) into `calibrated/`: FeatCal, resumable
+        block by block, with its model card; or RegMean (`regmean`), whose record it returns."""
+        if self.params.repair_method == "regmean":
+            return self.regmean()
         from featcal.flows.calibration import calibration_flow, calibration_flow_fn
         from featcal_core.provenance.lineage import trace
         from featcal_core.provenance.model_card import model_card_fields, write_model_card
 
         run = calibration_flow_fn if self.in_flow else calibration_flow
         record = run(self.calibration_spec(), str(self.paths["calibrated"]), overwrite=True)
-        # the model card (README.md) next to the weights: recipe, inputs with hashes, provenance
-        write_model_card(
-            self.paths["calibrated"], **model_card_fields(trace(self.paths["calibrated"]))
-        )
+        # the model card (README.md) next to the weights: recipe, inputs with hashes, provenance;
+        # no results or refit heads yet (any found here are an earlier run's): `evaluate` adds them
+        fields = model_card_fields(trace(self.paths["calibrated"]))
+        write_model_card(self.paths["calibrated"], **{**fields, "evaluation": None, "heads": None})
         return record
+
+    def regmean(self) -> dict:
+        """RegMean (featcal_core.repair) of the merged checkpoint into `calibrated/`."""
+        from featcal_core.repair import regmean_checkpoint
+
+        base, experts = self.models()
+        return regmean_checkpoint(
+            base, self.paths["merged"], experts, self.calibration_set_dirs(),
+            self.paths["calibrated"], alpha=self.params.repair.regmean_alpha,
+            settings=self.calibration_settings(), overwrite=True, progress=False,
+        )  # fmt: skip
 
     def _evaluated_models(self) -> dict[str, str]:
         """The merged (and calibrated) checkpoint, each verified against its marker."""
         models = {"merged": self.paths["merged"]}
-        if self.params.featcal.enabled:
+        if self.params.repair_method != "none":
             models["calibrated"] = self.paths["calibrated"]
         step = {
             "merged": "featcal merge --params FILE",
@@ -289,19 +310,43 @@ class Steps:
         return found
 
     def evaluate(self) -> dict:
+        """evaluation.json; then the calibrated checkpoint's model card again, now with the
+        results (model-index, results table) and its refit heads. The guarded writer records the
+        card's new sha256 in the folder's marker, so the checkpoint still verifies. Not as a DVC
+        stage (DVC_STAGE set): the calibrated folder is the calibrate stage's output, and
+        rewriting it there would make every `dvc repro` run again."""
+        import logging
+        import os
+
         from featcal.tasks.evaluate import evaluate_models
+        from featcal_core.provenance.lineage import trace
+        from featcal_core.provenance.model_card import model_card_fields, write_model_card
 
         base, experts = self.models()
+        heads = self.refit_heads()
         table = self._call(
             evaluate_models, self.params, base, experts, self._evaluated_models(),
-            str(self.paths["root"]), self.refit_heads(),
+            str(self.paths["root"]), heads,
         )  # fmt: skip
         write_json(self.paths["evaluation"], table)
+        calibrated = self.paths["calibrated"]
+        if self.params.repair_method == "featcal" and (calibrated / FEATCAL_RECORD).is_file():
+            if os.environ.get("DVC_STAGE"):
+                logging.getLogger(__name__).info(
+                    "model card of %s left as the calibrate stage wrote it (a DVC stage writes "
+                    "only its own outputs)", calibrated,
+                )  # fmt: skip
+            else:
+                fields = model_card_fields(trace(calibrated))
+                fields.update(evaluation=table, heads=(heads or {}).get("calibrated"))
+                write_model_card(calibrated, **fields)
         return table
 
     def report(self) -> dict[str, Path]:
-        """reports/<run name>/: report.md, report.html, accuracy.png, drift.png."""
+        """reports/<run name>/: report.md, report.html, accuracy.png, drift.png; and the plots'
+        data, results_dir/plots/accuracy.csv and drift.csv."""
         from featcal_core.report import write_report
+        from featcal_core.report.plot_data import write_plot_data
 
         def load(path: Path) -> dict | None:
             return json.loads(path.read_text()) if path.is_file() else None
@@ -311,11 +356,14 @@ class Steps:
             raise FeatCalError(
                 f"{self.paths['evaluation']} does not exist; run `featcal evaluate` first"
             )
+        calibration = load(self.paths["calibrated"] / FEATCAL_RECORD)
+        # the figures' data for `dvc plots` (dvc.yaml): results_dir/plots/*.csv
+        write_plot_data(self.paths["plots"], evaluation, calibration)
         return write_report(
             self.paths["report"],
             run_name=self.params.run.name,
             evaluation=evaluation,
-            calibration=load(self.paths["calibrated"] / FEATCAL_RECORD),
+            calibration=calibration,
             merge=load(self.paths["merged"] / MERGE_RECORD),
             lock=load(self.paths["lock"]),
         )

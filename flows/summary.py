@@ -4,6 +4,7 @@ per-task accuracy table (plain text, monospace) and where the full record is."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from featcal_core.report import gap_closed
@@ -67,9 +68,40 @@ def run_summary(summary: Mapping[str, Any]) -> str:
     the results are (the full record: `featcal run --json`)."""
     lines = ["", accuracy_table(summary.get("evaluation") or {}), ""]
     if summary.get("report"):
-        lines.append(f"report:      {summary['report']}")
+        lines.append(f"report:      {shown(summary['report'])}")
     if summary.get("mlflow_run_id"):
         lines.append(f"MLflow run:  {summary['mlflow_run_id']} ({summary.get('mlflow_uri')}; "
                      "browse with `mlflow ui --backend-store-uri <uri>`)")  # fmt: skip
-    lines.append(f"results:     {summary['paths']['root']}")
+    lines.append(f"results:     {shown(summary['paths']['root'])}")
     return "\n".join(lines)
+
+
+def shown(path: str | Path) -> str:
+    """`path` as printed: relative to the working directory (the project) when inside it."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def markdown_summary(summary: Mapping[str, Any]) -> str:
+    """The Prefect artifact of a pipeline run (markdown): the accuracy table, then links to the
+    report and where the MLflow run and the results are."""
+    lines = [f"# featcal run {summary.get('name', '')}".rstrip(), ""]
+    if summary.get("evaluation"):
+        lines += ["```", accuracy_table(summary["evaluation"]), "```", ""]
+    else:
+        lines += ["no evaluation in this run (evaluation.enabled: false)", ""]
+    calibration = summary.get("calibration")
+    if calibration:
+        lines.append(f"- calibration: {calibration['blocks']} blocks "
+                     f"({calibration['restored']} restored from the cache), "
+                     f"{calibration['wall_seconds']:.1f} s")  # fmt: skip
+    if summary.get("report"):
+        report = Path(summary["report"])
+        lines.append(f"- report: [{report.name}]({report.as_uri()}) ({report})")
+    if summary.get("mlflow_run_id"):
+        lines.append(f"- MLflow run: `{summary['mlflow_run_id']}` ({summary.get('mlflow_uri')})")
+    lines.append(f"- results: `{summary['paths']['root']}`")
+    return "\n".join(lines) + "\n"

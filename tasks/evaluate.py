@@ -131,6 +131,20 @@ def _base_source(root: Path, base: Path) -> dict[str, Any]:
     return dict(source)
 
 
+def evaluation_inputs(params: Any, results_dir: str) -> list[dict[str, Any]]:
+    """Each task's evaluation set as an MLflow dataset input (tracking_log.log_datasets): name
+    `evaluation/<task>`, its save_to_disk folder, split and the sha256 over its files."""
+    from featcal_core.io.checkpoint import sha256_tree
+
+    found = []
+    for task_name, spec in params.tasks.items():
+        data, split = _evaluation_data(task_name, spec.evaluation,
+                                       Path(results_dir) / "evaluation_data")  # fmt: skip
+        found.append({"name": f"evaluation/{task_name}", "context": "evaluation",
+                      "path": str(data), "split": split, "sha256": sha256_tree(data)})  # fmt: skip
+    return found
+
+
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate_models(
     params: Any,

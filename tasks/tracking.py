@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from featcal.tasks.tracking_batches import MAX_TAG_VALUE, batch_metrics, batch_params, clean
 from featcal.tasks.tracking_store import artifact_root, ensure_experiment, git_commit, tracking_uri
-from featcal_core.memory import peak_rss_bytes
+from featcal_core.memory import peak_rss_bytes, reset_peak_rss
 from featcal_core.params import Params, flatten
 
 if TYPE_CHECKING:
@@ -115,7 +115,10 @@ def step_run(
 
     Nested under this thread's active run (a step inside a step) or else the parent run, so
     steps may run in Prefect's worker threads. Records `duration_s` (wall time of the body) and
-    `peak_rss_mb` (this process's peak resident set so far, MiB), also when the step fails.
+    `peak_rss_mb`: this process's peak resident set during the step, MiB (the count restarts at
+    the step's start where the OS allows it, featcal_core.memory.reset_peak_rss; the tag
+    `featcal.peak_rss` says `step` or, elsewhere, `process` for the high-water mark so far), also
+    when the step fails.
     """
     session = _session
     if session is None:
@@ -125,7 +128,9 @@ def step_run(
 
     active = mlflow.active_run()
     parent_id = active.info.run_id if active is not None else session.parent_run_id
-    step_tags = clean({"featcal.step": name, **(tags or {})}, MAX_TAG_VALUE)
+    own_peak = reset_peak_rss()
+    step_tags = {"featcal.step": name, "featcal.peak_rss": "step" if own_peak else "process"}
+    step_tags = clean({**step_tags, **(tags or {})}, MAX_TAG_VALUE)
     with mlflow.start_run(
         experiment_id=session.experiment_id,
         run_name=name,

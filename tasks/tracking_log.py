@@ -17,18 +17,21 @@ from featcal.tasks.tracking_batches import (
     MAX_TAG_VALUE,
     batch_metric_steps,
     batch_metrics,
-    batch_params,
     batch_tags,
     clean,
     now_ms,
 )
 from featcal_core.provenance.records import FEATCAL_RECORD
+from featcal_core.report import gap_closed
 
 __all__ = [
     "RECORD_ARTIFACT",
     "log_artifacts",
     "log_calibration_record",
+    "log_datasets",
     "log_evaluation",
+    "log_metrics",
+    "log_model",
     "log_tags",
 ]
 
@@ -43,7 +46,9 @@ def log_calibration_record(record: Mapping[str, Any], *, run_id: str | None = No
     Metrics: per block (step = block index) `drift_before/<task>`, `drift_after/<task>`, their
     means over tasks `drift_before_mean`, `drift_after_mean`, and `block_seconds`; once
     `calibrated_blocks`, `calibrated_blocks_restored`, `calibration_wall_s`, `peak_rss_mb` (and
-    `peak_device_mb` when recorded). Params `calibration.<name>` for the hyperparameters; tags
+    `peak_device_mb` when recorded). No params: the hyperparameters are the run's `featcal.*`
+    params already (one value per param). Tags `calibration.precision` (the products' dtype
+    that ran),
     `calibration.architecture`, `calibration.record_version`, `calibration.inputs_sha256` (digest
     of the inputs section: weight and data digests, row indices). Artifact: `featcal.json`.
     """
@@ -83,9 +88,8 @@ def log_calibration_record(record: Mapping[str, Any], *, run_id: str | None = No
     metrics += [(key, float(value), 0) for key, value in totals.items()]
     batch_metric_steps(client, run, metrics, now)
 
-    hyper = record.get("hyperparameters") or {}
-    batch_params(client, run, {f"calibration.{key}": value for key, value in hyper.items()})
     tags = {
+        "calibration.precision": (record.get("hyperparameters") or {}).get("precision"),
         "calibration.architecture": record.get("architecture"),
         "calibration.record_version": record.get("featcal_record_version"),
     }
@@ -109,9 +113,22 @@ def log_tags(tags: Mapping[str, object], *, run_id: str | None = None) -> None:
     batch_tags(MlflowClient(session.uri), run, clean(values, MAX_TAG_VALUE))
 
 
+def log_metrics(metrics: Mapping[str, float], *, run_id: str | None = None) -> None:
+    """Metrics (name → value) on the parent run (or `run_id`); nothing without a parent run."""
+    target = run_target(run_id)
+    if target is None:
+        return
+    from mlflow import MlflowClient
+
+    session, run = target
+    batch_metrics(MlflowClient(session.uri), run, {k: float(v) for k, v in metrics.items()})
+
+
 def log_evaluation(table: Mapping[str, Mapping[str, Mapping[str, float]]], *, run_id=None) -> None:
-    """Metrics `accuracy/<task>/<model>`, `loss/…`, `normalized/…` and, per model, the mean
-    over tasks `accuracy_mean/<model>` and `normalized_mean/<model>`."""
+    """Metrics `accuracy/<task>/<model>`, `loss/…`, `normalized/…` (accuracy ÷ the expert's),
+    `gap_closed/<task>/<model>` (percent of the merged→expert accuracy gap closed, for every model
+    other than the expert, the merged model and the base) and, per model, the means over tasks
+    `accuracy_mean/<model>`, `normalized_mean/<model>` and `gap_closed_mean/<model>`."""
     target = run_target(run_id)
     if target is None:
         return
@@ -119,16 +136,22 @@ def log_evaluation(table: Mapping[str, Mapping[str, Mapping[str, float]]], *, ru
 
     session, run = target
     metrics: dict[str, float] = {}
-    per_model: dict[str, list[tuple[float, float]]] = {}
+    per_model: dict[str, dict[str, list[float]]] = {}
     for task_name, row in table.items():
+        merged, expert = (row.get(k, {}).get("accuracy") for k in ("merged", "expert"))
         for model, result in row.items():
-            for name in ("accuracy", "loss", "normalized"):
-                metrics[f"{name}/{task_name}/{model}"] = float(result[name])
-            per_model.setdefault(model, []).append((result["accuracy"], result["normalized"]))
-    for model, values in per_model.items():
-        if len(values) == len(table):  # a model evaluated on every task
-            metrics[f"accuracy_mean/{model}"] = sum(a for a, _ in values) / len(values)
-            metrics[f"normalized_mean/{model}"] = sum(n for _, n in values) / len(values)
+            values = {name: float(result[name]) for name in ("accuracy", "loss", "normalized")}
+            gap = gap_closed(merged, result["accuracy"], expert)
+            if model not in ("expert", "merged", "base") and gap is not None:
+                values["gap_closed"] = gap
+            for name, value in values.items():
+                metrics[f"{name}/{task_name}/{model}"] = value
+                per_model.setdefault(model, {}).setdefault(name, []).append(value)
+    for model, series in per_model.items():
+        for name in ("accuracy", "normalized", "gap_closed"):
+            values = series.get(name, [])
+            if values and len(values) == len(table):  # a model with a value on every task
+                metrics[f"{name}_mean/{model}"] = sum(values) / len(values)
     batch_metrics(MlflowClient(session.uri), run, metrics)
 
 
@@ -157,3 +180,61 @@ def log_artifacts(
             client.log_artifact(run, str(item), artifact_path)
         else:
             raise FileNotFoundError(f"artifact to log does not exist: {item}")
+
+
+def log_datasets(datasets: Iterable[Mapping[str, Any]], *, run_id: str | None = None) -> None:
+    """Dataset inputs of the parent run (or `run_id`), as MLflow shows them under "Datasets": each
+    a mapping with `name` (e.g. "calibration/mnist"), `context` ("calibration" | "evaluation"),
+    `path` (its local folder) and `sha256` (of its files); the digest column holds the first 32
+    hex digits (MLflow's limit is 36), the tag `sha256` the whole digest, `split` the split."""
+    target = run_target(run_id)
+    if target is None:
+        return
+    import warnings
+
+    from mlflow import MlflowClient
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+
+    session, run = target
+    inputs = []
+    for item in datasets:
+        with warnings.catch_warnings():  # "can be interpreted in multiple ways": all local
+            warnings.simplefilter("ignore")
+            source = resolve_dataset_source(Path(item["path"]).resolve().as_uri())
+        dataset = MetaDataset(source, name=item["name"], digest=item["sha256"][:32])
+        tags = {"mlflow.data.context": item["context"], "sha256": item["sha256"]}
+        if item.get("split"):
+            tags["split"] = str(item["split"])
+        inputs.append(DatasetInput(dataset._to_mlflow_entity(),
+                                   [InputTag(key, value) for key, value in tags.items()]))  # fmt: skip
+    if inputs:
+        MlflowClient(session.uri).log_inputs(run, datasets=inputs)
+
+
+#: weight files larger than this (in all) are not copied into the MLflow store by `log_model`
+MODEL_ARTIFACT_LIMIT = 2 * 1024**3
+
+
+def log_model(directory: str | Path, *, artifact_path: str = "model", run_id=None) -> bool:
+    """Log a checkpoint folder (weights, config, model card, records) as an artifact of the parent
+    run (or `run_id`) under `artifact_path`; returns False (and tags `model.logged: false` with
+    the reason) when its files add up to more than MODEL_ARTIFACT_LIMIT bytes, which would copy
+    gigabytes into the store — the run's lineage tags name the weights' digests either way."""
+    target = run_target(run_id)
+    if target is None:
+        return False
+    from mlflow import MlflowClient
+
+    session, run = target
+    client = MlflowClient(session.uri)
+    directory = Path(directory)
+    size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+    if size > MODEL_ARTIFACT_LIMIT:
+        batch_tags(client, run, {"model.logged": "false",
+                                 "model.not_logged_because": f"{size / _MIB:.0f} MiB > limit"})  # fmt: skip
+        return False
+    client.log_artifacts(run, str(directory), artifact_path)
+    batch_tags(client, run, {"model.logged": "true", "model.artifact_path": artifact_path})
+    return True

@@ -33,12 +33,12 @@ def _env(tmp_path: Path, api_url: str) -> dict[str, str]:
     }  # fmt: skip
 
 
-def _sh(args: list[str], cwd: Path, env: dict[str, str]) -> str:
+def _sh(args: list[str], cwd: Path, env: dict[str, str], stdout_only: bool = False) -> str:
     proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         print(proc.stdout[-4000:], proc.stderr[-4000:])
     assert proc.returncode == 0, args
-    return proc.stdout + proc.stderr
+    return proc.stdout if stdout_only else proc.stdout + proc.stderr
 
 
 def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api):
@@ -57,8 +57,9 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api):
     _sh(["dvc", "remote", "add", "-d", "store", str(tmp_path / "remote")], repo, env)
 
     first = _sh(["dvc", "repro"], repo, env)
-    for stage in ("zoo", "download", "calib-set", "merge", "calibrate", "evaluate", "report"):
+    for stage in STAGES:
         assert f"Running stage '{stage}'" in first, first[-3000:]
+    assert (repo / "data" / "code" / "calibrate.sha256").is_file()
     results = repo / "data" / "results"
     evaluation = json.loads((results / "evaluation.json").read_text())
     assert set(evaluation) == {"alpha", "beta"}
@@ -66,7 +67,7 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api):
     assert (results / "calibrated" / "featcal.json").is_file()
 
     second = _sh(["dvc", "repro"], repo, env)
-    assert "Running stage" not in second
+    assert _ran(second) == ["code"]  # always runs; its digests unchanged, so nothing else
 
     merged = (results / "merged" / "model.safetensors").read_bytes()
     _sh(["dvc", "push"], repo, env)
@@ -80,7 +81,7 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api):
     assert (repo / "data" / "models" / "open_clip").is_dir()
 
     changed = _sh(["dvc", "repro", "--dry"], repo, env)  # nothing to do after the pull
-    assert "Running stage" not in changed
+    assert _ran(changed) == ["code"]
 
     # compare runs: commit this one, change an evaluation-only value, re-run; only the
     # evaluation stages run again, and `dvc params diff` / `dvc metrics diff` show the change
@@ -94,9 +95,63 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api):
     params_diff = _sh(["dvc", "params", "diff"], repo, env)
     assert "evaluation.max_examples_per_task" in params_diff and "4" in params_diff
     rerun = _sh(["dvc", "repro"], repo, env)
-    assert "Running stage 'evaluate'" in rerun and "Running stage 'report'" in rerun
-    for stage in ("zoo", "download", "calib-set", "merge", "calibrate"):
-        assert f"Running stage '{stage}'" not in rerun
+    assert _ran(rerun) == ["code", "evaluate", "report"]
     metrics_diff = _sh(["dvc", "metrics", "diff", "--all"], repo, env)
     assert "alpha.expert.examples" in metrics_diff, metrics_diff
     assert "10" in metrics_diff and "4" in metrics_diff
+
+    # the plots render from the report step's data
+    plots = _json_out(_sh(["dvc", "plots", "show", "--json"], repo, env, stdout_only=True))
+    plots = plots.get("data", plots)
+    assert {"accuracy per task", "drift per block"} <= set(plots), str(plots)[:3000]
+    accuracy = (results / "plots" / "accuracy.csv").read_text().splitlines()
+    assert accuracy[0].startswith("task,") and len(accuracy) == 3
+    drift = (results / "plots" / "drift.csv").read_text().splitlines()
+    assert drift[0].startswith("block,drift_before_mean,drift_after_mean") and len(drift) == 3
+
+    # an experiment: one FeatCal param changed reruns calibrate on (not the calibration sets,
+    # which depend on featcal.num_per_task only), and `dvc exp show` lists it
+    _sh(["git", "add", "-A"], repo, env)
+    _sh(["git", "commit", "-qm", "second run"], repo, env)
+    experiment = _sh(["dvc", "exp", "run", "-S", "featcal.alpha=0.5", "-n", "alpha-half"], repo,
+                     env)  # fmt: skip
+    assert _ran(experiment) == ["code", "calibrate", "evaluate", "report"]
+    shown = _json_out(_sh(["dvc", "exp", "show", "--json"], repo, env, stdout_only=True))
+    found = [exp for exp in _experiments(shown) if exp.get("name") == "alpha-half"]
+    assert found, shown
+    data = found[0]["data"]
+    assert data["params"]["params.yaml"]["data"]["featcal"]["alpha"] == 0.5
+    metrics = data["metrics"]["data/results/evaluation.json"]["data"]
+    assert 0.0 <= metrics["alpha"]["calibrated"]["accuracy"] <= 1.0
+
+
+STAGES = ("code", "zoo", "download", "calib-set", "merge", "calibrate", "evaluate", "report")
+
+
+def _ran(output: str) -> list[str]:
+    """The stages a `dvc repro` / `dvc exp run` output says it ran, in pipeline order."""
+    return [stage for stage in STAGES if f"Running stage '{stage}'" in output]
+
+
+def _json_out(output: str):
+    """The JSON document in a DVC command's output (which may log lines before it)."""
+    start = min(i for i in (output.find("{"), output.find("[")) if i >= 0)
+    return json.loads(output[start:])
+
+
+def _experiments(shown) -> list[dict]:
+    """Every experiment record in `dvc exp show --json`'s output (its shape differs by version)."""
+    found = []
+
+    def visit(node):
+        if isinstance(node, dict):
+            if "data" in node and isinstance(node["data"], dict) and "params" in node["data"]:
+                found.append(node)
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(shown)
+    return found

@@ -217,5 +217,5 @@ def test_console_script_runs(tmp_path):
     cmd = [sys.executable, "-m", "featcal_cli.main", *zoo.cli_args(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "block 2/2" in proc.stderr
+    assert "block 1 (2 of 2)" in proc.stderr
     assert (out / "model.safetensors").is_file()

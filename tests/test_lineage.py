@@ -487,14 +487,18 @@ def test_model_card_from_trace(run):
     path = write_model_card(run["calibrated"], **model_card_fields(result))
     assert path == run["calibrated"] / "README.md"
     text = path.read_bytes().decode("utf-8")  # valid UTF-8
-    assert _front_matter(text) == {
+    front = _front_matter(text)  # the experts are local folders: only the base is a Hub id
+    assert {k: v for k, v in front.items() if k != "model-index"} == {
         "library_name": "transformers",
-        "tags": ["featcal", "model-merging"],
-        "base_model": HUB_ID,
-    }
+        "base_model": [HUB_ID],
+        "base_model_relation": "merge",
+        "tags": ["featcal", "model-merging", "task_arithmetic", "hf-clip-vision",
+                 "clip_vision_model"],
+    }  # fmt: skip
+    assert [r["dataset"]["name"] for r in front["model-index"][0]["results"]] == list(TASKS)
     body = text.split("\n---\n", 1)[1]
     assert "# calibrated: FeatCal-calibrated task_arithmetic merge of 2 experts" in body
-    for section in ("## How it was made", "## Inputs", "## Metrics", "## Provenance"):
+    for section in ("## How it was made", "## Inputs", "## Evaluation results", "## Provenance"):
         assert section in body
     for number in ("α (alpha", "0.25", "ρ (rho", "2.2", "λ (lam", "0.05", "1e-08", "scale"):
         assert number in body
@@ -535,8 +539,9 @@ def test_model_card_arguments_by_hand(tmp_path):
     )  # fmt: skip
     text = path.read_text(encoding="utf-8")
     front = _front_matter(text)
-    assert "base_model" not in front  # a local base is no Hub id
-    assert front["tags"] == ["featcal", "model-merging"]
+    assert front["base_model"] == ["me/expert-a"]  # a local base is no Hub id; the expert is
+    assert front["tags"] == ["featcal", "model-merging", "ties"]
+    assert "model-index" not in front  # a flat metrics table is no evaluation table
     assert "| λ (lam, ridge weight) | 0.01 |" in text
     assert "| n per task (calibration inputs per task) | 64 |" in text
     assert "| top_k | 20 |" in text and "`ties`" in text
@@ -546,7 +551,7 @@ def test_model_card_arguments_by_hand(tmp_path):
     hub = render_model_card(
         title="t", recipe={}, inputs={"base": {"reference": f"{HUB_ID}@abc", "kind": "hub"}}
     )
-    assert _front_matter(hub)["base_model"] == HUB_ID
+    assert _front_matter(hub)["base_model"] == [HUB_ID]
     assert "FeatCal calibration: not applied." in hub
 
     with pytest.raises(FeatCalError, match="not a directory"):

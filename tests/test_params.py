@@ -181,14 +181,14 @@ def test_import_light():
 @pytest.mark.parametrize(
     ("change", "key", "words"),
     [
-        (lambda d: d.update(colour="red"), "colour", "unknown key; known keys: evaluation, featcal"),
+        (lambda d: d.update(colour="red"), "colour", "unknown key; known keys: compare, evaluation, featcal"),
         (lambda d: d.update(featcal={"alhpa": 0.3}), "featcal.alhpa", "known keys: alpha"),
         (lambda d: d["tasks"]["mnist"]["calibration"].update(colum="x"), "tasks.mnist.calibration.colum", "unknown key"),
         (lambda d: d.update(featcal={"alpha": "abc"}), "featcal.alpha", "Input should be a valid number (got 'abc')"),
         (lambda d: d.update(featcal={"num_per_task": 0}), "featcal.num_per_task", "greater than or equal to 1"),
         (lambda d: d.update(featcal={"alpha": 1.5}), "featcal.alpha", "less than or equal to 1"),
         (lambda d: d.update(featcal={"device": "tpu"}), "featcal.device", "'cpu', 'cuda' or 'auto'"),
-        (lambda d: d.update(merge={"method": "magic"}), "merge.method", "unknown merge method 'magic' (--method); available: average, task_arithmetic, ties"),
+        (lambda d: d.update(merge={"method": "magic"}), "merge.method", "unknown merge method 'magic' (--method); available: average, breadcrumbs, dare_task_arithmetic"),
         (lambda d: d["models"].pop("base"), "models.base", "required"),
         (lambda d: d.pop("tasks"), "tasks", "required"),
         (lambda d: d["models"].update(experts={}), "models.experts", "at least 1 item"),
@@ -384,3 +384,17 @@ def test_params_reference_page_is_generated_from_the_schema():
         "docs/params.md"
     )
     assert "`featcal.precision`" in page.read_text()
+
+
+def test_merge_hyperparameters_take_words_and_methods_check_them():
+    """params.yaml can choose TIES's paper trim (a word) and DARE's seed (a number); the method
+    refuses an unknown word with its choices."""
+    from featcal_core.params.sections import MergeSettings
+
+    ties = MergeSettings(method="ties", hyperparameters={"trim": "global", "top_k": 10})
+    assert ties.hyperparameters == {"trim": "global", "top_k": 10.0}
+    assert MergeSettings(method="dare_ties", hyperparameters={"seed": 3}).hyperparameters == {
+        "seed": 3.0
+    }
+    with pytest.raises(ValueError, match="'trim'.*one of 'tensor', 'global'"):
+        MergeSettings(method="ties", hyperparameters={"trim": "glob"})

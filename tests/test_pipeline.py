@@ -147,6 +147,55 @@ def test_featcal_run_end_to_end(tmp_path, prefect_api):
     }  # fmt: skip
     logged = {a.path for a in client.list_artifacts(run.info.run_id, "report")}
     assert "report/report.html" in logged and "report/drift.png" in logged
+    assert not [key for key in run.data.params if key.startswith("calibration.")]  # once each
+    from featcal_core.report import gap_closed
+
+    for task, row in evaluation.items():  # logged wherever the task has a gap to close
+        accuracy = {k: row[k]["accuracy"] for k in ("merged", "calibrated", "expert")}
+        expected = gap_closed(accuracy["merged"], accuracy["calibrated"], accuracy["expert"])
+        logged = client.get_metric_history(run.info.run_id, f"gap_closed/{task}/calibrated")
+        assert [m.value for m in logged] == ([] if expected is None else [pytest.approx(expected)])
+    inputs = {(i.dataset.name, {t.key: t.value for t in i.tags}["mlflow.data.context"])
+              for i in run.inputs.dataset_inputs}  # fmt: skip
+    assert inputs == {
+        ("calibration/alpha", "calibration"),
+        ("calibration/beta", "calibration"),
+        ("evaluation/alpha", "evaluation"),
+        ("evaluation/beta", "evaluation"),
+    }
+    model = {a.path for a in client.list_artifacts(run.info.run_id, "calibrated_model")}
+    assert {"calibrated_model/model.safetensors", "calibrated_model/README.md"} <= model
+    assert run.data.tags["params_digest"] == provenance["params_digest"]
+    _check_prefect_run(prefect_api, provenance, evaluation)
+
+
+def _check_prefect_run(api_url: str, provenance: dict, evaluation: dict) -> None:
+    """The flow run, as the Prefect UI shows it: named after run.name and the params digest,
+    with featcal's log lines and a markdown artifact holding the result table."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    run_id = provenance["prefect_flow_run_id"]
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        with get_client(sync_client=True) as client:
+            flow_run = client.read_flow_run(run_id)
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+            artifacts = client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
+            )
+    assert flow_run.name == f"e2e-{provenance['params_digest'][:8]}"
+    messages = [entry.message for entry in logs]
+    assert any(m.startswith("block ") for m in messages), messages[:20]
+    (artifact,) = [a for a in artifacts if a.type == "markdown"]
+    assert artifact.key == "featcal-e2e"
+    calibrated = 100 * evaluation["alpha"]["calibrated"]["accuracy"]
+    assert f"{calibrated:.1f}" in artifact.data and "report.html" in artifact.data
 
 
 def test_invalid_params_fail_before_any_work(tmp_path):

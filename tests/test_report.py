@@ -248,6 +248,53 @@ def test_drift_plot_linear_and_symlog(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == PNG_MAGIC
 
 
+def test_accuracy_plot_draws_every_evaluated_row(tmp_path, monkeypatch):
+    evaluation = _evaluation()
+    evaluation["mnist"]["merged_heads"] = _result(0.75, 0.9)
+    evaluation["mnist"]["calibrated_heads"] = _result(0.85, 0.9)
+    evaluation["svhn"]["calibrated_heads"] = _result(0.9, 0.8)
+    evaluation["svhn"]["ties_v2"] = _result(0.55, 0.8)  # any other variant row of the table
+    evaluation["<b>x</b>"]["calibrated_heads"] = {"accuracy": float("nan")}
+    groups, series = report.accuracy_series(evaluation)
+    assert groups == ["mnist", "svhn", "<b>x</b>", "average"]
+    assert list(series) == ["base", "expert", "merged", "calibrated", "merged_heads",
+                            "calibrated_heads", "ties_v2"]  # fmt: skip
+    assert series["calibrated_heads"] == pytest.approx([0.85, 0.9, None, 0.875])
+    assert series["merged_heads"] == pytest.approx([0.75, None, None, 0.75])
+    assert series["ties_v2"] == pytest.approx([None, 0.55, None, 0.55])
+    assert series["base"] == pytest.approx([0.3, None, None, 0.3])
+    assert series["calibrated"][-1] == pytest.approx((0.7 + 0.8 + 0.65) / 3)
+    # the plot draws exactly that, and the report's plot is this one
+    assert plots.plot_accuracy(tmp_path / "a.png", evaluation) == (groups, series)
+    assert (tmp_path / "a.png").read_bytes()[:8] == PNG_MAGIC
+    drawn = []
+    real = plots.plot_accuracy
+    monkeypatch.setattr(plots, "plot_accuracy", lambda *a: drawn.append(real(*a)))
+    _write(tmp_path / "r", evaluation=evaluation)
+    assert drawn == [(groups, series)]
+    assert report.accuracy_series({}) == ([], {})
+
+
+def test_drift_plot_draws_each_task_and_the_mean(tmp_path):
+    calibration = _calibration(restored=(1,))
+    calibration["blocks"][2]["drift_after"]["svhn"] = float("nan")
+    data = report.drift_series(calibration)
+    assert data["blocks"] == [0, 1, 2, 3] and data["restored"] == [False, True, False, False]
+    assert list(data["before"]) == list(data["after"]) == ["mnist", "svhn"]
+    assert data["before"]["mnist"] == pytest.approx([0.1, 1.0, 10.0, 100.0])
+    assert data["before"]["svhn"] == pytest.approx([0.2, 2.0, 20.0, 200.0])
+    assert data["mean_before"] == pytest.approx([0.15, 1.5, 15.0, 150.0])
+    assert data["after"]["svhn"][2] is None  # not finite: a gap in the line
+    assert data["mean_after"][2] == pytest.approx(0.01)  # the mean of the tasks that have one
+    assert plots.plot_drift(tmp_path / "d.png", calibration) == data
+    assert (tmp_path / "d.png").read_bytes()[:8] == PNG_MAGIC
+    # a task present in only some blocks
+    calibration["blocks"][3]["drift_before"]["extra"] = 5.0
+    assert report.drift_series(calibration)["before"]["extra"] == [None, None, None, 5.0]
+    assert report.drift_series({}) == {"blocks": [], "restored": [], "before": {}, "after": {},
+                                       "mean_before": [], "mean_after": []}  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------ atomicity
 
 

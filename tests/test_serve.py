@@ -133,15 +133,18 @@ def test_supervised_server_dies_with_a_killed_featcal_serve(tmp_path):
 
 
 def test_local_server_refuses_requests_without_the_token(tmp_path):
-    """With auth, the API answers only requests carrying the token (GET /health stays open)."""
+    """With auth, the API answers only requests carrying the token (GET /health stays open);
+    with ui=True the same server also serves Prefect's web UI."""
     home = tmp_path / "prefect"
     auth = api_auth_string(home)
     assert api_auth_string(home) == auth, "the token is generated once and then reused"
     assert stat.S_IMODE((home / TOKEN_FILE).stat().st_mode) == 0o600
     user = auth.split(":")[0]
-    with local_server(home=home, auth=auth) as api_url:
+    with local_server(home=home, auth=auth, ui=True) as api_url:  # `featcal serve --ui`'s server
         with urllib.request.urlopen(f"{api_url}/health", timeout=10) as response:
             assert response.status == 200
+        with urllib.request.urlopen(api_url.removesuffix("/api"), timeout=30) as response:
+            assert response.status == 200 and b"<html" in response.read().lower()  # the web UI
         assert _post(api_url, "/flows/filter", {}, None)[0] == 401
         assert _post(api_url, "/flows/filter", {}, f"{user}:wrong-token")[0] == 401
         assert _post(api_url, "/flows/filter", {}, auth) == (200, [])

@@ -16,7 +16,7 @@ from featcal_core.merging.base import MergeMethod
 REGISTRY: dict[str, type[MergeMethod]] = {}
 
 #: modules of this package that define no method
-_NOT_METHODS = {"base", "run"}
+_NOT_METHODS = {"base", "run", "selection"}
 
 
 def register(cls: type[MergeMethod]) -> type[MergeMethod]:

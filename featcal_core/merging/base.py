@@ -9,6 +9,13 @@ then `merge_chunk` for each chunk of entries with that result. A method whose ru
 by entry given such statistics sets `chunkable = False` and always gets whole tensors. Either
 way `merge_tensor` on the whole tensor gives the same values as the chunks, bit for bit.
 
+A method that needs to know where its entries sit (DARE: a random mask that must not depend on
+the chunking) sets `takes_place = True`: run.py then passes a keyword-only `place` (a `Place`:
+the tensor's name and the flat index of the chunk's first entry) to `merge_tensor`, `prepare`
+and `merge_chunk`. A method whose statistics span the whole checkpoint (TIES with `trim: global`)
+answers True from `needs_checkpoint(hp)`: run.py then calls `prepare_checkpoint` once, streaming
+each expert's task vector over every merged tensor, and hands its result on as `place.checkpoint`.
+
 Shapes: `base` and every expert tensor have the same shape S (any rank, scalars included); the
 result has shape S too. Methods compute in float64 and return a floating tensor; the caller checks
 it and casts it to the base tensor's dtype.
@@ -19,6 +26,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +42,17 @@ def flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where the entries being merged sit: tensor `name` (the base checkpoint's), `offset` (the
+    flat, row-major index of the first entry within the whole tensor; 0 for a whole tensor) and
+    `checkpoint` (`prepare_checkpoint`'s result, or None)."""
+
+    name: str
+    offset: int = 0
+    checkpoint: Any = None
+
+
 class MergeMethod(ABC):
     """One merge rule. Subclasses set `name` and `defaults`, implement `merge_tensor`, may extend
     `validate`, and register themselves with `@featcal_core.merging.register`."""
@@ -42,8 +61,14 @@ class MergeMethod(ABC):
     name: str = ""
     #: every hyperparameter the method takes, with its default value
     defaults: dict[str, Any] = {}
+    #: hyperparameters also taken but filled in only when given (their default applies when
+    #: absent): options added after results were recorded, so that earlier records (and the
+    #: cache keys built from them) stay as they were
+    optional: dict[str, Any] = {}
     #: True when `merge_chunk` can merge any subset of entries given `prepare`'s result
     chunkable: bool = True
+    #: True when `merge_tensor`, `prepare` and `merge_chunk` take the keyword-only `place`
+    takes_place: bool = False
 
     def check(self, hp: dict[str, Any] | None) -> dict[str, Any]:
         """`hp` with the defaults filled in and each value validated (a new dict).
@@ -58,8 +83,8 @@ class MergeMethod(ABC):
                 f"{type(hp).__name__}"
             )
         for key in hp:
-            if key not in self.defaults:
-                takes = ", ".join(sorted(self.defaults)) or "no hyperparameters"
+            if key not in self.defaults and key not in self.optional:
+                takes = ", ".join(sorted({*self.defaults, *self.optional})) or "no hyperparameters"
                 raise FeatCalError(
                     f"hyperparameter {key!r} ({flag(str(key))}) is not used by merge method "
                     f"{self.name!r}; it takes: {takes}"
@@ -79,12 +104,31 @@ class MergeMethod(ABC):
         """The merged tensor (shape S, floating, at least float32) from `base` (shape S) and one
         tensor per expert (each shape S, any floating dtype). `hp` has passed `check`."""
 
+    def needs_checkpoint(self, hp: dict[str, Any]) -> bool:
+        """True when `prepare_checkpoint` must run before merging with `hp` (default False)."""
+        return False
+
+    def prepare_checkpoint(
+        self,
+        task_vectors: Callable[[int], Iterator[torch.Tensor]],
+        count: int,
+        numel: int,
+        hp: dict[str, Any],
+    ) -> Any:
+        """Checkpoint-level statistics, passed on as `place.checkpoint`: task_vectors(t) yields
+        expert t's task vector τ_t (float64) in chunks covering all `numel` entries of every
+        merged tensor, each call a fresh stream (a method may make several passes). None by
+        default."""
+        return None
+
     def prepare(
         self,
         task_vectors: Callable[[int], Iterator[torch.Tensor]],
         count: int,
         numel: int,
         hp: dict[str, Any],
+        *,
+        place: Place | None = None,
     ) -> Any:
         """Per-tensor statistics for `merge_chunk`: task_vectors(t) yields expert t's task vector
         τ_t (float64) in chunks covering the tensor's `numel` entries in order; `count` experts.
@@ -92,15 +136,28 @@ class MergeMethod(ABC):
         return None
 
     def merge_chunk(
-        self, base: torch.Tensor, experts: list[torch.Tensor], hp: dict[str, Any], prepared: Any
+        self,
+        base: torch.Tensor,
+        experts: list[torch.Tensor],
+        hp: dict[str, Any],
+        prepared: Any,
+        *,
+        place: Place | None = None,
     ) -> torch.Tensor:
         """The merged entries of one chunk (same shape as `base`); `prepared` is `prepare`'s
-        result for the whole tensor. The default applies `merge_tensor` to the chunk, which is
-        right for rules that act entry by entry (Task Arithmetic, averaging)."""
-        return self.merge_tensor(base, experts, hp)
+        result for the whole tensor. The default applies `merge_tensor` to the chunk (passing
+        `place` on when given), which is right for rules that act entry by entry (Task
+        Arithmetic, averaging, DARE)."""
+        if place is None:
+            return self.merge_tensor(base, experts, hp)
+        return self.merge_tensor(base, experts, hp, place=place)
 
     def __repr__(self) -> str:
         return f"<merge method {self.name!r}>"
+
+
+def _where(key: str, method: str) -> str:
+    return f"hyperparameter {key!r} ({flag(key)}) of merge method {method!r}"
 
 
 def real(
@@ -110,25 +167,55 @@ def real(
     *,
     above: float | None = None,
     at_most: float | None = None,
+    at_least: float | None = None,
+    below: float | None = None,
 ) -> float:
-    """hp[key] as a finite float with `above < value <= at_most` (bounds optional); stores it back.
+    """hp[key] as a finite float within the given bounds (`above < value`, `value <= at_most`,
+    `at_least <= value`, `value < below`; each optional); stores it back.
 
     Raises FeatCalError naming the key, its flag, the bad value and the accepted range.
     """
     value = hp[key]
-    where = f"hyperparameter {key!r} ({flag(key)}) of merge method {method!r}"
+    where = _where(key, method)
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise FeatCalError(f"{where} must be a number, got {value!r}")
     number = float(value)
     if not math.isfinite(number):
         raise FeatCalError(f"{where} must be finite, got {value!r}")
-    low = "" if above is None else f"> {above:g}"
-    high = "" if at_most is None else f"<= {at_most:g}"
-    wanted = " and ".join(part for part in (low, high) if part)
-    if (above is not None and number <= above) or (at_most is not None and number > at_most):
+    bounds = [
+        (above, ">", lambda b: number > b),
+        (at_least, ">=", lambda b: number >= b),
+        (at_most, "<=", lambda b: number <= b),
+        (below, "<", lambda b: number < b),
+    ]
+    given = [(bound, sign, ok) for bound, sign, ok in bounds if bound is not None]
+    if not all(ok(bound) for bound, _, ok in given):
+        wanted = " and ".join(f"{sign} {bound:g}" for bound, sign, _ in given)
         raise FeatCalError(f"{where} must be {wanted}, got {value!r}")
     hp[key] = number
     return number
+
+
+def integer(hp: dict[str, Any], key: str, method: str) -> int:
+    """hp[key] as an int (a whole float such as 3.0, as params.yaml gives numbers, is accepted);
+    stores it back. Raises FeatCalError naming the key, its flag and the bad value."""
+    value = hp[key]
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FeatCalError(f"{_where(key, method)} must be a whole number, got {hp[key]!r}")
+    hp[key] = value
+    return value
+
+
+def choice(hp: dict[str, Any], key: str, method: str, options: tuple[str, ...]) -> str:
+    """hp[key], which must be one of `options`. Raises FeatCalError naming the key, its flag,
+    the bad value and the options."""
+    value = hp[key]
+    if not isinstance(value, str) or value not in options:
+        wanted = ", ".join(repr(option) for option in options)
+        raise FeatCalError(f"{_where(key, method)} must be one of {wanted}, got {value!r}")
+    return value
 
 
 def as_compute(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,13 @@ and a tensor larger than CHUNK_ENTRIES entries in row chunks: the method's `prep
 each expert's task vector chunk by chunk (TIES: its trim thresholds, which hold the magnitudes of
 one task vector in float64), then each chunk of rows of the base and of every expert is read,
 merged and written before the next one. Peak memory is a few float64 chunks per expert (plus, for
-TIES, one float64 copy of the largest tensor); no model, and no expert's large tensor, is ever
-held whole.
+TIES and Breadcrumbs, one float64 copy of the largest tensor); no model, and no expert's large
+tensor, is ever held whole (methods with `chunkable = False`, TSV-M and ISO, get whole tensors).
+
+A method that asks for checkpoint-level statistics (`needs_checkpoint`: TIES with `trim: global`)
+first gets one `prepare_checkpoint` call whose task-vector streams run over every merged tensor in
+the same row chunks; a method with `takes_place` is told each tensor's name and each chunk's first
+flat entry index (`Place`), with that checkpoint result.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from featcal_core.io.outputs import check_output, guarded_directory
 from featcal_core.io.safetensors_io import DTYPES, Reader, SafetensorsFormatError, write_streaming
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.merging import get
-from featcal_core.merging.base import MergeMethod, as_compute
+from featcal_core.merging.base import MergeMethod, Place, as_compute
 from featcal_core.names import check_names
 from featcal_core.provenance.records import FEATCAL_RECORD, MERGE_RECORD
 
@@ -213,6 +218,20 @@ def _fix(where: str) -> str:
     return "fix or re-create that checkpoint"
 
 
+def _row_spans(shape: tuple[int, ...]) -> list[tuple[int, int]] | None:
+    """Row chunks [start, stop) of about CHUNK_ENTRIES entries; None: small enough to read whole."""
+    numel = math.prod(shape)
+    if not shape or numel <= CHUNK_ENTRIES:
+        return None
+    step = max(1, CHUNK_ENTRIES // (numel // shape[0] or 1))
+    return [(a, min(a + step, shape[0])) for a in range(0, shape[0], step)]
+
+
+def _place(merger: MergeMethod, name: str, offset: int, checkpoint: Any) -> dict[str, Place]:
+    """The `place` keyword for a method that takes one, else no keyword."""
+    return {"place": Place(name, offset, checkpoint)} if merger.takes_place else {}
+
+
 class _Readers:
     """Open shard readers of several checkpoints, opened on first use and closed together."""
 
@@ -267,39 +286,68 @@ def _write_weights(
             _check_finite(result, name, f"in the merge ({merger.name}, {hp}) cast to {dtype}")
             return result
 
+        def pairs_of(name: str) -> list[tuple[Checkpoint, str]] | None:
+            """(expert, its tensor name) per expert when `name` is merged; None: copied."""
+            others = [key_maps[task][name] for task in experts]
+            if not _is_float(base.tensors[name].dtype) or any(o is None for o in others):
+                return None
+            return list(zip(experts.values(), others, strict=True))
+
+        def task_vector_chunks(
+            name: str, t: int, spans: list[tuple[int, int]] | None
+        ) -> Iterator[torch.Tensor]:
+            """Expert t's τ_t of tensor `name` in float64, whole or in the given row spans."""
+            expert, other = pairs_of(name)[t]
+            for span in spans or [None]:
+                theta0 = as_compute(readers.read(base, name, span))
+                yield as_compute(readers.read(expert, other, span)).sub_(theta0)
+
+        checkpoint = None
+        if merger.needs_checkpoint(hp):
+            merged_names = [n for shard in base.files for n in base.entries[shard]
+                            if pairs_of(n) is not None]  # fmt: skip
+            total = sum(math.prod(base.tensors[n].shape) for n in merged_names)
+            log.info("%s: checkpoint pass over %d merged tensors (%d entries per expert)",
+                     merger.name, len(merged_names), total)  # fmt: skip
+
+            def checkpoint_vector(t: int) -> Iterator[torch.Tensor]:
+                for n in merged_names:
+                    yield from task_vector_chunks(n, t, _row_spans(base.tensors[n].shape))
+
+            checkpoint = merger.prepare_checkpoint(checkpoint_vector, len(experts), total, hp)
+
         def fetch(name: str) -> torch.Tensor | Iterator[torch.Tensor]:
             info = base.tensors[name]
-            others = [key_maps[task][name] for task in experts]
-            if not _is_float(info.dtype) or any(other is None for other in others):
+            pairs = pairs_of(name)
+            if pairs is None:
                 counts["copied"] += 1
                 bar.update(1)
                 return readers.read(base, name)
             counts["merged"] += 1
-            pairs = list(zip(experts.values(), others, strict=True))
             numel = math.prod(info.shape)
-            if not merger.chunkable or not info.shape or numel <= CHUNK_ENTRIES:
+            spans = _row_spans(info.shape) if merger.chunkable else None
+            if spans is None:
                 theta0 = readers.read(base, name)
                 thetas = [readers.read(expert, other) for expert, other in pairs]
-                result = cast(merger.merge_tensor(theta0, thetas, hp), name, info.shape,
+                place = _place(merger, name, 0, checkpoint)
+                result = cast(merger.merge_tensor(theta0, thetas, hp, **place), name, info.shape,
                               info.dtype)  # fmt: skip
                 bar.update(1)
                 return result
-            step = max(1, CHUNK_ENTRIES // (numel // info.shape[0] or 1))
-            spans = [(a, min(a + step, info.shape[0])) for a in range(0, info.shape[0], step)]
+            row = numel // info.shape[0]
 
             def task_vector(t: int) -> Iterator[torch.Tensor]:
-                expert, other = pairs[t]
-                for span in spans:
-                    theta0 = as_compute(readers.read(base, name, span))
-                    yield as_compute(readers.read(expert, other, span)).sub_(theta0)
+                return task_vector_chunks(name, t, spans)
 
             def chunks() -> Iterator[torch.Tensor]:
-                prepared = merger.prepare(task_vector, len(pairs), numel, hp)
+                place = _place(merger, name, 0, checkpoint)
+                prepared = merger.prepare(task_vector, len(pairs), numel, hp, **place)
                 for span in spans:
                     theta0 = readers.read(base, name, span)
                     thetas = [readers.read(expert, other, span) for expert, other in pairs]
                     shape = (span[1] - span[0], *info.shape[1:])
-                    merged = merger.merge_chunk(theta0, thetas, hp, prepared)
+                    place = _place(merger, name, span[0] * row, checkpoint)
+                    merged = merger.merge_chunk(theta0, thetas, hp, prepared, **place)
                     del thetas
                     yield cast(merged, name, shape, info.dtype)
                 bar.update(1)

@@ -232,8 +232,9 @@ def log_block(result: BlockResult, num_blocks: int, restored: bool = False) -> N
     how = "restored" if restored else f"{result.seconds:.1f} s"
     if result.fallbacks:
         how += f", {len(result.fallbacks)} fallbacks"
-    log.info(
-        "block %d/%d: mean drift %.6g -> %.6g (%s)",
+    log.info(  # numbered from 0, as in the record, the report and MLflow
+        "block %d (%d of %d): mean drift %.6g -> %.6g (%s)",
+        result.index,
         result.index + 1,
         num_blocks,
         before,

@@ -14,6 +14,7 @@ from pydantic import (
 
 from featcal_core.params.base import _check_task_names, _error, _Section
 from featcal_core.params.models import ModelRef, ModelsSpec
+from featcal_core.params.repair import CompareSettings, RepairSettings
 from featcal_core.params.sections import (
     _CALIBRATION_FIELDS,
     EvaluationSettings,
@@ -39,10 +40,16 @@ class Params(_Section):
     )
     merge: MergeSettings = Field(default_factory=MergeSettings, description="merging")
     featcal: FeatCalSettings = Field(default_factory=FeatCalSettings, description="calibration")
+    repair: RepairSettings = Field(
+        default_factory=RepairSettings, description="which repair runs on the merged model"
+    )
     evaluation: EvaluationSettings = Field(
         default_factory=EvaluationSettings, description="evaluation"
     )
     tracking: TrackingSettings = Field(default_factory=TrackingSettings, description="MLflow")
+    compare: CompareSettings | None = Field(
+        None, description="variants for `featcal compare` (null: none)"
+    )
 
     @field_validator("tasks")
     @classmethod
@@ -92,6 +99,11 @@ class Params(_Section):
         return resolved
 
     _zoo: ZooSettings | None = PrivateAttr(None)
+
+    @property
+    def repair_method(self) -> str:
+        """The repair that runs: `repair.method`, or "none" when featcal.enabled is false."""
+        return self.repair.method if self.featcal.enabled else "none"
 
     @property
     def zoo_settings(self) -> ZooSettings | None:

@@ -57,10 +57,12 @@ class MergeSettings(_Section):
     """How the experts are merged before calibration (methods: featcal_core.merging)."""
 
     method: str = Field("task_arithmetic", description="merging method (featcal_core.merging)")
-    hyperparameters: dict[str, FiniteFloat] = Field(
+    hyperparameters: dict[str, FiniteFloat | str] = Field(
         default_factory=dict,
-        description="method hyperparameters, e.g. scale (task_arithmetic, ties), top_k (ties); "
-        "when omitted: {scale: 0.3} for task_arithmetic, else {} (the method's own defaults)",
+        description="method hyperparameters (numbers, or words such as trim: global for ties), "
+        "e.g. scale (task_arithmetic, ties), top_k (ties), drop_rate (dare_*); when omitted: "
+        "{scale: 0.3} for task_arithmetic, else {} (the method's own defaults; "
+        "`featcal merge --help` and docs/method.md list them)",
     )
 
     @model_validator(mode="after")

@@ -1,18 +1,47 @@
-"""The model card (`README.md` beside a calibrated checkpoint): a Hugging Face style card with
-the recipe, every input with its digest, the metrics and the provenance, built from `lineage.trace`.
+"""The model card (`README.md` beside a calibrated checkpoint): a Hugging Face model card
+(huggingface_hub's `ModelCard`; its metadata, a `ModelCardData`, follows the rules of
+featcal_core.provenance.card_metadata) with how to load the model and its refit heads, the
+evaluation results, the recipe, every input with its digest, the inputs' licenses and the
+provenance, built from `lineage.trace`.
+
+The pipeline writes it twice (flows/steps.py): after calibration (no results yet) and again once
+`featcal evaluate` has the evaluation table (not when it runs as a DVC stage: the folder is the
+calibrate stage's output). Both go through the guarded writer, which records the
+card's new sha256 in the folder's marker, so the folder still verifies (`verify_output`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import re
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import ModelCard
+
 from featcal_core.errors import FeatCalError
-from featcal_core.io.outputs import write_file
-from featcal_core.provenance.text import DASH, as_dict, metric_text, value_text
+from featcal_core.io.outputs import sha256_file, write_file
+from featcal_core.provenance.card_metadata import (
+    FRONT_MATTER_ORDER,
+    accuracy_table,
+    card_data,
+    eval_results,
+    read_license,
+)
+from featcal_core.provenance.card_sections import (
+    _cell,
+    _code,
+    _license_section,
+    _metrics_table,
+    _nested,
+    _results_section,
+    _table,
+    _usage_section,
+)
+from featcal_core.provenance.records import FITTED_ON
+from featcal_core.provenance.text import DASH, as_dict, value_text
 
 __all__ = ["CARD_NAME", "model_card_fields", "render_model_card", "write_model_card"]
 
@@ -33,7 +62,6 @@ _FEATCAL_LABELS = (
     ("num_per_task", "n per task (calibration inputs per task)"),
     ("seed", "seed (calibration sample)"),
 )
-_METRIC_ORDER = ("accuracy", "normalized", "loss", "examples")
 #: what the model card shows of a calibration set
 _CARD_SET_KEYS = (
     "digest", "tree_sha256", "n_rows", "rows", "rows_available", "seed", "source", "split",
@@ -41,14 +69,16 @@ _CARD_SET_KEYS = (
 #: what the model card shows of the base model, and under which label
 _CARD_MODEL_FACTS = (("reference", "reference"), ("kind", "kind"), ("revision", "revision"),
                      ("commit", "commit"))  # fmt: skip
-_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 #: the model card written next to the weights
 CARD_NAME = "README.md"
 
 
 def model_card_fields(result: Mapping[str, Any]) -> dict[str, Any]:
-    """Keyword arguments of `write_model_card` (title, recipe, inputs, metrics, provenance)
-    taken from a `trace` result."""
+    """Keyword arguments of `write_model_card` (title, recipe, inputs, evaluation, provenance,
+    model, heads, model_name) taken from a `trace` result: each input's license is read from its
+    folder (card_metadata.read_license), the refit heads are those of
+    `<results>/refit_heads/<checkpoint name>/` when their fitted_on.json names this checkpoint's
+    weights, and the evaluation is the results directory's evaluation.json."""
     chain = result.get("chain") or {}
     calibrated, merged = chain.get("calibrated"), chain.get("merged")
     recipe: dict[str, Any] = {}
@@ -70,6 +100,9 @@ def model_card_fields(result: Mapping[str, Any]) -> dict[str, Any]:
         }
         out.setdefault("reference", entry.get("path"))
         out["sha256"] = {name: info["sha256"] for name, info in (entry.get("files") or {}).items()}
+        stated = read_license(entry.get("path"))
+        if stated:
+            out["license"] = stated
         return out
 
     inputs: dict[str, Any] = {
@@ -91,45 +124,66 @@ def model_card_fields(result: Mapping[str, Any]) -> dict[str, Any]:
         title = f"{checkpoint.name}: {merged['method']} merge of {count} experts"
     else:
         title = checkpoint.name
+    results_dir = chain.get("results_dir")
     return {
         "title": title,
         "recipe": recipe,
         "inputs": inputs,
-        "metrics": chain.get("evaluation") or None,
+        "evaluation": chain.get("evaluation") or None,
         "provenance": dict(chain.get("provenance") or {}) or None,
+        "model": _model_facts(chain, checkpoint),
+        "heads": _refit_heads(results_dir, checkpoint),
+        "model_name": f"{Path(results_dir).name}-{checkpoint.name}"
+        if results_dir
+        else checkpoint.name,
     }
 
 
-def _cell(value: Any) -> str:
-    text = value_text(value) if not isinstance(value, str) else value
-    return " ".join(text.split()).replace("|", "\\|") or DASH
+def _model_facts(chain: Mapping[str, Any], checkpoint: Path) -> dict[str, Any]:
+    """{"architecture", "model_type", "modality", "causal"} of the traced checkpoint (those
+    known): featcal.json's architecture, config.json's model_type, the calibration sets'
+    modality, and what featcal's adapter for the architecture says."""
+    facts: dict[str, Any] = {"architecture": as_dict(chain.get("calibrated")).get("architecture")}
+    try:
+        config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+        facts["model_type"] = config.get("model_type") if isinstance(config, dict) else None
+    except (OSError, ValueError):
+        pass
+    sets = as_dict(chain.get("calibration_sets")).values()
+    facts["modality"] = next((as_dict(s).get("modality") for s in sets
+                              if as_dict(s).get("modality")), None)  # fmt: skip
+    if isinstance(facts["architecture"], str):
+        from featcal_core.architectures import get  # (imports torch: only when there is one)
+
+        try:
+            family = get(facts["architecture"])
+        except FeatCalError:
+            family = None
+        if family is not None:
+            facts["modality"] = facts["modality"] or family.modality or None
+            facts["causal"] = bool(family.causal)
+    return {key: value for key, value in facts.items() if value is not None}
 
 
-def _code(value: Any) -> str:
-    return f"`{value}`" if isinstance(value, str) and value and "`" not in value else _cell(value)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return lines + [""]
-
-
-def _hub_id(base: Mapping[str, Any]) -> str | None:
-    """The base's Hub id (owner/name, no revision), or None for a local model."""
-    kind = base.get("kind")
-    if kind == "local":
+def _refit_heads(results_dir: Any, checkpoint: Path) -> dict[str, str] | None:
+    """{task: head folder} of `<results>/refit_heads/<checkpoint name>/`, when its fitted_on.json
+    records this checkpoint's weights (else None: no heads, or heads of other weights)."""
+    if not results_dir:
         return None
-    for key in ("repo_id", "reference"):
-        value = base.get(key)
-        if not isinstance(value, str):
-            continue
-        ident = value.split("@", 1)[0].strip()
-        if not _HUB_ID.match(ident) or ".." in ident:
-            continue
-        if kind == "hub" or key == "repo_id" or not Path(value).expanduser().exists():
-            return ident
-    return None
+    folder = Path(results_dir) / "refit_heads" / checkpoint.name
+    try:
+        fitted = json.loads((folder / FITTED_ON).read_text(encoding="utf-8")).get("weights")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(fitted, dict) or not fitted:
+        return None
+    for name, digest in fitted.items():
+        path = checkpoint / str(name)
+        if not path.is_file() or sha256_file(path) != digest:
+            return None
+    heads = {p.name: str(p) for p in sorted(folder.iterdir())
+             if (p / "classifier.safetensors").is_file()}  # fmt: skip
+    return heads or None
 
 
 def render_model_card(
@@ -139,6 +193,10 @@ def render_model_card(
     inputs: Mapping[str, Any],
     metrics: Mapping[str, Any] | None = None,
     provenance: Mapping[str, Any] | None = None,
+    evaluation: Mapping[str, Any] | None = None,
+    model: Mapping[str, Any] | None = None,
+    heads: Mapping[str, str] | None = None,
+    model_name: str | None = None,
 ) -> str:
     """The model card's text (see `write_model_card` for the arguments)."""
     base = as_dict(inputs.get("base"))
@@ -146,12 +204,18 @@ def render_model_card(
     sets = as_dict(inputs.get("calibration_sets"))
     merge = as_dict(recipe.get("merge"))
     featcal = as_dict(recipe.get("featcal"))
-    hub_id = _hub_id(base)
+    model = as_dict(model)
+    if evaluation is None and metrics and _nested(metrics):  # evaluation.json passed as metrics
+        evaluation, metrics = metrics, None
+    table = accuracy_table(evaluation)
+    own = "calibrated" if featcal else "merged"
+    data = card_data(
+        inputs=inputs, recipe=recipe, model=model,
+        results=eval_results(table, own, model.get("modality")) if table else [],
+        model_name=" ".join(str(model_name or title).split()),
+    )  # fmt: skip
 
-    lines = ["---", "library_name: transformers", "tags: [featcal, model-merging]"]
-    if hub_id:
-        lines.append(f"base_model: {hub_id}")
-    lines += ["---", "", f"# {' '.join(str(title).split())}", ""]
+    lines = [f"# {' '.join(str(title).split())}", ""]
     method = merge.get("method")
     made = f"{len(experts)} fine-tuned task experts" if experts else "fine-tuned task experts"
     made = f"This checkpoint merges {made} into one model"
@@ -167,6 +231,9 @@ def render_model_card(
         "`featcal lineage <this directory>` checks them against the files on disk.",
         "",
     ]
+    lines += _usage_section(model, heads)
+    if table:
+        lines += _results_section(table, evaluation, own)
 
     lines += ["## How it was made", ""]
     step = 1
@@ -252,6 +319,7 @@ def render_model_card(
     else:
         lines += ["None (no FeatCal calibration recorded).", ""]
 
+    lines += _license_section(inputs)
     if metrics:
         lines += ["## Metrics", ""]
         lines += _metrics_table(metrics)
@@ -264,43 +332,13 @@ def render_model_card(
                 for k, v in provenance.items()
             ],
         )
-    return "\n".join(lines).rstrip("\n") + "\n"
-
-
-def _metrics_table(metrics: Mapping[str, Any]) -> list[str]:
-    """{task: {model: {metric: v}}} (evaluation.json), {task: {metric: v}} or {metric: v}."""
-    rows_nested = {
-        task: row
-        for task, row in metrics.items()
-        if isinstance(row, Mapping) and row and all(isinstance(v, Mapping) for v in row.values())
-    }
-    if rows_nested and len(rows_nested) == len(metrics):
-        names = list(
-            dict.fromkeys(
-                key for row in rows_nested.values() for res in row.values() for key in res
-            )
-        )
-        names = [n for n in _METRIC_ORDER if n in names] + [
-            n for n in names if n not in _METRIC_ORDER
-        ]
-        rows = [
-            [_cell(task), _cell(model)] + [metric_text(as_dict(res).get(n)) for n in names]
-            for task, row in rows_nested.items()
-            for model, res in row.items()
-        ]
-        return _table(["task", "model", *names], rows)
-    if all(isinstance(row, Mapping) for row in metrics.values()):
-        names = list(dict.fromkeys(key for row in metrics.values() for key in row))
-        rows = [
-            [_cell(task)] + [metric_text(row.get(n)) for n in names]
-            for task, row in metrics.items()
-        ]
-        return _table(["task", *names], rows)
-    return _table(["metric", "value"], [[_cell(k), metric_text(v)] for k, v in metrics.items()])
+    body = "\n".join(lines).rstrip("\n") + "\n"
+    front = data.to_yaml(original_order=FRONT_MATTER_ORDER)
+    return ModelCard(f"---\n{front}\n---\n\n{body}").content  # parsed and validated
 
 
 def _write_text(path: Path, text: str) -> None:
-    """Write `text` (UTF-8) through the guarded writer (atomic; registered in the folder's marker)."""
+    """Write `text` (UTF-8) through the guarded writer (atomic; in the folder's marker)."""
     write_file(path, text)
 
 
@@ -312,20 +350,31 @@ def write_model_card(
     inputs: Mapping[str, Any],
     metrics: Mapping[str, Any] | None = None,
     provenance: Mapping[str, Any] | None = None,
+    evaluation: Mapping[str, Any] | None = None,
+    model: Mapping[str, Any] | None = None,
+    heads: Mapping[str, str] | None = None,
+    model_name: str | None = None,
 ) -> Path:
-    """Write a Hugging Face style model card, `README.md`, next to the weights; returns its path.
+    """Write the Hugging Face model card, `README.md`, next to the weights; returns its path.
 
     recipe: {"merge": {"method", "hyperparameters"}, "featcal": {"alpha", "rho", "lam", "eps",
     "num_per_task", "seed", ...}} (either may be missing). inputs: {"base": {"reference", "kind",
-    "repo_id", "revision", "commit", "sha256": {file: sha256}}, "experts": {task: same},
-    "calibration_sets": {task: {"digest", "n_rows", "rows_available", "seed", "source",
-    "split"}}}. metrics: evaluation.json's {task: {model: {"accuracy", ...}}} (or a flat
-    {task: {metric: value}}). provenance: {"git_commit", "mlflow_run_id", "prefect_flow_run_id",
-    "dvc_stage", ...}. `model_card_fields(trace(dir))` builds all of them from the records.
+    "repo_id", "revision", "commit", "sha256": {file: sha256}, "license": {"license",
+    "license_name", "license_link"} or a string}, "experts": {task: same}, "calibration_sets":
+    {task: {"digest", "n_rows", "rows_available", "seed", "source", "split"}}}. evaluation:
+    evaluation.json's {task: {model: {"accuracy", ...}}}: the card's model-index and results
+    table (another shape: none, with a warning). metrics: any other {task: {metric: value}} or
+    {metric: value} table, shown as is (evaluation.json passed here counts as `evaluation`).
+    provenance: {"git_commit", "mlflow_run_id", "prefect_flow_run_id", "dvc_stage", ...}.
+    model: the checkpoint's {"architecture", "model_type", "modality", "causal"}. heads: {task:
+    refit head folder}, shown in the usage snippet relative to this folder. model_name: the
+    model-index name (default: the title). `model_card_fields(trace(dir))` builds all of them
+    from the records.
 
-    The front matter says library_name transformers, tags featcal and model-merging, and
-    base_model when the base is a Hub model. An existing README.md (e.g. the base model's card,
-    copied by the merge) is replaced atomically.
+    The metadata (base_model, license, tags, model-index) follows featcal_core.provenance.
+    card_metadata. An existing README.md (e.g. the base model's card, copied by the merge, or the
+    card of an earlier step) is replaced atomically through the guarded writer: a folder with a
+    marker gets the card's new sha256 there, so `verify_output` still passes.
     """
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
@@ -333,10 +382,20 @@ def write_model_card(
             f"{directory} is not a directory; pass the checkpoint directory the model card "
             "belongs in"
         )
+    shown = {str(task): _relative(path, directory) for task, path in as_dict(heads).items()}
     text = render_model_card(
-        title=title, recipe=recipe, inputs=inputs, metrics=metrics, provenance=provenance
-    )
+        title=title, recipe=recipe, inputs=inputs, metrics=metrics, provenance=provenance,
+        evaluation=evaluation, model=model, heads=shown or None, model_name=model_name,
+    )  # fmt: skip
     path = directory / CARD_NAME
     _write_text(path, text)
     log.info("wrote model card %s", path)
     return path
+
+
+def _relative(path: Any, directory: Path) -> str:
+    """`path` relative to `directory` (a card names no absolute local paths where it can)."""
+    try:
+        return os.path.relpath(Path(path).expanduser().resolve(), directory.resolve())
+    except ValueError:  # another drive
+        return str(path)

@@ -42,6 +42,9 @@ RESULTS_LAYOUT = {
     "evaluation_data": "evaluation_data",
     "evaluation": EVALUATION,
     "provenance": PROVENANCE,
+    "plots": "plots",
+    "merges": "merges",  # featcal compare: one folder per distinct merge
+    "variants": "variants",  # featcal compare: one results folder per variant
 }
 
 

@@ -14,20 +14,22 @@ write leaves the previous report as it was. The directory belongs to the report:
 anything but report files is refused rather than replaced.
 
 Numbers are shown as given in the records; the only derived figures are averages over tasks
-(per column), the mean drift over tasks of each block, the share of the merged→expert gap closed
-(`gap_closed`) and the peak RSS in MiB. Accuracy, normalized accuracy and gap closed are shown in
-percent with one decimal. A missing value (no base model without a zero-shot head, no calibrated
-model when FeatCal is disabled, a non-finite number) is shown as "—" and left out of averages.
+(per column), the mean drift over tasks of each block (drawn beside each task's drift), the
+share of the merged→expert gap closed (`gap_closed`) and the peak RSS in MiB. Accuracy,
+normalized accuracy and gap closed are shown in percent with one decimal. A missing value (no
+base model without a zero-shot head, no calibrated model when FeatCal is disabled, a non-finite
+number) is shown as "—" and left out of averages.
 
 Pure library: matplotlib (Agg canvas, no pyplot, so no global backend is touched) is imported
 inside the plotting functions.
 
 The package: `tables` (the accuracy table's rows and averages, gap closed, per-block drift means),
 `sections` (the other sections, as content), `markdown` and `html` (rendering), `plots` (the two
-PNGs), `writer` (`write_report`: the directory).
+PNGs: accuracy of every evaluated row per task, drift per task and its mean per block; what each
+draws is `accuracy_series` / `drift_series`), `writer` (`write_report`: the directory).
 """
 
-from featcal_core.report.plots import plot_accuracy, plot_drift
+from featcal_core.report.plots import accuracy_series, drift_series, plot_accuracy, plot_drift
 from featcal_core.report.tables import DASH, MODEL_ORDER, gap_closed
 from featcal_core.report.writer import REPORT_FILES, write_report
 
@@ -35,6 +37,8 @@ __all__ = [
     "DASH",
     "MODEL_ORDER",
     "REPORT_FILES",
+    "accuracy_series",
+    "drift_series",
     "gap_closed",
     "plot_accuracy",
     "plot_drift",

@@ -1,0 +1,48 @@
+"""`featcal compare`: the variants of the params file's `compare:` section side by side (merge ×
+repair × hyperparameters) in one Prefect flow; prints the comparison table and where it is."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from featcal_cli.arguments import Command, params_arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    params_arguments(parser)
+    parser.add_argument("--json", action="store_true",
+                        help="print the comparison as JSON instead of the table")  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    from featcal_core.params import load_params
+
+    load_params(args.params, args.set)  # validated before any heavy work
+    from featcal.flows.compare import run_compare
+    from featcal.flows.summary import shown
+
+    summary = run_compare(args.params, args.set)
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "files"}, indent=2,
+                         default=str))  # fmt: skip
+        return 0
+    text = summary["files"]["compare.md"].read_text()
+    table = [line for line in text.splitlines() if line.startswith("|")]
+    print("\n" + "\n".join(table))
+    print(f"\ncomparison:  {shown(summary['report'])} (compare.json: every number; "
+          "accuracy_vs_cost.png)")  # fmt: skip
+    if summary.get("mlflow_run_id"):
+        print(f"MLflow run:  {summary['mlflow_run_id']} (one child run per variant)")
+    return 0
+
+
+COMMANDS = (
+    Command(
+        "compare",
+        "run the variants of params.yaml's compare: section (merge × repair × hyperparameters) "
+        "side by side, sharing the download, calibration sets and merges",
+        add_arguments,
+        run,
+    ),
+)

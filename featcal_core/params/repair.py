@@ -1,0 +1,83 @@
+"""`repair:` (which repair runs on the merged model) and `compare:` (variants that `featcal
+compare` runs side by side)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from featcal_core.names import name_problem
+from featcal_core.params.base import FiniteFloat, _error, _Section
+
+#: RegMean's default α (featcal_core.repair.closed_form.DEFAULT_ALPHA; kept equal by a test)
+REGMEAN_ALPHA = 0.6
+
+#: params a variant may change: what comes after the shared download and calibration sets
+VARIANT_KEYS = ("merge.", "repair.", "featcal.alpha", "featcal.rho", "featcal.lam",
+                "featcal.eps", "featcal.precision")  # fmt: skip
+
+
+class RepairSettings(_Section):
+    """What repairs the merged model. `featcal` (the featcal: section; `featcal.enabled: false`
+    turns every repair off, as before), `regmean` (RegMean, Jin et al. 2023: each block Linear
+    from the experts' input Grams on the same calibration sets) or `none` (evaluate the merge
+    only). The repaired model is the pipeline's `calibrated` checkpoint and evaluation row."""
+
+    method: Literal["featcal", "regmean", "none"] = Field(
+        "featcal", description="featcal | regmean | none"
+    )
+    regmean_alpha: FiniteFloat = Field(
+        REGMEAN_ALPHA, ge=0.0, le=1.0,
+        description="RegMean's scale of the Grams' off-diagonal entries (1: plain least squares)",
+    )  # fmt: skip
+
+
+class Variant(_Section):
+    """One variant of `featcal compare`: a name and `--set` style overrides of the params."""
+
+    name: str = Field(..., description="variant name (MLflow child run, results folder)")
+    set: list[str] = Field(
+        default_factory=list,
+        description="overrides KEY=VALUE of merge.*, repair.* and featcal.alpha/rho/lam/eps/"
+        "precision (e.g. merge.method=ties, repair.method=regmean); "
+        "merge.hyperparameters={scale: 0.3} replaces the mapping whole",
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        problem = name_problem(name)
+        if problem is not None:
+            raise _error(f"variant name {problem}")
+        return name
+
+    @field_validator("set")
+    @classmethod
+    def _variant_keys(cls, overrides: list[str]) -> list[str]:
+        for override in overrides:
+            key = override.partition("=")[0].strip()
+            if not any(key.startswith(p) if p.endswith(".") else key == p for p in VARIANT_KEYS):
+                raise _error(
+                    f"{override!r}: a variant may set only merge.*, repair.* and "
+                    "featcal.alpha/rho/lam/eps/precision (the download and calibration sets are "
+                    "shared by all variants); put other settings in the params file"
+                )
+        return overrides
+
+
+class CompareSettings(_Section):
+    """The variants `featcal compare` runs (merge × repair × hyperparameters), sharing one
+    download and one set of calibration sets, each distinct merge run once."""
+
+    variants: list[Variant] = Field(..., min_length=1, description="the variants, in order")
+
+    @field_validator("variants")
+    @classmethod
+    def _unique(cls, variants: list[Variant]) -> list[Variant]:
+        seen: set[str] = set()
+        for variant in variants:
+            if variant.name in seen:
+                raise _error(f"variant name {variant.name!r} appears twice; names must differ")
+            seen.add(variant.name)
+        return variants

@@ -1,0 +1,302 @@
+"""`train_surgery`: Representation Surgery (Yang et al., ICML 2024) as a repair baseline.
+
+For each task t a small module (surgery_module.py) on the merged model's feature z, the input of
+task t's head (`Head.parts` features: for CLIP vision experts with a linear head the tower's
+pooler_output, post_layernorm(CLS); for CLIP zero-shot heads the L2-normalised projected image
+embedding; for BERT-style classifiers the pooler output), trained so that
+
+    ẑ = z − W_up·ReLU(W_down·z)   minimises   mean |ẑ − z_t|    (L1, unlabeled)
+
+with z_t expert t's own feature on the same input. Inputs are task t's calibration set, drawn as
+FeatCal draws it (`Settings`: num_per_task, seed). Both features are computed once (the module
+acts on the final feature only), then Adam runs on the cached (N, d) float32 tensors, on the CPU.
+
+Defaults, from the authors' code (github.com/EnnengYang/RepresentationSurgery, src/merging_model.py
+and src/main_*_with_surgery.py) and FusionBench (config/method/surgery/adamerging_surgery.yaml,
+fusion_bench/models/surgery/surgerymodelwrapper.py): rank 16, W_down Kaiming-uniform (a = √5),
+W_up = 0, no biases, nn.L1Loss (mean), Adam lr 1e-3, betas (0.9, 0.999), no weight decay,
+batches of 16 reshuffled each pass; 1000 steps per task (FusionBench's surgery_steps; the authors
+run 500 iterations of 2 batches per task). The paper trains on the tasks' unlabeled *test* inputs;
+here, as for FeatCal, on the calibration (train-split) inputs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from featcal_core.data.calibration_data import CalibrationSet, load_calibration_set
+from featcal_core.errors import FeatCalError
+from featcal_core.evaluation.head import Head
+from featcal_core.io.checkpoint import Checkpoint, sha256_file, sha256_tree
+from featcal_core.io.outputs import check_output, guarded_directory, write_json
+from featcal_core.memory import peak_rss_bytes
+from featcal_core.method.calibration import check_tasks, resolve_device
+from featcal_core.method.settings import Settings
+from featcal_core.repair.surgery_module import SurgeryModule, save_surgery
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_LR", "DEFAULT_RANK", "DEFAULT_STEPS", "DEFAULT_SURGERY_BATCH", "SURGERY_RECORD",
+           "fit_surgery", "head_features", "train_surgery"]  # fmt: skip
+
+SURGERY_RECORD = "surgery.json"
+RECORD_VERSION = 1
+DEFAULT_RANK = 16
+DEFAULT_STEPS = 1000
+DEFAULT_LR = 1e-3
+DEFAULT_SURGERY_BATCH = 16
+BETAS = (0.9, 0.999)
+
+
+def check_hyperparameters(
+    rank: int, steps: int, lr: float, batch_size: int, log_every: int
+) -> None:
+    """FeatCalError naming the first bad value."""
+    for flag, value in (("--rank", rank), ("--steps", steps), ("--surgery-batch-size", batch_size),
+                        ("--log-every", log_every)):  # fmt: skip
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise FeatCalError(f"{flag} must be a positive integer (got {value!r})")
+    if not isinstance(lr, int | float) or not 0 < lr < float("inf"):
+        raise FeatCalError(f"--lr must be a positive number (got {lr!r})")
+
+
+def task_generator(seed: int, task: str) -> torch.Generator:
+    """A generator seeded from (seed, task): a task's module does not depend on the other tasks."""
+    digest = hashlib.sha256(f"featcal-surgery:{seed}:{task}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+@torch.no_grad()
+def head_features(head: Head, model_dir: str | Path, rows: list[Any], *, batch_size: int = 16,
+                  device: torch.device | str = "cpu") -> torch.Tensor:  # fmt: skip
+    """(N, d) float32 on the CPU: `head`'s input for the tower in `model_dir` on each of `rows`."""
+    target = torch.device(device)
+    features, _ = head.parts(model_dir, target)
+    chunks = []
+    for start in range(0, len(rows), batch_size):
+        inputs = {
+            k: v.to(target) for k, v in head.preprocess(rows[start : start + batch_size]).items()
+        }
+        chunks.append(features(**inputs).float().cpu())
+    out = torch.cat(chunks)
+    if out.ndim != 2 or not torch.isfinite(out).all():
+        raise FeatCalError(
+            f"{head.describe()} on {model_dir}: features of shape "
+            f"{tuple(out.shape)} are not finite (N, d); check the model"
+        )
+    return out
+
+
+def fit_surgery(
+    merged: torch.Tensor,
+    expert: torch.Tensor,
+    *,
+    rank: int = DEFAULT_RANK,
+    steps: int = DEFAULT_STEPS,
+    lr: float = DEFAULT_LR,
+    batch_size: int = DEFAULT_SURGERY_BATCH,
+    generator: torch.Generator,
+    log_every: int = 50,
+    progress: bool = False,
+    desc: str = "surgery",
+) -> tuple[SurgeryModule, dict[str, Any]]:
+    """Train one module on cached features merged z, expert z_t: (N, d) each, same rows.
+
+    Adam on mean |module(z_b) − z_t,b| over batches b of `batch_size` rows (a fresh permutation
+    from `generator` each pass; the last batch of a pass may be smaller). Returns the module
+    (eval mode) and the loss curve: {"first", "last", "every", "steps": [...], "loss": [...]}
+    (step 1, every `log_every`-th, the last), plus the L1 on all N rows before and after."""
+    if merged.shape != expert.shape or merged.ndim != 2 or merged.shape[0] == 0:
+        raise FeatCalError(f"surgery: merged features {tuple(merged.shape)} and expert features "
+                           f"{tuple(expert.shape)} must both be (N, d) with N ≥ 1")  # fmt: skip
+    check_hyperparameters(rank, steps, lr, batch_size, log_every)
+    z, target = merged.detach().float().cpu(), expert.detach().float().cpu()
+    n, dim = z.shape
+    module = SurgeryModule(dim, rank).reset_parameters(generator).train()
+    optimizer = torch.optim.Adam(module.parameters(), lr=lr, betas=BETAS, weight_decay=0.0)
+    size = min(batch_size, n)
+    order, cursor = torch.randperm(n, generator=generator), 0
+    logged_steps, logged_loss = [], []
+    for step in tqdm(range(1, steps + 1), desc=desc, unit="step", disable=not progress):
+        if cursor >= n:
+            order, cursor = torch.randperm(n, generator=generator), 0
+        batch = order[cursor : cursor + size]
+        cursor += size
+        loss = F.l1_loss(module(z[batch]), target[batch])
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise FeatCalError(f"surgery: the loss is NaN or Inf at step {step}; check the "
+                               f"features or lower --lr (got {lr})")  # fmt: skip
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if step == 1 or step % log_every == 0 or step == steps:
+            logged_steps.append(step)
+            logged_loss.append(value)
+    if not all(torch.isfinite(p).all() for p in module.parameters()):
+        raise FeatCalError(
+            f"surgery: the module diverged (NaN or Inf weights); lower --lr (got {lr})"
+        )
+    module.eval()
+    with torch.no_grad():
+        l1_merged = float(F.l1_loss(z, target))
+        l1_surgery = float(F.l1_loss(module(z), target))
+    curve = {"first": logged_loss[0], "last": logged_loss[-1], "every": log_every,
+             "steps": logged_steps, "loss": logged_loss,
+             "l1_merged": l1_merged, "l1_surgery": l1_surgery}  # fmt: skip
+    return module, curve
+
+
+def _describe(checkpoint: Checkpoint) -> dict:
+    return {"path": str(checkpoint.directory.resolve()),
+            "sha256": {p.name: sha256_file(p) for p in checkpoint.weight_paths()}}  # fmt: skip
+
+
+def _describe_set(data: CalibrationSet) -> dict:
+    return {"path": str(data.path.resolve()), "sha256": sha256_tree(data.path),
+            "rows": data.total_rows, "indices": data.indices}  # fmt: skip
+
+
+def _task_heads(experts: Mapping[str, str | Path], heads: Mapping[str, Head] | None,
+                tokenizer_dir: str | Path | None) -> dict[str, Head]:  # fmt: skip
+    """Each task's head: the given one, else the expert's own classifier (ExpertHead)."""
+    if heads is not None:
+        extra = sorted(set(heads) - set(experts))
+        if extra:
+            raise FeatCalError(f"heads: task {extra[0]!r} has no expert; give heads only for "
+                               "the experts' tasks")  # fmt: skip
+    from featcal_core.evaluation.expert_head import ExpertHead
+
+    out = {}
+    for task, expert in experts.items():
+        if heads is not None and task in heads:
+            out[task] = heads[task]
+            continue
+        try:
+            head = ExpertHead(expert, tokenizer_dir=tokenizer_dir)
+        except FeatCalError as exc:  # e.g. no `architectures`: name the task
+            raise FeatCalError(f"task {task!r}: {exc}") from exc
+        try:
+            head.require_head()
+        except FeatCalError as exc:
+            raise FeatCalError(
+                f"task {task!r}: expert {expert} has no classification head, so there is no head "
+                "input for surgery to act on; save classifier.safetensors beside the tower or "
+                f"pass heads={{{task!r}: ZeroShotHead(...)}}"
+            ) from exc
+        out[task] = head
+    return out
+
+
+def train_surgery(
+    merged: str | Path,
+    experts: Mapping[str, str | Path],
+    calibration_sets: Mapping[str, str | Path],
+    out: str | Path,
+    *,
+    heads: Mapping[str, Head] | None = None,
+    rank: int = DEFAULT_RANK,
+    steps: int = DEFAULT_STEPS,
+    lr: float = DEFAULT_LR,
+    batch_size: int = DEFAULT_SURGERY_BATCH,
+    settings: Settings = Settings(),
+    seed: int = 0,
+    log_every: int = 50,
+    tokenizer_dir: str | Path | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Train one surgery module per task for the tower in `merged`; write `out/<task>/`
+    (surgery.safetensors + surgery.json, see surgery_module.py) and `out/surgery.json`, and
+    return that record. Raises FeatCalError on bad input before any work, leaving `out` as it was.
+
+    experts, calibration_sets: task → expert dir, task → `save_to_disk` dir (sampled as FeatCal
+    samples: settings.num_per_task, settings.seed); heads: task → Head whose input the module acts
+    on (default: the expert's own head, `ExpertHead(expert, tokenizer_dir=...)`); batch_size: rows
+    per Adam step (feature passes use settings.batch_size on settings.device); seed: the modules'
+    init and batch order (per task). Memory: one model at a time plus two (N, d) float32 features.
+    """
+    started = time.perf_counter()
+    out = Path(out)
+    check_tasks(dict(experts), dict(calibration_sets))
+    check_hyperparameters(rank, steps, lr, batch_size, log_every)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise FeatCalError(f"surgery seed must be an integer (got {seed!r})")
+    inputs = (merged, *experts.values(), *calibration_sets.values())
+    check_output(out, overwrite=overwrite, inputs=inputs)
+    device = resolve_device(settings.device)
+    merged_ckpt = Checkpoint(merged, role="merged model")
+    expert_ckpts = {t: Checkpoint(p, role=f"expert {t!r}") for t, p in experts.items()}
+    task_heads = _task_heads(experts, heads, tokenizer_dir)
+    sets = {task: load_calibration_set(task, path, task_heads[task].modality,
+                                       settings.num_per_task, settings.seed)
+            for task, path in calibration_sets.items()}  # fmt: skip
+    hyper = {"rank": rank, "steps": steps, "lr": lr, "betas": list(BETAS), "weight_decay": 0.0,
+             "batch_size": batch_size, "seed": seed, "log_every": log_every, "loss": "mean L1",
+             "init": "W_down Kaiming-uniform (a = sqrt 5), W_up = 0"}  # fmt: skip
+    log.info("surgery (rank %d, %d steps, lr %g): %d tasks on %s", rank, steps, lr, len(sets),
+             merged)  # fmt: skip
+    tasks: dict[str, dict] = {}
+    with guarded_directory(out, overwrite=overwrite, inputs=inputs) as tmp:
+        for task, data in sets.items():
+            task_start = time.perf_counter()
+            head = task_heads[task]
+            z = head_features(
+                head, merged, data.rows, batch_size=settings.batch_size, device=device
+            )
+            z_t = head_features(head, experts[task], data.rows, batch_size=settings.batch_size,
+                                device=device)  # fmt: skip
+            module, curve = fit_surgery(z, z_t, rank=rank, steps=steps, lr=lr,
+                                        batch_size=batch_size, generator=task_generator(seed, task),
+                                        log_every=log_every, progress=progress,
+                                        desc=f"surgery {task}")  # fmt: skip
+            summary = {
+                "task": task,
+                "feature": {
+                    "head": head.describe(),
+                    "modality": head.modality,
+                    "rows": int(z.shape[0]),
+                    "dim": int(z.shape[1]),
+                },
+                "hyperparameters": hyper,
+                "loss": curve,
+                "inputs": {
+                    "merged": _describe(merged_ckpt),
+                    "expert": _describe(expert_ckpts[task]),
+                    "calibration": _describe_set(data),
+                },
+                "wall_seconds": round(time.perf_counter() - task_start, 3),
+                "peak_rss_bytes": peak_rss_bytes(),
+            }
+            save_surgery(tmp / task, module, summary)
+            tasks[task] = {k: summary[k] for k in ("feature", "loss", "wall_seconds")}
+            log.info("surgery %s: d %d, %d rows, L1 %.4g -> %.4g (batch loss %.4g -> %.4g, %.1f s)",
+                     task, z.shape[1], z.shape[0], curve["l1_merged"], curve["l1_surgery"],
+                     curve["first"], curve["last"], summary["wall_seconds"])  # fmt: skip
+        record = {
+            "surgery_record_version": RECORD_VERSION,
+            "method": "representation_surgery",
+            "hyperparameters": {**hyper, "settings": dict(asdict(settings), device=str(device))},
+            "inputs": {
+                "merged": _describe(merged_ckpt),
+                "experts": {t: _describe(c) for t, c in expert_ckpts.items()},
+                "calibration": {t: _describe_set(s) for t, s in sets.items()},
+            },
+            "tasks": tasks,
+            "wall_seconds": round(time.perf_counter() - started, 3),
+            "peak_rss_bytes": peak_rss_bytes(),
+        }
+        write_json(tmp / SURGERY_RECORD, record, "surgery record")
+    log.info("wrote %s in %.1f s", out, record["wall_seconds"])
+    return record

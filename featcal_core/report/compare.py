@@ -1,0 +1,139 @@
+"""The comparison report of `featcal compare`: variants (merge × repair × hyperparameters) side by
+side, with what each cost.
+
+    rows = comparison_rows(evaluation, variants, reference="merged:ties")
+    write_comparison("reports/vision-zoo-compare", run_name="vision-zoo", rows=rows, ...)
+
+`evaluation` is one evaluation table ({task: {row: {"accuracy", "normalized", ...}}}, as
+tasks/evaluate.py writes it) holding the experts, every distinct merge and every repaired model;
+each variant names its row there. Gap closed is measured against one reference merge for every
+variant (the params file's own merge), so variants with different merges compare on one scale:
+(accuracy − reference merge's) / (expert's − reference merge's) × 100, in percent.
+
+Units: accuracy, normalized accuracy and gap closed in percent; seconds; MiB.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from featcal_core.io.outputs import guarded_directory
+from featcal_core.report.tables import gap_closed
+
+__all__ = ["COMPARE_FILES", "comparison_markdown", "comparison_rows", "write_comparison"]
+
+COMPARE_FILES = ("compare.md", "compare.json", "accuracy_vs_cost.png")
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    return None if not values or None in values else sum(values) / len(values)
+
+
+def comparison_rows(
+    evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]],
+    variants: Sequence[Mapping[str, Any]],
+    reference: str,
+) -> list[dict[str, Any]]:
+    """One row per variant: {"name", "merge", "repair", "set", "tasks": {task: {"accuracy",
+    "normalized", "gap_closed"}}, "mean": {same keys}, "cost": {"merge_seconds",
+    "repair_seconds", "total_seconds", "peak_rss_mb"}} (percent, seconds, MiB).
+
+    Each variant mapping has "name", "row" (its evaluation row), "merge", "repair", "set" and
+    "cost" ({"merge_seconds", "repair_seconds", "peak_rss_mb"}); `reference` is the evaluation
+    row of the reference merge."""
+    rows = []
+    for variant in variants:
+        tasks: dict[str, dict[str, float | None]] = {}
+        for task, models in evaluation.items():
+            result = models.get(variant["row"]) or {}
+            accuracy = result.get("accuracy")
+            expert = (models.get("expert") or {}).get("accuracy")
+            merged = (models.get(reference) or {}).get("accuracy")
+            tasks[task] = {
+                "accuracy": None if accuracy is None else 100.0 * accuracy,
+                "normalized": None if accuracy is None or not expert else 100.0 * accuracy / expert,
+                "gap_closed": gap_closed(merged, accuracy, expert),
+            }
+        mean = {key: _mean([t[key] for t in tasks.values()])
+                for key in ("accuracy", "normalized", "gap_closed")}  # fmt: skip
+        cost = dict(variant["cost"])
+        cost["total_seconds"] = cost.get("merge_seconds", 0.0) + cost.get("repair_seconds", 0.0)
+        rows.append({"name": variant["name"], "merge": variant["merge"],
+                     "repair": variant["repair"], "set": list(variant.get("set", [])),
+                     "tasks": tasks, "mean": mean, "cost": cost})  # fmt: skip
+    return rows
+
+
+def _pct(value: float | None, unit: str = "") -> str:
+    return "—" if value is None else f"{value:.1f}{unit}"
+
+
+def comparison_markdown(run_name: str, rows: Sequence[Mapping[str, Any]], reference: str,
+                        chosen: Mapping[str, Any] | None = None) -> str:  # fmt: skip
+    """compare.md: a table of variants × tasks (accuracy %), the means (accuracy, normalized,
+    gap closed against `reference`) and the cost columns; then what each variant set."""
+    tasks = list(rows[0]["tasks"]) if rows else []
+    lines = [f"# featcal compare: {run_name}", "",
+             f"Accuracy (%) on the evaluation split; gap closed against the reference merge "
+             f"`{reference}`; cost = the variant's merge (shared by variants with the same merge) "
+             "plus its repair, on this machine.", ""]  # fmt: skip
+    header = ["variant", *tasks, "mean acc", "mean norm", "gap closed", "merge s", "repair s",
+              "total s", "peak RSS MiB"]  # fmt: skip
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        cost = row["cost"]
+        cells = [f"`{row['name']}`", *(_pct(row["tasks"][t]["accuracy"]) for t in tasks),
+                 _pct(row["mean"]["accuracy"]), _pct(row["mean"]["normalized"]),
+                 _pct(row["mean"]["gap_closed"], " %"), f"{cost.get('merge_seconds', 0):.1f}",
+                 f"{cost.get('repair_seconds', 0):.1f}", f"{cost['total_seconds']:.1f}",
+                 "—" if cost.get("peak_rss_mb") is None else f"{cost['peak_rss_mb']:.0f}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "| variant | merge | repair | overrides |", "|---|---|---|---|"]
+    for row in rows:
+        merge = f"{row['merge']['method']} {json.dumps(row['merge']['hyperparameters'])}"
+        lines.append(f"| `{row['name']}` | {merge} | {row['repair']} | "
+                     f"{', '.join(f'`{s}`' for s in row['set']) or '—'} |")  # fmt: skip
+    if chosen:
+        lines += ["", f"Chosen: `{chosen['name']}` ({chosen['why']})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_accuracy_vs_cost(rows: Sequence[Mapping[str, Any]], path: Path) -> list[tuple]:
+    """accuracy_vs_cost.png: mean accuracy (%) against total seconds, one labelled point per
+    variant; returns the points drawn [(name, seconds, accuracy)]."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    points = [(r["name"], r["cost"]["total_seconds"], r["mean"]["accuracy"]) for r in rows
+              if r["mean"]["accuracy"] is not None]  # fmt: skip
+    figure = Figure(figsize=(7, 4.5), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for name, seconds, accuracy in points:
+        axes.scatter([seconds], [accuracy])
+        axes.annotate(str(name).replace("$", r"\$"), (seconds, accuracy), fontsize=8,
+                      xytext=(4, 4), textcoords="offset points")  # fmt: skip
+    axes.set_xlabel("cost: merge + repair (s)")
+    axes.set_ylabel("mean accuracy (%)")
+    axes.set_title("accuracy against cost")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path)
+    return points
+
+
+def write_comparison(out_dir: str | Path, *, run_name: str, rows: Sequence[Mapping[str, Any]],
+                     reference: str, record: Mapping[str, Any]) -> dict[str, Path]:  # fmt: skip
+    """Write compare.md, compare.json (`record` plus the rows) and accuracy_vs_cost.png into
+    `out_dir`, replacing an earlier comparison there atomically; returns {file: final path}."""
+    out = Path(out_dir)
+    document = {**record, "reference": reference, "variants": list(rows)}
+    with guarded_directory(out, overwrite=True, flag="comparison folder") as tmp:
+        chosen = record.get("chosen")
+        (tmp / "compare.md").write_text(comparison_markdown(run_name, rows, reference, chosen))
+        (tmp / "compare.json").write_text(json.dumps(document, indent=2, default=str) + "\n")
+        plot_accuracy_vs_cost(rows, tmp / "accuracy_vs_cost.png")
+    return {name: out / name for name in COMPARE_FILES}

@@ -1,0 +1,267 @@
+"""`featcal compare`: variants (merge × repair × hyperparameters, the params file's `compare:`
+section) side by side, in one Prefect flow.
+
+The download and the calibration sets run once, in the params' results folder, and every variant
+uses them. Each distinct merge runs once (a `merge` task in `<results>/merges/<key>/`), however
+many variants use it. Each variant's repair (FeatCal, resumable; RegMean; or none) runs as a Prefect
+subflow `featcal-variant` in `<results>/variants/<name>/`, with its wall time and its own peak RSS.
+One evaluation then scores the experts, every merge and every repaired model, and the comparison
+(featcal_core.report.compare) goes to `reports/<run.name>-compare/`: variants × tasks, means,
+gap closed against the params file's own merge (`merged`), cost columns, accuracy against cost.
+MLflow: one parent run `<run.name>-compare`, one child run per variant with its metrics, params and
+overrides. Any variant is reproducible alone: `featcal run --set ...` (or `dvc exp run -S ...`)
+with the variant's overrides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from featcal.flows.environment import configure
+from featcal.flows.environment import project_root as working_project
+from featcal.flows.run_tags import lineage_tags, params_digest
+from featcal.flows.steps import Steps
+from featcal_core.errors import FeatCalError
+from featcal_core.memory import peak_rss_bytes, reset_peak_rss
+from featcal_core.params import Params, load_params
+from featcal_core.provenance.records import REPORTS_ROOT
+
+configure()  # before prefect is imported
+from prefect import flow  # noqa: E402
+from prefect.runtime import flow_run  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+#: the reference merge's evaluation row (the params file's own merge); gap closed is against it
+REFERENCE = "merged"
+#: evaluation rows that a variant may not be named after
+RESERVED = ("base", "expert", REFERENCE)
+_MIB = 1024 * 1024
+
+
+def merge_key(merge) -> str:
+    """12 hex digits naming a merge: method and its filled-in hyperparameters."""
+    from featcal_core.merging import get
+
+    spec = {"method": merge.method, "hyperparameters": get(merge.method).check(
+        dict(merge.hyperparameters))}  # fmt: skip
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def variant_overrides(params: Params, overrides: list[str], name: str) -> list[str]:
+    """The overrides that turn the params file into variant `name`'s params."""
+    (variant,) = [v for v in params.compare.variants if v.name == name]
+    results = Path(params.run.results_dir) / "variants" / name
+    return [*overrides, *variant.set, f"run.results_dir={results}"]
+
+
+def load_compare(params_path: str, overrides: list[str]) -> tuple[Params, dict[str, Params]]:
+    """The params and every variant's params, all validated (before any work)."""
+    params = load_params(params_path, overrides)
+    if params.compare is None:
+        raise FeatCalError(
+            f"{params_path} has no compare: section; add compare: {{variants: [{{name: ..., "
+            "set: [merge.method=ties, repair.method=regmean, ...]}]}} (see docs/compare.md)"
+        )
+    variants = {}
+    for variant in params.compare.variants:
+        if variant.name in RESERVED:
+            raise FeatCalError(f"{params_path}: compare.variants: the name {variant.name!r} is "
+                               f"reserved ({', '.join(RESERVED)}); rename the variant")  # fmt: skip
+        try:
+            variants[variant.name] = load_params(
+                params_path, variant_overrides(params, overrides, variant.name)
+            )
+        except FeatCalError as exc:
+            raise FeatCalError(f"compare variant {variant.name!r}: {exc}") from None
+    return params, variants
+
+
+def _shared(steps: Steps, params: Params, merged: Path) -> Steps:
+    """Steps of `params` that read the shared lock and calibration sets and the merge `merged`."""
+    found = Steps(params, in_flow=steps.in_flow)
+    found.paths.update(lock=steps.paths["lock"], calibration_sets=steps.paths["calibration_sets"],
+                       merged=merged)  # fmt: skip
+    return found
+
+
+def compare_run_name() -> str:
+    parameters = flow_run.parameters
+    params = load_params(parameters["params_path"], parameters.get("overrides") or [])
+    return f"{params.run.name}-compare-{params_digest(params)[:8]}"
+
+
+@flow(name="featcal-variant", flow_run_name="{name}")
+def variant_flow(name: str, params_path: str, overrides: list[str], merged: str,
+                 shared_root: str) -> dict:  # fmt: skip
+    """One variant's repair into `<results>/variants/<name>/calibrated`; returns its path and
+    cost (seconds, peak RSS of the repair in MiB)."""
+    base_params = load_params(params_path, overrides)
+    params = load_params(params_path, variant_overrides(base_params, overrides, name))
+    shared = Steps(base_params)
+    steps = _shared(shared, params, Path(merged))
+    steps.in_flow = True
+    method = params.repair_method
+    with steps.session(f"featcal compare ({name})"):
+        reset_peak_rss()
+        started = time.perf_counter()
+        if method != "none":
+            steps.calibrate()
+        seconds = time.perf_counter() - started
+    path = str(steps.paths["calibrated"]) if method != "none" else None
+    return {"path": path, "repair_seconds": seconds,
+            "peak_rss_mb": peak_rss_bytes() / _MIB if method != "none" else None}  # fmt: skip
+
+
+@flow(name="featcal-compare", flow_run_name=compare_run_name)
+def featcal_compare(params_path: str = "params.yaml", overrides: list[str] | None = None) -> dict:
+    """Every variant of the params file's `compare:` section (module docstring); returns the
+    summary: the comparison rows, the merges (with how often each ran), report and MLflow ids."""
+    params, _ = load_compare(params_path, overrides or [])
+    steps = Steps(params, in_flow=True)
+    with steps.session("featcal compare"):
+        return _compare(params_path, list(overrides or []), params, steps)
+
+
+def run_compare(params_path: str | Path, overrides: list[str] | None = None) -> dict:
+    """Validate the params and every variant, take the run lock, then run `featcal_compare`."""
+    params, _ = load_compare(str(params_path), list(overrides or []))
+    with Steps(params).session("featcal compare"):
+        return featcal_compare(str(Path(params_path).resolve()), list(overrides or []))
+
+
+def _compare(params_path: str, overrides: list[str], params: Params, steps: Steps) -> dict:
+    from featcal.tasks.evaluate import evaluate_models, evaluation_inputs
+    from featcal.tasks.tracking import parent_run, step_run
+    from featcal.tasks.tracking_log import log_artifacts, log_datasets, log_metrics, log_tags
+
+    root = working_project()
+    tags = {"prefect_flow_run_id": flow_run.get_id(), "params_digest": params_digest(params),
+            "featcal.compare": "true"}  # fmt: skip
+    with parent_run(params, run_name=f"{params.run.name}-compare", tags=tags,
+                    project_root=root) as run:  # fmt: skip
+        if params.zoo is not None:
+            with step_run("zoo"):
+                steps.zoo()
+        with step_run("download-experts"):
+            lock = steps.download()
+        log_tags(lineage_tags(lock))
+        with step_run("calibration-sets"):
+            sets = steps.calibration_sets()
+        log_datasets({"name": f"calibration/{t}", "context": "calibration", "sha256": r["digest"],
+                      "path": steps.paths["calibration_sets"] / t} for t, r in sets.items())  # fmt: skip
+        _, variants = load_compare(params_path, overrides)  # after the zoo step: models known
+        merges = _merges(steps, params, variants, step_run)
+        costs, children = {}, {}
+        for name, variant in variants.items():
+            key = merge_key(variant.merge)
+            with step_run(name, tags={"featcal.variant": name}) as child:
+                costs[name] = variant_flow(name, params_path, overrides,
+                                           str(merges[key]["path"]), str(steps.paths["root"]))  # fmt: skip
+            children[name] = child.info.run_id if child is not None else None
+        models = {merge["row"]: str(merge["path"]) for merge in merges.values()}
+        models.update({n: c["path"] for n, c in costs.items() if c["path"] is not None})
+        base, experts = steps.models()
+        with step_run("evaluate"):
+            evaluation = steps._call(evaluate_models, params, base, experts, models,
+                                     str(steps.paths["root"]), None)  # fmt: skip
+        log_datasets(evaluation_inputs(steps.params, str(steps.paths["root"])))
+        rows = _rows(evaluation, variants, merges, costs)
+        summary = _report(params, rows, merges, evaluation, run)
+        for row in rows:
+            log_metrics(_variant_metrics(row), run_id=children[row["name"]])
+        log_artifacts(list(summary["files"].values()), artifact_path="compare")
+    _artifact(params, summary)
+    return summary
+
+
+def _merges(steps: Steps, params: Params, variants: dict[str, Params], step_run) -> dict:
+    """Run each distinct merge once (the params file's own first, as the reference)."""
+    merges: dict[str, dict[str, Any]] = {}
+    labels: dict[str, int] = {}
+    for source in (params, *variants.values()):
+        key = merge_key(source.merge)
+        if key in merges:
+            continue
+        method = source.merge.method
+        labels[method] = labels.get(method, 0) + 1
+        row = REFERENCE if not merges else f"merge-{method}-{key[:6]}"
+        path = steps.paths["merges"] / key
+        reset_peak_rss()
+        started = time.perf_counter()
+        with step_run(f"merge {row}"):
+            record = _shared(steps, source, path).merge()
+        merges[key] = {"row": row, "path": path, "method": method,
+                       "hyperparameters": record["hyperparameters"],
+                       "seconds": time.perf_counter() - started,
+                       "peak_rss_mb": peak_rss_bytes() / _MIB}  # fmt: skip
+    return merges
+
+
+def _rows(evaluation: dict, variants: dict[str, Params], merges: dict, costs: dict) -> list[dict]:
+    from featcal_core.report.compare import comparison_rows
+
+    described = []
+    for name, variant in variants.items():
+        merge = merges[merge_key(variant.merge)]
+        cost = costs[name]
+        peaks = [p for p in (merge["peak_rss_mb"], cost["peak_rss_mb"]) if p is not None]
+        described.append({
+            "name": name, "row": name if cost["path"] else merge["row"],
+            "merge": {"method": merge["method"], "hyperparameters": merge["hyperparameters"]},
+            "repair": variant.repair_method, "set": next(
+                v.set for v in variant.compare.variants if v.name == name),
+            "cost": {"merge_seconds": merge["seconds"], "repair_seconds": cost["repair_seconds"],
+                     "peak_rss_mb": max(peaks) if peaks else None},
+        })  # fmt: skip
+    return comparison_rows(evaluation, described, REFERENCE)
+
+
+def _report(params: Params, rows: list[dict], merges: dict, evaluation: dict, run) -> dict:
+    from featcal_core.report.compare import write_comparison
+
+    record = {
+        "run": params.run.name,
+        "merges": {
+            key: {
+                "row": m["row"],
+                "method": m["method"],
+                "seconds": m["seconds"],
+                "path": str(m["path"]),
+            }
+            for key, m in merges.items()
+        },  # fmt: skip
+        "evaluation": evaluation,
+        "mlflow_run_id": run.info.run_id if run is not None else None,
+        "prefect_flow_run_id": str(flow_run.get_id()),
+    }
+    out = REPORTS_ROOT / f"{params.run.name}-compare"
+    files = write_comparison(out, run_name=params.run.name, rows=rows, reference=REFERENCE,
+                             record=record)  # fmt: skip
+    log.info("comparison of %d variants: %s", len(rows), files["compare.md"])
+    return {"variants": rows, "merges": record["merges"], "files": files,
+            "report": str(files["compare.md"]), "mlflow_run_id": record["mlflow_run_id"],
+            "prefect_flow_run_id": record["prefect_flow_run_id"]}  # fmt: skip
+
+
+def _variant_metrics(row: dict) -> dict[str, float]:
+    metrics = {}
+    for task, values in row["tasks"].items():
+        metrics.update({f"{k}/{task}": v for k, v in values.items() if v is not None})
+    metrics.update({f"{k}_mean": v for k, v in row["mean"].items() if v is not None})
+    metrics.update({k: v for k, v in row["cost"].items() if v is not None})
+    return metrics
+
+
+def _artifact(params: Params, summary: dict) -> None:
+    from prefect.artifacts import create_markdown_artifact
+
+    key = "featcal-compare-" + "".join(c if c.isalnum() else "-" for c in params.run.name.lower())
+    create_markdown_artifact(markdown=Path(summary["report"]).read_text(),
+                             key=key[:100].strip("-"),
+                             description=f"featcal compare {params.run.name}")  # fmt: skip

@@ -1,0 +1,116 @@
+"""`featcal compare` end to end on tiny checkpoints: real Prefect flow (subflow per variant, on
+the tests' shared server), real MLflow store. The download and calibration sets run once, each
+distinct merge once, every variant's repair in its own subflow; the comparison report and one
+MLflow child run per variant hold the numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+from test_pipeline import write_params
+
+VARIANTS = [
+    {"name": "ta", "set": ["repair.method=none"]},
+    {"name": "ta-featcal", "set": []},
+    {"name": "ta-regmean", "set": ["repair.method=regmean"]},
+    {"name": "ties-featcal", "set": ["merge.method=ties", "featcal.alpha=0.5"]},
+]
+
+
+def _compare_params(tmp_path):
+    path = write_params(tmp_path)
+    params = yaml.safe_load(path.read_text())
+    params["run"]["name"] = "cmp"
+    params["compare"] = {"variants": VARIANTS}
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
+    params_path = _compare_params(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": uri,
+           "PREFECT_API_URL": prefect_api}  # fmt: skip
+    cmd = [sys.executable, "-m", "featcal_cli.main", "compare", "--params", str(params_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| `ties-featcal` |" in proc.stdout and "comparison:  reports/cmp-compare/compare.md" \
+        in proc.stdout  # fmt: skip
+
+    report = tmp_path / "reports" / "cmp-compare"
+    record = json.loads((report / "compare.json").read_text())
+    assert [v["name"] for v in record["variants"]] == [v["name"] for v in VARIANTS]
+    assert len(record["merges"]) == 2  # task arithmetic (the params' own) and TIES
+    assert (report / "accuracy_vs_cost.png").read_bytes()[:4] == b"\x89PNG"
+    rows = {v["name"]: v for v in record["variants"]}
+    evaluation = record["evaluation"]
+    for task in ("alpha", "beta"):  # the merge-only variant is the reference merge's row
+        merged = 100 * evaluation[task]["merged"]["accuracy"]
+        assert rows["ta"]["tasks"][task]["accuracy"] == pytest.approx(merged)
+        calibrated = 100 * evaluation[task]["ta-featcal"]["accuracy"]
+        assert rows["ta-featcal"]["tasks"][task]["accuracy"] == pytest.approx(calibrated)
+    assert rows["ta"]["repair"] == "none" and rows["ta-regmean"]["repair"] == "regmean"
+    assert rows["ties-featcal"]["merge"]["method"] == "ties"
+    for name in ("ta-featcal", "ta-regmean", "ties-featcal"):
+        assert rows[name]["cost"]["repair_seconds"] > 0 and rows[name]["cost"]["peak_rss_mb"] > 0
+    results = tmp_path / "results"
+    assert (results / "variants" / "ta-featcal" / "calibrated" / "featcal.json").is_file()
+    assert (results / "variants" / "ta-regmean" / "calibrated" / "regmean.json").is_file()
+    featcal = json.loads((results / "variants" / "ties-featcal" / "calibrated" /
+                          "featcal.json").read_text())  # fmt: skip
+    assert featcal["hyperparameters"]["alpha"] == 0.5
+    assert not (results / "variants" / "ta" / "calibrated").exists()
+
+    _check_prefect(prefect_api, record)
+    _check_mlflow(uri, record)
+
+
+def _check_prefect(api_url: str, record: dict) -> None:
+    """One `merge` task run per distinct merge, one `featcal-variant` subflow per variant."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+        TaskRunFilter,
+        TaskRunFilterFlowRunId,
+    )
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    flow_run_id = record["prefect_flow_run_id"]
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        with get_client(sync_client=True) as client:
+            tasks = client.read_task_runs(
+                task_run_filter=TaskRunFilter(
+                    flow_run_id=TaskRunFilterFlowRunId(any_=[flow_run_id])
+                )
+            )
+            subflows = client.read_flow_runs(
+                flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run_id])
+                )
+            )
+    merges = [t for t in tasks if t.name.startswith("merge")]
+    assert len(merges) == len(record["merges"]) == 2, [t.name for t in tasks]
+    assert sorted(f.name for f in subflows) == sorted(v["name"] for v in VARIANTS)
+
+
+def _check_mlflow(uri: str, record: dict) -> None:
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    parent = client.get_run(record["mlflow_run_id"])
+    children = client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    by_name = {c.data.tags["mlflow.runName"]: c for c in children}
+    for variant in record["variants"]:
+        metrics = by_name[variant["name"]].data.metrics
+        assert metrics["accuracy_mean"] == pytest.approx(variant["mean"]["accuracy"])
+        assert metrics["total_seconds"] == pytest.approx(variant["cost"]["total_seconds"])
+    logged = {a.path for a in client.list_artifacts(parent.info.run_id, "compare")}
+    assert "compare/compare.md" in logged

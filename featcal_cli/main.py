@@ -94,7 +94,15 @@ def configure_logging(verbosity: int) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(level)  # also when something configured the root before
     logging.getLogger("featcal_core").setLevel(logging.NOTSET)
-    for noisy in ("httpx", "urllib3", "datasets", "transformers", "huggingface_hub"):
+    for noisy in (
+        "httpx",
+        "urllib3",
+        "datasets",
+        "transformers",
+        "huggingface_hub",
+        "mlflow",
+        "alembic",
+    ):
         logging.getLogger(noisy).setLevel(logging.DEBUG if verbosity > 1 else logging.WARNING)
     if verbosity == 0:
         logging.getLogger("featcal_core").setLevel(logging.WARNING)

@@ -3,8 +3,9 @@ section) side by side, in one Prefect flow.
 
 The download and the calibration sets run once, in the params' results folder, and every variant
 uses them. Each distinct merge runs once (a `merge` task in `<results>/merges/<key>/`), however
-many variants use it. Each variant's repair (FeatCal, resumable; RegMean; or none) runs as a Prefect
-subflow `featcal-variant` in `<results>/variants/<name>/`, with its wall time and its own peak RSS.
+many variants use it. Each variant's repair (FeatCal, resumable; RegMean; Surgery; or none) runs as a Prefect
+subflow `featcal-variant` in `<results>/variants/<name>/` (Surgery: its per-task modules, evaluated
+on the variant's merge), with its wall time and its own peak RSS.
 One evaluation then scores the experts, every merge and every repaired model, and the comparison
 (featcal_core.report.compare) goes to `reports/<run.name>-compare/`: variants × tasks, means,
 gap closed against the params file's own merge (`merged`), cost columns, accuracy against cost.
@@ -165,11 +166,17 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
                                            str(merges[key]["path"]), str(steps.paths["root"]))  # fmt: skip
             children[name] = child.info.run_id if child is not None else None
         models = {merge["row"]: str(merge["path"]) for merge in merges.values()}
-        models.update({n: c["path"] for n, c in costs.items() if c["path"] is not None})
+        surgeries = {}
+        for name, cost in costs.items():
+            if variants[name].repair_method == "surgery":
+                merged = merges[merge_key(variants[name].merge)]["path"]
+                surgeries[name] = (str(merged), cost["path"])
+            elif cost["path"] is not None:
+                models[name] = cost["path"]
         base, experts = steps.models()
         with step_run("evaluate"):
             evaluation = steps._call(evaluate_models, params, base, experts, models,
-                                     str(steps.paths["root"]), None)  # fmt: skip
+                                     str(steps.paths["root"]), None, surgeries)  # fmt: skip
         log_datasets(evaluation_inputs(steps.params, str(steps.paths["root"])))
         rows = _rows(evaluation, variants, merges, costs)
         summary = _report(params, rows, merges, evaluation, run)

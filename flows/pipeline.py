@@ -123,10 +123,11 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
                 "restored": sum(b["restored"] for b in record["blocks"]),
                 "wall_seconds": record["wall_seconds"],
             }
-        elif params.repair_method == "regmean":
-            with step_run("regmean"):
+        elif params.repair_method != "none":  # regmean, surgery
+            with step_run(params.repair_method):
                 record = steps.calibrate()
-            summary["repair"] = {"method": "regmean", "wall_seconds": record["wall_seconds"]}
+            summary["repair"] = {"method": params.repair_method,
+                                 "wall_seconds": record.get("wall_seconds")}  # fmt: skip
         log_tags({"repair.method": params.repair_method})
         if params.featcal.heads:
             with step_run("calibrate-heads"):
@@ -142,8 +143,13 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
             log_artifacts(list(files.values()), artifact_path="report")
             summary["report"] = str(files["report.html"].resolve())
         if params.repair_method != "none":  # with its model card (rewritten after evaluation)
-            log_model(steps.paths["calibrated"], artifact_path="calibrated_model")
+            log_model(steps.paths["calibrated"], artifact_path=model_artifact(params))
     return summary
+
+
+def model_artifact(params: Params) -> str:
+    """Where the repaired model goes among the MLflow run's artifacts."""
+    return "surgery_modules" if params.repair_method == "surgery" else "calibrated_model"
 
 
 def _result_artifact(params: Params, summary: dict) -> None:

@@ -221,6 +221,8 @@ class Steps:
         block by block, with its model card; or RegMean (`regmean`), whose record it returns."""
         if self.params.repair_method == "regmean":
             return self.regmean()
+        if self.params.repair_method == "surgery":
+            return self.surgery()
         from featcal.flows.calibration import calibration_flow, calibration_flow_fn
         from featcal_core.provenance.lineage import trace
         from featcal_core.provenance.model_card import model_card_fields, write_model_card
@@ -244,10 +246,37 @@ class Steps:
             settings=self.calibration_settings(), overwrite=True, progress=False,
         )  # fmt: skip
 
+    def surgery(self) -> dict:
+        """Representation Surgery (featcal_core.repair): one module per task, on the features
+        that task's evaluation head reads from the merged model, into `calibrated/<task>/`."""
+        from featcal.tasks.evaluate import task_head
+        from featcal_core.repair.surgery import train_surgery
+
+        base, experts = self.models()
+        repair = self.params.repair
+        heads = {task: task_head(task, spec, Path(base), Path(experts[task]),
+                                 self.paths["root"])[0]
+                 for task, spec in self.params.tasks.items()}  # fmt: skip
+        return train_surgery(
+            self.paths["merged"], experts, self.calibration_set_dirs(), self.paths["calibrated"],
+            heads=heads, rank=repair.surgery_rank, steps=repair.surgery_steps,
+            lr=repair.surgery_lr, settings=self.calibration_settings(), seed=self.params.run.seed,
+            tokenizer_dir=base, overwrite=True, progress=False,
+        )  # fmt: skip
+
+    def surgeries(self) -> dict[str, tuple[str, str]] | None:
+        """With repair.method surgery: {"calibrated": (merged checkpoint, surgery folder)}, the
+        evaluation row of the merged model under each task's module."""
+        if self.params.repair_method != "surgery":
+            return None
+        folder = self.verified(self.paths["calibrated"], "the surgery modules",
+                               "featcal calibrate --params FILE")  # fmt: skip
+        return {"calibrated": (str(self.paths["merged"]), str(folder))}
+
     def _evaluated_models(self) -> dict[str, str]:
         """The merged (and calibrated) checkpoint, each verified against its marker."""
         models = {"merged": self.paths["merged"]}
-        if self.params.repair_method != "none":
+        if self.params.repair_method not in ("none", "surgery"):  # surgery: `surgeries`
             models["calibrated"] = self.paths["calibrated"]
         step = {
             "merged": "featcal merge --params FILE",
@@ -273,10 +302,26 @@ class Steps:
                 "featcal.heads: head calibration refits classification heads; language models are "
                 "evaluated by label continuation and have none; set featcal.heads: false"
             )
-        return self._call(
+        found = self._call(
             calibrate_heads, self.params, base, experts, self._evaluated_models(),
             self.calibration_set_dirs(), str(self.paths["root"]),
         )  # fmt: skip
+        self._heads_into_checkpoint(found.get("calibrated"))
+        return found
+
+    def _heads_into_checkpoint(self, folders: dict[str, str] | None) -> None:
+        """The calibrated model's refit heads travel with it: heads.safetensors / heads.json in
+        its folder (featcal_core.evaluation.task_heads), the marker updated. Not as a DVC stage
+        (DVC_STAGE set): the calibrated folder is the calibrate stage's output."""
+        import os
+
+        if not folders or os.environ.get("DVC_STAGE"):
+            return
+        from featcal_core.evaluation.linear_head import load_linear_head
+        from featcal_core.evaluation.task_heads import save_task_heads
+
+        save_task_heads(self.paths["calibrated"],
+                        {task: load_linear_head(folder) for task, folder in folders.items()})  # fmt: skip
 
     def refit_heads(self) -> dict[str, dict[str, str]] | None:
         """The refit head folders written by `heads`, or None when head calibration is off."""
@@ -326,7 +371,7 @@ class Steps:
         heads = self.refit_heads()
         table = self._call(
             evaluate_models, self.params, base, experts, self._evaluated_models(),
-            str(self.paths["root"]), heads,
+            str(self.paths["root"]), heads, self.surgeries(),
         )  # fmt: skip
         write_json(self.paths["evaluation"], table)
         calibrated = self.paths["calibrated"]

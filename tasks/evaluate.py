@@ -153,13 +153,15 @@ def evaluate_models(
     models: dict[str, str],
     results_dir: str,
     refit_heads: dict[str, dict[str, str]] | None = None,
+    surgeries: dict[str, tuple[str, str]] | None = None,
 ) -> dict[str, dict[str, dict[str, float]]]:
     """{task: {model name: {"accuracy", "loss", "examples", "normalized"}}}.
 
     `models` maps a name ("merged", "calibrated") to a checkpoint directory; each task also gets
     "expert" (its own expert) and, for zero-shot tasks, "base". `refit_heads` ({model name:
     {task: head folder}}, from head calibration) adds a "<model>_heads" row per model: its tower
-    under the refit head.
+    under the refit head. `surgeries` ({row: (checkpoint, surgery folder)}, Representation
+    Surgery) adds each row: that checkpoint with the task's surgery module before its head.
     """
     settings = params.evaluation
     root = Path(results_dir)
@@ -184,6 +186,13 @@ def evaluate_models(
                     models[name],
                     head.with_linear(refit.weight, refit.bias),
                 )
+        for name, (directory, folder) in (surgeries or {}).items():
+            from featcal_core.repair.surgery_module import SurgeryHead, load_surgery
+
+            candidates[name] = (
+                directory,
+                SurgeryHead(head, load_surgery(Path(folder) / task_name)),
+            )
         row = {}
         for name, (directory, model_head) in candidates.items():
             row[name] = evaluate(

@@ -55,7 +55,7 @@ def calibrate_heads(
                 task_name, calibration_sets[task_name], head.modality, featcal.num_per_task,
                 params.run.seed,
             ).rows  # fmt: skip
-            labels = [str(i) for i in range(head.num_classes)]
+            labels = head.labels  # the expert's class names (id2label), or the zero-shot names
             for name, directory in models.items():
                 weight, bias = calibrate_head(
                     head, experts[task_name], directory, rows, lam=featcal.head_lam,

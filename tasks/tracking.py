@@ -100,7 +100,7 @@ def parent_run(
     try:
         with run:
             batch_params(mlflow.MlflowClient(uri), run.info.run_id, flatten(params))
-            log.info("MLflow run %s (experiment %s) at %s", run.info.run_id, experiment_id, uri)
+            log.debug("MLflow run %s (experiment %s) at %s", run.info.run_id, experiment_id, uri)
             yield run
     finally:
         with _session_lock:

@@ -69,6 +69,15 @@ def pytest_configure(config):
     if "FEATCAL_DIGEST_CACHE" not in os.environ:
         folder = tempfile.mkdtemp(prefix="featcal-digests-")
         os.environ["FEATCAL_DIGEST_CACHE"] = os.path.join(folder, "digests.sqlite")
+    # MLflow: a store per test process (never the checkout's mlruns/) for tests that run featcal
+    # steps without naming one; tests that check the default location clear MLFLOW_* themselves
+    if "MLFLOW_TRACKING_URI" not in os.environ:
+        folder = os.environ.setdefault(
+            "FEATCAL_TEST_MLFLOW", tempfile.mkdtemp(prefix="featcal-mlflow-")
+        )
+        worker = getattr(config, "workerinput", {}).get("workerid")
+        if worker is not None or not config.getoption("numprocesses", None):
+            os.environ["MLFLOW_TRACKING_URI"] = f"sqlite:///{folder}/{worker or 'main'}.db"
     xdist_controller = not hasattr(config, "workerinput") and config.getoption("numprocesses", None)
     if xdist_controller and _selects_server_tests(config) and not os.environ.get(SHARED_API):
         from featcal.flows.prefect_server import start_server

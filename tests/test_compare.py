@@ -19,6 +19,7 @@ VARIANTS = [
     {"name": "ta-featcal", "set": []},
     {"name": "ta-regmean", "set": ["repair.method=regmean"]},
     {"name": "ties-featcal", "set": ["merge.method=ties", "featcal.alpha=0.5"]},
+    {"name": "ta-surgery", "set": ["repair.method=surgery", "repair.surgery_steps=30"]},
 ]
 
 
@@ -56,7 +57,7 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
         assert rows["ta-featcal"]["tasks"][task]["accuracy"] == pytest.approx(calibrated)
     assert rows["ta"]["repair"] == "none" and rows["ta-regmean"]["repair"] == "regmean"
     assert rows["ties-featcal"]["merge"]["method"] == "ties"
-    for name in ("ta-featcal", "ta-regmean", "ties-featcal"):
+    for name in ("ta-featcal", "ta-regmean", "ties-featcal", "ta-surgery"):
         assert rows[name]["cost"]["repair_seconds"] > 0 and rows[name]["cost"]["peak_rss_mb"] > 0
     results = tmp_path / "results"
     assert (results / "variants" / "ta-featcal" / "calibrated" / "featcal.json").is_file()
@@ -65,6 +66,10 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
                           "featcal.json").read_text())  # fmt: skip
     assert featcal["hyperparameters"]["alpha"] == 0.5
     assert not (results / "variants" / "ta" / "calibrated").exists()
+    surgery = json.loads((results / "variants" / "ta-surgery" / "calibrated" / "alpha" /
+                          "surgery.json").read_text())  # fmt: skip
+    assert surgery["rank"] == 16 and rows["ta-surgery"]["repair"] == "surgery"
+    assert "ta-surgery" in evaluation["alpha"]  # the merge under the task's module
 
     _check_prefect(prefect_api, record)
     _check_mlflow(uri, record)

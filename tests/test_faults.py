@@ -195,9 +195,10 @@ def test_run_lock_names_its_holder_and_a_dead_holder_is_taken_over(tmp_path):
 
 
 def test_corrupt_or_deleted_merged_checkpoint_is_merged_again(
-    project, reference, tmp_path, prefect_api, capsys
+    project, reference, tmp_path, prefect_api, capsys, monkeypatch
 ):
     params = _fresh(project, tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")  # in-process
     assert _run(tmp_path, params, prefect_api).returncode == 0
     weights = tmp_path / "results" / "merged" / "model.safetensors"
     data = bytearray(weights.read_bytes())

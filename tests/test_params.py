@@ -398,3 +398,22 @@ def test_merge_hyperparameters_take_words_and_methods_check_them():
     }
     with pytest.raises(ValueError, match="'trim'.*one of 'tensor', 'global'"):
         MergeSettings(method="ties", hyperparameters={"trim": "glob"})
+
+
+def test_repair_defaults_match_the_repair_code():
+    """params' repair defaults (kept without importing the repair code) equal the code's own."""
+    from featcal_core.params.repair import (
+        REGMEAN_ALPHA,
+        SURGERY_LR,
+        SURGERY_RANK,
+        SURGERY_STEPS,
+    )
+    from featcal_core.repair import DEFAULT_ALPHA
+    from featcal_core.repair.surgery import DEFAULT_LR, DEFAULT_RANK, DEFAULT_STEPS
+
+    assert (REGMEAN_ALPHA, SURGERY_RANK, SURGERY_STEPS, SURGERY_LR) == (
+        DEFAULT_ALPHA,
+        DEFAULT_RANK,
+        DEFAULT_STEPS,
+        DEFAULT_LR,
+    )

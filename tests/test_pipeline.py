@@ -198,6 +198,36 @@ def _check_prefect_run(api_url: str, provenance: dict, evaluation: dict) -> None
     assert f"{calibrated:.1f}" in artifact.data and "report.html" in artifact.data
 
 
+@pytest.mark.parametrize("repair", ["surgery", "regmean"])
+def test_featcal_run_with_a_baseline_repair(tmp_path, prefect_api, repair):
+    """repair.method surgery / regmean: `featcal run` repairs with the baseline instead of FeatCal,
+    evaluates it as the `calibrated` row and logs it (surgery: the merged checkpoint under each
+    task's module)."""
+    params_path = write_params(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": uri,
+           "PREFECT_API_URL": prefect_api}  # fmt: skip
+    cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path),
+           "--set", f"repair.method={repair}", "--set", "repair.surgery_steps=20", "--json"]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout[proc.stdout.index("{") :])
+    assert summary["repair"]["method"] == repair and "calibration" not in summary
+    calibrated = tmp_path / "results" / "calibrated"
+    record = {"surgery": calibrated / "alpha" / "surgery.json",
+              "regmean": calibrated / "regmean.json"}[repair]  # fmt: skip
+    assert record.is_file() and not (calibrated / "featcal.json").exists()
+    for row in summary["evaluation"].values():
+        assert {"expert", "merged", "calibrated"} <= set(row)
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.data.tags["repair.method"] == repair
+    artifact = {"surgery": "surgery_modules", "regmean": "calibrated_model"}[repair]
+    assert client.list_artifacts(run.info.run_id, artifact)
+
+
 def test_invalid_params_fail_before_any_work(tmp_path):
     params_path = tmp_path / "params.yaml"
     params_path.write_text("run: {name: x}\nmodels: {base: ./nowhere}\nbogus: 1\n")
@@ -215,7 +245,9 @@ def _bert_with_heads(tmp_path):
     from transformers import BertConfig, BertForSequenceClassification
 
     pool = factories.bert_zoo(tmp_path / "pool", tasks=("alpha", "beta"), delta=0.02)
-    config = BertConfig.from_pretrained(pool.base, num_labels=3)
+    labels = {0: "negative", 1: "neutral", 2: "positive"}
+    config = BertConfig.from_pretrained(pool.base, num_labels=3, id2label=labels,
+                                        label2id={v: k for k, v in labels.items()})  # fmt: skip
     experts = {}
     for i, (task, path) in enumerate(pool.experts.items()):
         torch.manual_seed(10 + i)
@@ -284,6 +316,22 @@ def test_featcal_run_bert_with_task_heads(tmp_path, prefect_api):
         assert not torch.equal(refit["weight"], expert_head["classifier.weight"])
     report = (tmp_path / "reports" / "bert" / "report.md").read_text()
     assert "Head calibration (beyond the paper)" in report
+    # the calibrated model's refit heads travel with it, with the experts' label names, and the
+    # checkpoint still verifies; its card loads them from there
+    from featcal_core.evaluation.linear_head import load_linear_head
+    from featcal_core.evaluation.task_heads import load_task_heads
+    from featcal_core.io.outputs import verify_output
+
+    calibrated = results / "calibrated"
+    travelling = load_task_heads(calibrated)
+    assert set(travelling) == set(experts) and verify_output(calibrated) is None
+    for task, head in travelling.items():
+        assert head.labels == ["negative", "neutral", "positive"]
+        refit = load_linear_head(results / "refit_heads" / "calibrated" / task)
+        assert torch.equal(head.weight, refit.weight) and refit.labels == head.labels
+    assert (
+        'heads = load_file(folder / "heads.safetensors")' in (calibrated / "README.md").read_text()
+    )
 
 
 LANGUAGE_MODELS = {

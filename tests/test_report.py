@@ -329,3 +329,29 @@ def test_refuses_directory_with_other_files(tmp_path):
     with pytest.raises(FeatCalError, match="was not written by featcal"):
         _write(out)
     assert [p.name for p in out.iterdir()] == ["evaluation.json"]
+
+
+def test_plot_data_csv_holds_what_the_plots_draw(tmp_path):
+    """accuracy.csv / drift.csv (dvc.yaml's plots) are the plots' own series, in percent for
+    accuracy; every evaluated row is a column, every block a row."""
+    import csv
+
+    from featcal_core.report import accuracy_series, drift_series
+    from featcal_core.report.plot_data import write_plot_data
+
+    files = write_plot_data(tmp_path / "plots", _evaluation(), _calibration())
+    with open(files["accuracy.csv"]) as f:
+        accuracy = list(csv.DictReader(f))
+    groups, series = accuracy_series(_evaluation())
+    assert [r["task"] for r in accuracy] == [g for g in groups if g != "average"]
+    for i, row in enumerate(accuracy):
+        for model, values in series.items():
+            want = values[i]
+            assert row[model] == ("" if want is None else f"{100 * want:.6g}")
+    with open(files["drift.csv"]) as f:
+        drift = list(csv.DictReader(f))
+    expected = drift_series(_calibration())
+    assert [int(r["block"]) for r in drift] == expected["blocks"]
+    assert [float(r["drift_after/svhn"]) for r in drift] == pytest.approx(expected["after"]["svhn"])
+    assert [float(r["drift_before_mean"]) for r in drift] == pytest.approx(expected["mean_before"])
+    assert set(write_plot_data(tmp_path / "only", _evaluation(), None)) == {"accuracy.csv"}

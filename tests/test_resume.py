@@ -44,9 +44,15 @@ def _record(out: Path) -> dict:
 
 
 def _committed(results: Path) -> int:
+    """States renamed into place (a temporary `.<key>.featcal-tmp-…` folder holds its manifest
+    before the rename, so it does not count: a kill then would lose that block)."""
     states = results / "states"
     return (
-        sum(1 for p in states.iterdir() if (p / "manifest.json").is_file())
+        sum(
+            1
+            for p in states.iterdir()
+            if not p.name.startswith(".") and (p / "manifest.json").is_file()
+        )  # fmt: skip
         if states.exists()
         else 0
     )

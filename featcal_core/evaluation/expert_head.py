@@ -101,6 +101,15 @@ class ExpertHead(Head):
                 self._num_classes = int(AutoConfig.from_pretrained(self.expert_dir).num_labels)
         return self._num_classes
 
+    @property
+    def labels(self) -> list[str]:
+        """Class names in class-index order: the linear head's labels, else the config's
+        id2label, else the indices as text."""
+        if self.linear_file is not None:
+            return list(self.linear_file.labels)
+        id2label = self.config.get("id2label") or {}
+        return [str(id2label.get(str(i), id2label.get(i, i))) for i in range(self.num_classes)]
+
     def require_head(self) -> None:
         """FeatCalError unless the expert has a classification head to evaluate or refit: a
         linear head beside the tower, or a transformers *ForSequence/ImageClassification model."""

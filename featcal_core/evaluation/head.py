@@ -37,6 +37,11 @@ class Head(ABC):
     def preprocess(self, rows: list[Any]) -> dict[str, torch.Tensor]:
         """Model inputs for a batch of rows (PIL images / arrays, or strings)."""
 
+    @property
+    def labels(self) -> list[str]:
+        """Class names in class-index order (default: the indices as text)."""
+        return [str(i) for i in range(self.num_classes)]
+
     #: a replacement for the head's final Linear (set by `with_linear`; head calibration)
     linear_override: tuple[torch.Tensor, torch.Tensor] | None = None
 

@@ -94,6 +94,10 @@ class ZeroShotHead(Head):
     def num_classes(self) -> int:
         return len(self.class_names)
 
+    @property
+    def labels(self) -> list[str]:
+        return list(self.class_names)
+
     def describe(self) -> str:
         return f"zero-shot head of {self.clip_dir} ({self.num_classes} classes)"
 

@@ -131,6 +131,10 @@ class OpenCLIPZeroShotHead(Head):
     def num_classes(self) -> int:
         return len(self.class_names)
 
+    @property
+    def labels(self) -> list[str]:
+        return list(self.class_names)
+
     def describe(self) -> str:
         return f"open_clip zero-shot head of {self.weights} ({self.num_classes} classes)"
 

@@ -116,8 +116,8 @@ def _key_path(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif part == "[key]":
-            continue
+        elif part == "[key]" or (isinstance(part, str) and ("[" in part or "(" in part)):
+            continue  # a dict key's own check, or a union member's tag (`function-after[...]`)
         else:
             out += f".{part}" if out else str(part)
     return out

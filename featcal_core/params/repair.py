@@ -8,10 +8,12 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from featcal_core.names import name_problem
-from featcal_core.params.base import FiniteFloat, _error, _Section
+from featcal_core.params.base import FiniteFloat, StrictInt, _error, _Section
 
-#: RegMean's default α (featcal_core.repair.closed_form.DEFAULT_ALPHA; kept equal by a test)
+#: RegMean's default α and Surgery's rank, steps and learning rate (featcal_core.repair's
+#: defaults, kept equal by a test; params loading does not import the repair code)
 REGMEAN_ALPHA = 0.6
+SURGERY_RANK, SURGERY_STEPS, SURGERY_LR = 16, 1000, 1e-3
 
 #: params a variant may change: what comes after the shared download and calibration sets
 VARIANT_KEYS = ("merge.", "repair.", "featcal.alpha", "featcal.rho", "featcal.lam",
@@ -21,16 +23,24 @@ VARIANT_KEYS = ("merge.", "repair.", "featcal.alpha", "featcal.rho", "featcal.la
 class RepairSettings(_Section):
     """What repairs the merged model. `featcal` (the featcal: section; `featcal.enabled: false`
     turns every repair off, as before), `regmean` (RegMean, Jin et al. 2023: each block Linear
-    from the experts' input Grams on the same calibration sets) or `none` (evaluate the merge
-    only). The repaired model is the pipeline's `calibrated` checkpoint and evaluation row."""
+    from the experts' input Grams on the same calibration sets), `surgery` (Representation
+    Surgery, Yang et al. 2024: a small per-task module on the merged model's features, trained
+    on the same unlabeled calibration inputs to match each expert's) or `none` (evaluate the
+    merge only). The repaired model is the pipeline's `calibrated` row (with surgery: the merged
+    checkpoint under each task's module, kept in `calibrated/<task>/`)."""
 
-    method: Literal["featcal", "regmean", "none"] = Field(
-        "featcal", description="featcal | regmean | none"
+    method: Literal["featcal", "regmean", "surgery", "none"] = Field(
+        "featcal", description="featcal | regmean | surgery | none"
     )
     regmean_alpha: FiniteFloat = Field(
         REGMEAN_ALPHA, ge=0.0, le=1.0,
         description="RegMean's scale of the Grams' off-diagonal entries (1: plain least squares)",
     )  # fmt: skip
+    surgery_rank: StrictInt = Field(SURGERY_RANK, ge=1, description="Surgery module's rank r")
+    surgery_steps: StrictInt = Field(
+        SURGERY_STEPS, ge=1, description="Surgery's Adam steps per task"
+    )
+    surgery_lr: FiniteFloat = Field(SURGERY_LR, gt=0.0, description="Surgery's learning rate")
 
 
 class Variant(_Section):

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import (
     Field,
+    StrictStr,
     field_validator,
     model_validator,
 )
@@ -57,7 +58,7 @@ class MergeSettings(_Section):
     """How the experts are merged before calibration (methods: featcal_core.merging)."""
 
     method: str = Field("task_arithmetic", description="merging method (featcal_core.merging)")
-    hyperparameters: dict[str, FiniteFloat | str] = Field(
+    hyperparameters: dict[str, FiniteFloat | StrictStr] = Field(
         default_factory=dict,
         description="method hyperparameters (numbers, or words such as trim: global for ties), "
         "e.g. scale (task_arithmetic, ties), top_k (ties), drop_rate (dare_*); when omitted: "

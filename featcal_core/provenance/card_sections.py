@@ -139,7 +139,21 @@ def _usage_section(model: Mapping[str, Any], heads: Mapping[str, str] | None) ->
         else:
             code += ["with torch.no_grad():  # inputs: what the model's processor makes"]
         code += ["    features = model(**inputs).pooler_output  # (batch, hidden)"]
-    if heads:
+    if heads and set(heads.values()) == {"heads.safetensors"}:  # in this folder (task_heads)
+        first = json.dumps(next(iter(heads)))
+        code += [
+            "",
+            "# the refit heads (head calibration), one per task, in this folder:",
+            'heads = load_file(folder / "heads.safetensors")  # "<task>.weight", "<task>.bias"',
+            'info = json.loads((folder / "heads.json").read_text())["tasks"]',
+            f"task = {first}  # one of: {', '.join(heads)}",
+            '# info[task]["features"]: pooler_output (above), or clip_image_embeds: the base '
+            "CLIP model's",
+            "# visual_projection of pooler_output, L2-normalised",
+            'logits = features @ heads[f"{task}.weight"].T + heads[f"{task}.bias"]',
+            'predicted = [info[task]["id2label"][str(i)] for i in logits.argmax(-1).tolist()]',
+        ]
+    elif heads:
         first = json.dumps(next(iter(heads)))
         code += ["", "# the refit heads (head calibration, `featcal heads`): one per task, "
                      "written beside this folder", "heads = {"]  # fmt: skip

@@ -383,6 +383,10 @@ def write_model_card(
             "belongs in"
         )
     shown = {str(task): _relative(path, directory) for task, path in as_dict(heads).items()}
+    from featcal_core.evaluation.task_heads import WEIGHTS_NAME, has_task_heads, load_task_heads
+
+    if has_task_heads(directory):  # the refit heads travel in the folder: load them from there
+        shown = {task: WEIGHTS_NAME for task in load_task_heads(directory)}
     text = render_model_card(
         title=title, recipe=recipe, inputs=inputs, metrics=metrics, provenance=provenance,
         evaluation=evaluation, model=model, heads=shown or None, model_name=model_name,

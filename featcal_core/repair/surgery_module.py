@@ -159,6 +159,10 @@ class SurgeryHead(Head):
     def num_classes(self) -> int:
         return self.head.num_classes
 
+    @property
+    def labels(self) -> list[str]:
+        return self.head.labels
+
     def preprocess(self, rows: list[Any]) -> dict[str, torch.Tensor]:
         return self.head.preprocess(rows)
 

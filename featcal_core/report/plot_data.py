@@ -1,4 +1,5 @@
-"""The report's figures as small CSV tables, for tools that draw their own plots (`dvc plots show`
+"""The report's figures (the series `accuracy_series` and `drift_series` draw) as small CSV
+tables, for tools that draw their own plots (`dvc plots show`
 / `dvc plots diff` read them through dvc.yaml's `plots:`).
 
 - accuracy.csv: one row per task, columns `task` and one per evaluated model row (expert,
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_core.io.outputs import write_file
+from featcal_core.report.plots import accuracy_series, drift_series
 
 __all__ = ["PLOT_FILES", "accuracy_csv", "drift_csv", "write_plot_data"]
 
@@ -35,29 +37,24 @@ def _number(value: Any, scale: float = 1.0) -> str:
 
 
 def accuracy_csv(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
-    """accuracy.csv's text from an evaluation table {task: {model: {"accuracy", ...}}}."""
-    models: list[str] = []
-    for row in evaluation.values():
-        models += [model for model in row if model not in models]
-    rows = [[task] + [_number((row.get(m) or {}).get("accuracy"), 100.0) for m in models]
-            for task, row in evaluation.items()]  # fmt: skip
-    return _csv(["task", *models], rows)
+    """accuracy.csv's text from an evaluation table: the accuracy plot's own series
+    (`accuracy_series`), tasks as rows (its "average" group left out), rows as columns."""
+    groups, series = accuracy_series(evaluation)
+    tasks = [g for g in groups if g != "average"]
+    rows = [[task] + [_number(series[m][i], 100.0) for m in series]
+            for i, task in enumerate(tasks)]  # fmt: skip
+    return _csv(["task", *series], rows)
 
 
 def drift_csv(calibration: Mapping[str, Any]) -> str:
-    """drift.csv's text from a calibration record (featcal.json)."""
-    blocks = list(calibration.get("blocks") or [])
-    tasks: list[str] = []
-    for block in blocks:
-        tasks += [t for t in (block.get("drift_after") or {}) if t not in tasks]
-    rows = []
-    for position, block in enumerate(blocks):
-        before, after = block.get("drift_before") or {}, block.get("drift_after") or {}
-        mean = [sum(d.values()) / len(d) if d else None for d in (before, after)]
-        rows.append([block.get("index", position), *map(_number, mean),
-                     *(_number(after.get(t)) for t in tasks)])  # fmt: skip
+    """drift.csv's text from a calibration record: the drift plot's own series (`drift_series`)."""
+    drift = drift_series(calibration)
+    after = drift["after"]
+    rows = [[block, _number(drift["mean_before"][i]), _number(drift["mean_after"][i]),
+             *(_number(after[t][i]) for t in after)]
+            for i, block in enumerate(drift["blocks"])]  # fmt: skip
     return _csv(["block", "drift_before_mean", "drift_after_mean",
-                 *(f"drift_after/{t}" for t in tasks)], rows)  # fmt: skip
+                 *(f"drift_after/{t}" for t in after)], rows)  # fmt: skip
 
 
 def write_plot_data(

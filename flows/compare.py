@@ -190,13 +190,11 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
 def _merges(steps: Steps, params: Params, variants: dict[str, Params], step_run) -> dict:
     """Run each distinct merge once (the params file's own first, as the reference)."""
     merges: dict[str, dict[str, Any]] = {}
-    labels: dict[str, int] = {}
     for source in (params, *variants.values()):
         key = merge_key(source.merge)
         if key in merges:
             continue
         method = source.merge.method
-        labels[method] = labels.get(method, 0) + 1
         row = REFERENCE if not merges else f"merge-{method}-{key[:6]}"
         path = steps.paths["merges"] / key
         reset_peak_rss()

@@ -190,8 +190,9 @@ def test_steps_evaluate_rewrites_the_card_and_the_folder_verifies(run, tmp_path,
 
     class Stub:  # the Prefect task: Steps calls its .fn outside a flow
         @staticmethod
-        def fn(params, base, experts, models, results_dir, refit_heads):
+        def fn(params, base, experts, models, results_dir, refit_heads, surgeries=None):
             assert set(models) == {"merged", "calibrated"} and refit_heads is None
+            assert surgeries is None
             return _evaluation(heads=False)
 
     monkeypatch.setattr(evaluate_task, "evaluate_models", Stub)

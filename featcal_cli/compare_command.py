@@ -28,7 +28,10 @@ def run(args: argparse.Namespace) -> int:
                          default=str))  # fmt: skip
         return 0
     text = summary["files"]["compare.md"].read_text()
-    table = [line for line in text.splitlines() if line.startswith("|")]
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = [line for line in lines[first:] if line.startswith("|") or not line]
+    table = table[: table.index("")] if "" in table else table  # the variants × tasks table
     print("\n" + "\n".join(table))
     print(f"\ncomparison:  {shown(summary['report'])} (compare.json: every number; "
           "accuracy_vs_cost.png)")  # fmt: skip

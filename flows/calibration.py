@@ -23,6 +23,7 @@ from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 
+from featcal.flows.progress import block_done
 from featcal_core.errors import FeatCalError
 from featcal_core.io.outputs import check_output, guarded_directory, prepare_root, sweep_tree
 from featcal_core.io.run_lock import run_lock
@@ -188,7 +189,9 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
                 summary["statistics_workers"] = workers[index]
             blocks.append(summary)
             if restored:
-                log.info("block %d/%d: restored from %s", index + 1, cal.num_blocks, path)
+                log.info("block %d (%d of %d): restored from %s", index, index + 1,
+                         cal.num_blocks, path)  # fmt: skip
+            block_done(index, cal.num_blocks)
             block_file = path / BLOCK
             replaced.update(dict.fromkeys(read_header(block_file)[0], block_file))
             previous = path

@@ -175,7 +175,7 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
                 models[name] = cost["path"]
         base, experts = steps.models()
         with step_run("evaluate"):
-            evaluation = steps._call(evaluate_models, params, base, experts, models,
+            evaluation = steps._call(evaluate_models, steps.params, base, experts, models,
                                      str(steps.paths["root"]), None, surgeries)  # fmt: skip
         log_datasets(evaluation_inputs(steps.params, str(steps.paths["root"])))
         rows = _rows(evaluation, variants, merges, costs)

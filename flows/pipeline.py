@@ -19,6 +19,7 @@ from pathlib import Path
 
 from featcal.flows.environment import configure
 from featcal.flows.environment import project_root as working_project
+from featcal.flows.progress import run_progress
 from featcal.flows.run_tags import checkpoint_digest, lineage_tags, params_digest
 from featcal.flows.steps import Steps
 from featcal_core.io.outputs import write_json
@@ -80,7 +81,10 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
                      "paths": {k: str(v) for k, v in steps.paths.items()}}  # fmt: skip
     digest = params_digest(params)
     tags = {"prefect_flow_run_id": flow_run.get_id(), "params_digest": digest}
-    with parent_run(params, run_name=params.run.name, tags=tags, project_root=project_root) as run:
+    with (
+        run_progress(_step_names(params)) as display,
+        parent_run(params, run_name=params.run.name, tags=tags, project_root=project_root) as run,
+    ):
         summary["mlflow_run_id"] = run.info.run_id if run is not None else None
         if run is not None:
             import mlflow
@@ -94,27 +98,27 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
             "params_digest": digest,
         })  # fmt: skip
         if params.zoo is not None:
-            with step_run("zoo"):
+            with step_run("zoo"), display.step("zoo"):
                 manifest = steps.zoo()
             log_tags({
                 "zoo.fingerprint": manifest["fingerprint"],
                 **{f"zoo.skipped.{t}": r[:250] for t, r in manifest["skipped"].items()},
             })  # fmt: skip
-        with step_run("download-experts"):
+        with step_run("download-experts"), display.step("download-experts"):
             lock = steps.download()
         summary["lock_digest"] = lock_digest(lock)
         log_tags(lineage_tags(lock))
         steps.check_heads()  # before any heavy work
-        with step_run("calibration-sets"):
+        with step_run("calibration-sets"), display.step("calibration-sets"):
             sets = steps.calibration_sets()
         log_tags({f"calibration_set.{t}.sha256": r["digest"] for t, r in sets.items()})
         log_datasets({"name": f"calibration/{t}", "context": "calibration", "sha256": r["digest"],
                       "path": steps.paths["calibration_sets"] / t} for t, r in sets.items())  # fmt: skip
-        with step_run("merge"):
+        with step_run("merge"), display.step("merge"):
             steps.merge()
         log_tags({"merged.sha256": checkpoint_digest(steps.paths["merged"])})
         if params.repair_method == "featcal":
-            with step_run("calibrate"):
+            with step_run("calibrate"), display.step("calibrate"):
                 record = steps.calibrate()
             log_calibration_record(record)
             log_tags({"calibration.inputs_digest": record.get("inputs_digest")})
@@ -124,27 +128,38 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
                 "wall_seconds": record["wall_seconds"],
             }
         elif params.repair_method != "none":  # regmean, surgery
-            with step_run(params.repair_method):
+            with step_run(params.repair_method), display.step(params.repair_method):
                 record = steps.calibrate()
             summary["repair"] = {"method": params.repair_method,
                                  "wall_seconds": record.get("wall_seconds")}  # fmt: skip
         log_tags({"repair.method": params.repair_method})
         if params.featcal.heads:
-            with step_run("calibrate-heads"):
+            with step_run("calibrate-heads"), display.step("calibrate-heads"):
                 steps.heads()
         if params.evaluation.enabled:
-            with step_run("evaluate"):
+            with step_run("evaluate"), display.step("evaluate"):
                 table = steps.evaluate()
             log_evaluation(table)
             log_datasets(evaluation_inputs(steps.params, str(steps.paths["root"])))
             summary["evaluation"] = table
-            with step_run("report"):
+            with step_run("report"), display.step("report"):
                 files = steps.report()
             log_artifacts(list(files.values()), artifact_path="report")
             summary["report"] = str(files["report.html"].resolve())
         if params.repair_method != "none":  # with its model card (rewritten after evaluation)
             log_model(steps.paths["calibrated"], artifact_path=model_artifact(params))
     return summary
+
+
+def _step_names(params: Params) -> list[str]:
+    """The steps this run will show in its progress display, in order."""
+    names = ["zoo"] if params.zoo is not None else []
+    names += ["download-experts", "calibration-sets", "merge"]
+    if params.repair_method != "none":
+        names.append("calibrate" if params.repair_method == "featcal" else params.repair_method)
+    names += ["calibrate-heads"] if params.featcal.heads else []
+    names += ["evaluate", "report"] if params.evaluation.enabled else []
+    return names
 
 
 def model_artifact(params: Params) -> str:

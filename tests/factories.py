@@ -48,7 +48,10 @@ def run_featcal(tmp_path: Path, params_path: Path, api_url: str | None = None, *
     env.pop("PREFECT_API_URL", None)
     if api_url is not None:
         env["PREFECT_API_URL"] = api_url
-    cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path), *extra]
+    command = "run"
+    if extra and extra[0] in ("run", "compare"):
+        command, extra = extra[0], extra[1:]
+    cmd = [sys.executable, "-m", "featcal_cli.main", command, "--params", str(params_path), *extra]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
 
 

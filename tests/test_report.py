@@ -355,3 +355,34 @@ def test_plot_data_csv_holds_what_the_plots_draw(tmp_path):
     assert [float(r["drift_after/svhn"]) for r in drift] == pytest.approx(expected["after"]["svhn"])
     assert [float(r["drift_before_mean"]) for r in drift] == pytest.approx(expected["mean_before"])
     assert set(write_plot_data(tmp_path / "only", _evaluation(), None)) == {"accuracy.csv"}
+
+
+def test_comparison_rows_measure_every_variant_against_one_reference_merge(tmp_path):
+    """featcal compare's rows: accuracy and normalized per task in percent, gap closed against
+    the reference merge (per task, and of the mean accuracies), the costs summed; the report's
+    files are written."""
+    import json
+
+    from featcal_core.report.compare import comparison_rows, write_comparison
+
+    evaluation = {
+        "a": {"expert": {"accuracy": 0.9}, "merged": {"accuracy": 0.5},
+              "ties-m": {"accuracy": 0.6}, "v": {"accuracy": 0.7}},
+        "b": {"expert": {"accuracy": 0.8}, "merged": {"accuracy": 0.6},
+              "ties-m": {"accuracy": 0.5}, "v": {"accuracy": 0.8}},
+    }  # fmt: skip
+    variants = [{"name": "v", "row": "v", "merge": {"method": "ties", "hyperparameters": {}},
+                 "repair": "featcal", "set": ["merge.method=ties"],
+                 "cost": {"merge_seconds": 1.5, "repair_seconds": 2.0, "peak_rss_mb": 900.0}}]  # fmt: skip
+    (row,) = comparison_rows(evaluation, variants, "merged")
+    assert row["tasks"]["a"] == pytest.approx({"accuracy": 70.0, "normalized": 70 / 0.9,
+                                               "gap_closed": 50.0})  # fmt: skip
+    assert row["tasks"]["b"]["gap_closed"] == pytest.approx(100.0)
+    # of the means: (0.75 − 0.55) / (0.85 − 0.55)
+    assert row["mean"]["gap_closed"] == pytest.approx(100 * 0.2 / 0.3)
+    assert row["mean"]["accuracy"] == pytest.approx(75.0)
+    assert row["cost"]["total_seconds"] == pytest.approx(3.5)
+    files = write_comparison(tmp_path / "cmp", run_name="r", rows=[row], reference="merged",
+                             record={"run": "r"})  # fmt: skip
+    assert "| `v` | 70.0 | 80.0 | 75.0 |" in files["compare.md"].read_text()
+    assert json.loads(files["compare.json"].read_text())["variants"][0]["name"] == "v"

@@ -201,6 +201,16 @@ def test_flow_builds_the_zoo_and_runs_with_head_calibration(toy_data, tmp_path):
     with pytest.raises(FeatCalError, match="fit on other calibrated weights"):
         steps.refit_heads()
 
+    # `featcal compare` on the same zoo params (models and tasks come from the built zoo)
+    params["compare"] = {"variants": [{"name": "merge-only", "set": ["repair.method=none"]},
+                                      {"name": "regmean", "set": ["repair.method=regmean"]}]}  # fmt: skip
+    path.write_text(yaml.safe_dump(params))
+    proc = factories.run_featcal(tmp_path, path, None, "compare")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    compared = json.loads((tmp_path / "reports" / "toy-compare" / "compare.json").read_text())
+    assert [v["name"] for v in compared["variants"]] == ["merge-only", "regmean"]
+    assert set(compared["evaluation"]) == set(toy_data)
+
 
 def test_default_params_use_the_vision_zoo_and_dvc_builds_it():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -98,8 +98,7 @@ def compare_run_name() -> str:
 
 
 @flow(name="featcal-variant", flow_run_name="{name}")
-def variant_flow(name: str, params_path: str, overrides: list[str], merged: str,
-                 shared_root: str) -> dict:  # fmt: skip
+def variant_flow(name: str, params_path: str, overrides: list[str], merged: str) -> dict:
     """One variant's repair into `<results>/variants/<name>/calibrated`; returns its path and
     cost (seconds, peak RSS of the repair in MiB)."""
     base_params = load_params(params_path, overrides)
@@ -162,8 +161,7 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
         for name, variant in variants.items():
             key = merge_key(variant.merge)
             with step_run(name, tags={"featcal.variant": name}) as child:
-                costs[name] = variant_flow(name, params_path, overrides,
-                                           str(merges[key]["path"]), str(steps.paths["root"]))  # fmt: skip
+                costs[name] = variant_flow(name, params_path, overrides, str(merges[key]["path"]))
             children[name] = child.info.run_id if child is not None else None
         models = {merge["row"]: str(merge["path"]) for merge in merges.values()}
         surgeries = {}

@@ -1,6 +1,7 @@
 """MLflow tracking helpers (tasks/tracking*.py) against a local SQLite store in tmp_path."""
 
 import json
+import mmap
 import re
 import subprocess
 import threading
@@ -293,9 +294,12 @@ def test_step_peak_memory_is_the_steps_own(tmp_path):
     params = make_params(tmp_path)
     with parent_run(params, run_name="memory", project_root=tmp_path):
         with step_run("big") as big:
-            block = bytearray(400 * 1024 * 1024)
-            block[::4096] = b"x" * len(block[::4096])  # touch every page
-            del block
+            # an anonymous mapping, unmapped on close: its pages surely leave the resident set
+            # (heap memory may stay resident after it is freed, and the next step would count it)
+            region = mmap.mmap(-1, 400 * 1024 * 1024)
+            for offset in range(0, len(region), 4096):
+                region[offset] = 1  # touch every page
+            region.close()
         with step_run("small") as small:
             pass
     client = MlflowClient(tracking_uri(params.tracking, tmp_path))

@@ -1,273 +1,154 @@
-"""Accuracy of FeatCal on the offline zoos: merged vs calibrated vs experts, for inputs-per-task
-n ∈ {8, 32, 128} and merge methods {Task Arithmetic, TIES}, with and without FeatCal, with and
-without head calibration. Every hyperparameter is chosen on the validation split (carved from
-train); the test split is scored only for the chosen settings (and the paper's defaults).
+"""Accuracy of FeatCal on the offline zoos, hyperparameters chosen on validation (featcal compare).
 
-    python benchmarks/zoo_results.py                       # both presets, the full grid
-    python benchmarks/zoo_results.py --presets vision --n 32
+    python benchmarks/zoo_results.py                       # both presets, n 8 32 128, TA and TIES
+    python benchmarks/zoo_results.py --presets vision --n 32 [--methods ties] [--max-val 300]
 
-Writes benchmarks/results/zoo_results.{csv,md} and accuracy_vs_n.png, and prints the table.
-Selection, per (preset, merge method):
-  - merge hyperparameters (TA scale, TIES scale): the best average validation accuracy;
-  - per n, FeatCal (α, λ) from ALPHAS × LAMS with ρ = 2.2: best validation accuracy
-    ("featcal (val-selected)"); the paper's defaults α = 0.25, λ = 0.05 are always shown too;
-  - head calibration λ_h from HEAD_LAMS, on the merged model ("merged + heads") and on the
-    selected calibrated model ("featcal + heads");
-  - "best on validation" is whichever of these variants has the best validation accuracy.
+Per preset and n, two `featcal compare` runs (params and logs: benchmarks/out/zoo_results/;
+results: data/results/zoo-results-<preset>-n<n>-{val,test}/; reports, with every grid point's
+accuracy: reports/<that name>-compare/). On the validation split (carved from train): each
+MERGE_GRID setting alone and + FeatCal for α ∈ ALPHAS × λ ∈ LAMS (ρ 2.2); per merge method the
+best merge-only and the best FeatCal variant (mean accuracy) are chosen. On the test split: only
+those and the paper's defaults (Task Arithmetic 0.3, alone and + FeatCal α 0.25, ρ 2.2, λ 0.05).
+Writes benchmarks/results/zoo_results.{csv,md} (keeping other (preset, n, method) cells of earlier
+runs) and accuracy_vs_n.png; prints the table. Accuracy: mean % over tasks; gap closed: compare's,
+of the means, against Task Arithmetic 0.3 (every run's reference merge). Head calibration is no
+longer part of this benchmark (`featcal compare` does not apply it).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import logging
-import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
+import yaml
+
+from featcal_core.io.outputs import write_file
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+OUT = ROOT / "benchmarks" / "out" / "zoo_results"
+log = logging.getLogger("zoo_results")
 
-from featcal_core import FeatCalParams, calibrate  # noqa: E402
-from featcal_core.data.calibration_data import load_calibration_set  # noqa: E402
-from featcal_core.evaluation.accuracy import evaluate  # noqa: E402
-from featcal_core.evaluation.expert_head import ExpertHead  # noqa: E402
-from featcal_core.merging.run import merge_checkpoints  # noqa: E402
-from featcal_core.method.head_calibration import fit_linear_head, head_statistics  # noqa: E402
-from featcal_core.report import gap_closed  # noqa: E402
-from featcal_core.zoo.build import PRESETS, build_zoo  # noqa: E402
-
-log = logging.getLogger("benchmark")
-
-MERGE_GRID = {
-    "task_arithmetic": [{"scale": s} for s in (0.3, 0.5, 0.8)],
-    "ties": [{"scale": s, "top_k": 20} for s in (0.5, 1.0)],
-}
-PAPER = (0.25, 0.05)  # (α, λ), ρ = 2.2
-ALPHAS = (0.25, 0.5, 1.0)
-LAMS = (0.05, 0.5)
-HEAD_LAMS = (0.001, 0.01, 0.1, 1.0)
-SEED = 0
+MERGE_GRID = {"task_arithmetic": [{"scale": s} for s in (0.3, 0.5, 0.8)],
+              "ties": [{"scale": s, "top_k": 20} for s in (0.5, 1.0)]}  # fmt: skip
+ALPHAS, LAMS, RHO = (0.25, 0.5, 1.0), (0.05, 0.5), 2.2
+PAPER_MERGE, PAPER_FEATCAL = ("task_arithmetic", {"scale": 0.3}), {"alpha": 0.25, "lam": 0.05}
+SHORT = {"task_arithmetic": "ta", "ties": "ties"}
+FIELDS = ["preset", "n", "method", "variant", "settings", "val_acc", "test_acc", "test_gap_closed",
+          "expert_test_acc"]  # fmt: skip
 
 
-def snapshot(hub: Path, repo_id: str) -> Path:
-    from huggingface_hub import snapshot_download
-
-    return Path(snapshot_download(repo_id, cache_dir=hub, local_files_only=True))
-
-
-class Bench:
-    def __init__(self, preset: str, zoo_dir: Path, work: Path, batch_size: int):
-        self.preset = preset
-        self.manifest = build_zoo(PRESETS[preset], zoo_dir)
-        hub = zoo_dir / "hub"
-        self.base = snapshot(hub, self.manifest["base"]["repo_id"])
-        self.experts = {t: snapshot(hub, e["repo_id"]) for t, e in self.manifest["experts"].items()}
-        self.data = {t: zoo_dir / "data" / t for t in self.experts}
-        self.heads = {t: ExpertHead(p) for t, p in self.experts.items()}
-        self.work = work
-        self.batch = batch_size
-        self.max_val: int | None = None  # validation rows scored per task (None: all)
-        self._cache: dict = {}
-
-    def score(self, model: Path, split: str, heads: dict | None = None) -> dict[str, float]:
-        """Accuracy per task of `model` on `split` (heads: task -> (weight, bias) overrides)."""
-        out = {}
-        for task, head in self.heads.items():
-            if heads is not None:
-                head = head.with_linear(*heads[task])
-            cap = self.max_val if split == "validation" else None
-            result = evaluate(model, head, self.data[task], split, batch_size=128,
-                              max_examples=cap, progress=False)  # fmt: skip
-            out[task] = result["accuracy"]
-        return out
-
-    def rows(self, task: str, n: int) -> list:
-        key = (task, n)
-        if key not in self._cache:
-            modality = self.heads[task].modality
-            self._cache[key] = load_calibration_set(task, self.data[task], modality, n, SEED).rows
-        return self._cache[key]
-
-    @torch.no_grad()
-    def refit_heads(self, model: Path, n: int) -> dict[float, dict]:
-        """{λ_h: {task: (weight, bias)}}: head calibration of `model` on n inputs per task."""
-        fits: dict[float, dict] = {lam: {} for lam in HEAD_LAMS}
-        for task, head in self.heads.items():
-            stats, linear = head_statistics(
-                head, self.experts[task], model, self.rows(task, n), batch_size=64
-            )
-            for lam in HEAD_LAMS:
-                weight, bias = fit_linear_head(stats, linear.weight, linear.bias, lam)
-                fits[lam][task] = (weight.float(), bias.float())
-        return fits
-
-    def calibrated(self, merged: Path, n: int, alpha: float, lam: float, tag: str) -> Path:
-        out = self.work / f"cal_{tag}_n{n}_a{alpha}_l{lam}"
-        if not (out / "featcal.json").is_file():
-            calibrate(
-                self.base, merged, self.experts, self.data, out,
-                FeatCalParams(alpha=alpha, rho=2.2, lam=lam), num_per_task=n,
-                batch_size=self.batch, seed=SEED, max_length=64, overwrite=True, progress=False,
-            )  # fmt: skip
-        return out
+def variant(setting: tuple) -> dict:
+    """A compare variant for (merge method, merge hyperparameters, FeatCal {α, λ} or None)."""
+    method, merge, featcal = setting
+    name = SHORT[method] + "".join(f"-{v}" for v in merge.values())
+    hp = ", ".join(f"{k}: {v}" for k, v in merge.items())
+    sets = [f"merge.method={method}", f"merge.hyperparameters={{{hp}}}", "repair.method=none"]
+    if featcal is not None:
+        name += f".featcal-a{featcal['alpha']}-l{featcal['lam']}"
+        sets[-1:] = ["repair.method=featcal", f"featcal.alpha={featcal['alpha']}",
+                     f"featcal.lam={featcal['lam']}", f"featcal.rho={RHO}"]  # fmt: skip
+    return {"name": name, "set": sets}
 
 
-def mean(scores: dict[str, float]) -> float:
-    return sum(scores.values()) / len(scores)
+def compare(preset: str, n: int, split: str, settings: list, max_val: int | None):
+    """`featcal compare` of `settings` on `split`: ({variant: compare's "mean"}, experts' mean)."""
+    tag = f"zoo-results-{preset}-n{n}-{'val' if split == 'validation' else 'test'}"
+    params = {
+        "run": {"name": tag, "results_dir": f"data/results/{tag}", "seed": 0},
+        "zoo": {"preset": preset, "dir": f"data/zoo/{preset}", "seed": 0, "evaluation_split": split},
+        "merge": {"method": PAPER_MERGE[0], "hyperparameters": PAPER_MERGE[1]},
+        "featcal": {**PAPER_FEATCAL, "rho": RHO, "num_per_task": n, "batch_size": 32, "heads": False},
+        "evaluation": {"max_examples_per_task": max_val if split == "validation" else None},
+        "compare": {"variants": [variant(s) for s in settings]},
+    }  # fmt: skip
+    path = write_file(OUT / f"{tag}.yaml", yaml.safe_dump(params, sort_keys=False))
+    started = time.perf_counter()
+    with (OUT / f"{tag}.log").open("w") as handle:
+        done = subprocess.run([sys.executable, "-m", "featcal_cli.main", "compare", "--params",
+                               str(path)], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)  # fmt: skip
+    if done.returncode != 0:
+        tail = (OUT / f"{tag}.log").read_text().strip().splitlines()[-15:]
+        raise SystemExit(f"featcal compare {tag} failed:\n" + "\n".join(tail))
+    log.info("%s: %d variants in %.0f s", tag, len(settings), time.perf_counter() - started)
+    report = json.loads((ROOT / "reports" / f"{tag}-compare" / "compare.json").read_text())
+    experts = [models["expert"]["accuracy"] for models in report["evaluation"].values()]
+    means = {v["name"]: {k: x if x is None else round(x, 2) for k, x in v["mean"].items()}
+             for v in report["variants"]}  # fmt: skip
+    return means, round(100 * sum(experts) / len(experts), 2)
 
 
-#: every FeatCal grid point's validation accuracy (written to zoo_grid.json: the sensitivity)
-grid: list[dict] = []
-
-
-def run_preset(
-    preset: str, ns: list[int], methods: list[str], work: Path, max_val: int | None = None
-) -> list[dict]:
-    bench = Bench(preset, ROOT / "data" / "zoo" / preset, work / preset, batch_size=32)
-    bench.max_val = max_val
-    results = []
-    expert = {s: {t: evaluate(p, bench.heads[t], bench.data[t], s, batch_size=128,
-                              max_examples=max_val if s == "validation" else None,
-                              progress=False)["accuracy"] for t, p in bench.experts.items()}
-              for s in ("validation", "test")}  # fmt: skip
-    log.info("%s experts: val %.4f test %.4f", preset, mean(expert["validation"]),
-             mean(expert["test"]))  # fmt: skip
-
-    def record(method, n, variant, settings, val, test):
-        row = {
-            "preset": preset, "method": method, "n": n, "variant": variant,
-            "settings": json.dumps(settings, sort_keys=True),
-            "val_acc": round(mean(val), 4), "test_acc": round(mean(test), 4),
-            "expert_test_acc": round(mean(expert["test"]), 4),
-        }  # fmt: skip
-        results.append(row)
-        log.info("%s", row)
-        return row
-
+def run_cell(preset: str, n: int, methods: list[str], quick: bool, max_val: int | None) -> list:
+    featcals = [PAPER_FEATCAL] if quick else [{"alpha": a, "lam": x} for a in ALPHAS for x in LAMS]
+    grid = [(m, hp, fc) for m in methods for hp in MERGE_GRID[m][: 1 if quick else None]
+            for fc in (None, *featcals)]  # fmt: skip
+    val, _ = compare(preset, n, "validation", grid, max_val)
+    chosen = []
     for method in methods:
-        merged_val, best = {}, None
-        for hp in MERGE_GRID[method]:
-            tag = f"{method}_" + "_".join(f"{k}{v}" for k, v in sorted(hp.items()))
-            out = bench.work / f"merged_{tag}"
-            if not (out / "merge.json").is_file():
-                merge_checkpoints(bench.base, bench.experts, out, method, hp, overwrite=True,
-                                  progress=False)  # fmt: skip
-            merged_val[tag] = bench.score(out, "validation")
-            if best is None or mean(merged_val[tag]) > mean(merged_val[best[0]]):
-                best = (tag, out, hp)
-        tag, merged, hp = best
-        merged_test = bench.score(merged, "test")
-        base_row = record(method, 0, "merged", hp, merged_val[tag], merged_test)
-        for n in ns:
-            record(method, n, "merged", hp, merged_val[tag], merged_test)
-            # head calibration alone (on the merged model)
-            heads = bench.refit_heads(merged, n)
-            head_val = {lam: bench.score(merged, "validation", h) for lam, h in heads.items()}
-            lam_h = max(head_val, key=lambda k: mean(head_val[k]))
-            record(method, n, "merged + heads", {**hp, "head_lam": lam_h}, head_val[lam_h],
-                   bench.score(merged, "test", heads[lam_h]))  # fmt: skip
-            # FeatCal: grid on validation
-            val_scores = {}
-            for alpha in ALPHAS:
-                for lam in LAMS:
-                    model = bench.calibrated(merged, n, alpha, lam, tag)
-                    val_scores[(alpha, lam)] = (model, bench.score(model, "validation"))
-                    grid.append({"preset": preset, "method": method, "n": n, "alpha": alpha,
-                                 "lam": lam, "val_acc": round(mean(val_scores[(alpha, lam)][1]), 4),
-                                 "val_per_task": val_scores[(alpha, lam)][1]})  # fmt: skip
-            paper_model, paper_val = val_scores[PAPER]
-            record(method, n, "featcal (paper defaults)", {**hp, "alpha": PAPER[0],
-                   "lam": PAPER[1], "rho": 2.2}, paper_val, bench.score(paper_model, "test"))  # fmt: skip
-            chosen = max(val_scores, key=lambda k: mean(val_scores[k][1]))
-            model, val = val_scores[chosen]
-            settings = {**hp, "alpha": chosen[0], "lam": chosen[1], "rho": 2.2}
-            record(method, n, "featcal (val-selected)", settings, val, bench.score(model, "test"))
-            heads = bench.refit_heads(model, n)
-            head_val = {lam: bench.score(model, "validation", h) for lam, h in heads.items()}
-            lam_h = max(head_val, key=lambda k: mean(head_val[k]))
-            record(method, n, "featcal + heads", {**settings, "head_lam": lam_h},
-                   head_val[lam_h], bench.score(model, "test", heads[lam_h]))  # fmt: skip
-            candidates = [r for r in results if r["method"] == method and r["n"] == n
-                          and r["variant"] != "merged"]  # fmt: skip
-            winner = max(candidates, key=lambda r: r["val_acc"])
-            results.append({**winner, "variant": f"best on validation ({winner['variant']})"})
-        del base_row
-    return results
+        for kind, calibrated in (("merge only (val-selected)", 0), ("featcal (val-selected)", 1)):
+            pool = [s for s in grid if s[0] == method and (s[2] is not None) == calibrated]
+            chosen.append((kind, max(pool, key=lambda s: val[variant(s)["name"]]["accuracy"])))
+    chosen += [("paper defaults: merge only", (*PAPER_MERGE, None)),
+               ("paper defaults: featcal", (*PAPER_MERGE, PAPER_FEATCAL))]  # fmt: skip
+    unique = list({variant(s)["name"]: s for _, s in chosen}.values())
+    test, expert = compare(preset, n, "test", unique, None)
+    rows = []
+    for kind, (method, hp, fc) in chosen:
+        key = variant((method, hp, fc))["name"]
+        settings = json.dumps({**hp, **({} if fc is None else {**fc, "rho": RHO})}, sort_keys=True)
+        rows.append({"preset": preset, "n": n, "method": method, "variant": kind,
+                     "settings": settings, "val_acc": val.get(key, {}).get("accuracy"),
+                     "test_acc": test[key]["accuracy"], "test_gap_closed": test[key]["gap_closed"],
+                     "expert_test_acc": expert})  # fmt: skip
+    return rows
 
 
-def write(results: list[dict], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    fields = ["preset", "method", "n", "variant", "val_acc", "test_acc", "expert_test_acc",
-              "gap_closed_pct", "settings"]  # fmt: skip
-    merged = {(r["preset"], r["method"], r["n"]): r["test_acc"] for r in results
-              if r["variant"] == "merged"}  # fmt: skip
-    for r in results:
-        gap = gap_closed(merged[(r["preset"], r["method"], r["n"])], r["test_acc"],
-                         r["expert_test_acc"])  # fmt: skip
-        r["gap_closed_pct"] = None if gap is None else round(gap, 1)
-    rows = [r for r in results if r["n"] != 0]
-    cells = {(r["preset"], r["method"], str(r["n"])) for r in rows}
-    if (out / "zoo_results.csv").is_file():  # keep other (preset, method, n) rows of earlier runs
+def cell(value, unit: str = "") -> str:
+    return "—" if value in (None, "") else f"{float(value):.1f}{unit}"
+
+
+def write(rows: list[dict], out: Path) -> None:
+    done = {(r["preset"], str(r["n"]), r["method"]) for r in rows}
+    if (out / "zoo_results.csv").is_file():  # keep the other cells of earlier runs
         with (out / "zoo_results.csv").open(newline="") as handle:
-            kept = [r for r in csv.DictReader(handle)
-                    if (r["preset"], r["method"], r["n"]) not in cells]  # fmt: skip
-        for r in kept:
-            r["n"] = int(r["n"])
-            for key in ("val_acc", "test_acc", "expert_test_acc"):
-                r[key] = float(r[key])
-            r["gap_closed_pct"] = float(r["gap_closed_pct"]) if r["gap_closed_pct"] else None
-        rows = sorted(kept + rows, key=lambda r: (r["preset"] != "vision", r["preset"],
-                                                  r["method"], r["n"]))  # fmt: skip
-    with (out / "zoo_results.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows({k: r[k] for k in fields} for r in rows)
-    lines = ["| preset | merge | n | variant | val acc | test acc | expert test | gap closed | "
-             "settings |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for r in rows:
-        gap = "—" if r["gap_closed_pct"] is None else f"{r['gap_closed_pct']:.1f} %"
-        lines.append(
-            f"| {r['preset']} | {r['method']} | {r['n']} | {r['variant']} | "
-            f"{100 * r['val_acc']:.1f} | {100 * r['test_acc']:.1f} | "
-            f"{100 * r['expert_test_acc']:.1f} | {gap} | `{r['settings']}` |"
-        )
-    (out / "zoo_results.md").write_text("\n".join(lines) + "\n")
-    grid_cells = {(r["preset"], r["method"], r["n"]) for r in grid}
-    grid_file = out / "zoo_grid.json"
-    kept = [r for r in json.loads(grid_file.read_text())
-            if (r["preset"], r["method"], r["n"]) not in grid_cells] if (
-        grid_file.is_file()) else []  # fmt: skip
-    grid_file.write_text(json.dumps(kept + grid, indent=1) + "\n")
+            old = [r for r in csv.DictReader(handle) if set(r) == set(FIELDS)]
+        rows = [r for r in old if (r["preset"], r["n"], r["method"]) not in done] + rows
+    rows = sorted(rows, key=lambda r: (r["preset"] != "vision", r["preset"], int(r["n"]), r["method"]))  # fmt: skip
+    text = io.StringIO()
+    (writer := csv.DictWriter(text, fieldnames=FIELDS, lineterminator="\n")).writeheader()
+    writer.writerows(rows)
+    write_file(out / "zoo_results.csv", text.getvalue())
+    lines = ["| preset | n | merge | variant | settings | val acc | test acc | test gap closed "
+             "(vs TA 0.3) | experts (test) |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['preset']} | {r['n']} | {r['method']} | {r['variant']} | `{r['settings']}` | "
+              f"{cell(r['val_acc'])} | {cell(r['test_acc'])} | {cell(r['test_gap_closed'], ' %')} | "
+              f"{cell(r['expert_test_acc'])} |" for r in rows]  # fmt: skip
+    write_file(out / "zoo_results.md", "\n".join(lines) + "\n")
     plot(rows, out / "accuracy_vs_n.png")
     print("\n".join(lines))
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    plt.switch_backend("Agg")
     keys = sorted({(r["preset"], r["method"]) for r in rows})
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 3.6), squeeze=False)
     for ax, (preset, method) in zip(axes[0], keys, strict=True):
-        sub = [r for r in rows if r["preset"] == preset and r["method"] == method]
-        for variant in ("merged", "merged + heads", "featcal (paper defaults)",
-                        "featcal (val-selected)", "featcal + heads"):  # fmt: skip
-            points = sorted((r["n"], r["test_acc"]) for r in sub if r["variant"] == variant)
-            if points:
-                ax.plot(*zip(*points, strict=True), marker="o", label=variant)
-        ax.axhline(sub[0]["expert_test_acc"], color="k", ls="--", lw=1, label="experts")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{preset} / {method}")
-        ax.set_xlabel("calibration inputs per task (n)")
-        ax.set_ylabel("average test accuracy")
-    axes[0][-1].legend(fontsize=7)
+        sub = [r for r in rows if (r["preset"], r["method"]) == (preset, method)]
+        for kind in dict.fromkeys(r["variant"] for r in sub):
+            points = sorted((int(r["n"]), float(r["test_acc"])) for r in sub if r["variant"] == kind)  # fmt: skip
+            ax.plot(*zip(*points, strict=True), marker="o", label=kind)
+        ax.axhline(float(sub[0]["expert_test_acc"]), color="k", ls="--", lw=1, label="experts")
+        ax.set(xscale="log", title=f"{preset} / {method}", xlabel="calibration inputs per task (n)",
+               ylabel="mean test accuracy (%)")  # fmt: skip
+        ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -276,26 +157,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=["vision", "text"])
     parser.add_argument("--n", nargs="+", type=int, default=[8, 32, 128])
-    parser.add_argument("--methods", nargs="+", default=["task_arithmetic", "ties"])
-    parser.add_argument("--work", default=str(ROOT / "runs" / "benchmark"))
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
-    parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    parser.add_argument("--methods", nargs="+", default=list(MERGE_GRID), choices=list(MERGE_GRID))
     parser.add_argument("--max-val", type=int, default=None,
-                        help="score only the first N validation rows per task (speed; the "
-                        "validation rows are a seeded random sample, so this is a subsample)")  # fmt: skip
+                        help="score only the first N validation rows per task (speed)")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # smoke: 1 × 1 grid
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    for noisy in ("featcal_core", "transformers", "datasets", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
     started = time.perf_counter()
-    work = Path(args.work)
-    results = []
+    out = OUT if args.quick else ROOT / "benchmarks" / "results"  # a smoke run replaces nothing
+    rows = []
     for preset in args.presets:
-        results += run_preset(preset, args.n, args.methods, work, args.max_val)
-        write(results, Path(args.out))
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
-    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+        for n in args.n:
+            rows += run_cell(preset, n, args.methods, args.quick, args.max_val)
+        write(rows, out)  # after each preset: a later failure keeps what was measured
+    log.info("total %.0f s", time.perf_counter() - started)
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ COMMANDS = (
     ),
     _step("download", "download", "resolve the models of params.yaml and write the lock file"),
     _step("calib-set", "calibration_sets", "draw the calibration sets of params.yaml"),
+    _step("select", "select", "choose among select:'s candidates (held-out scores)"),
     _step("heads", "heads", "head calibration (refit each task's head; featcal.heads)"),
     Command(
         "evaluate",

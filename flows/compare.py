@@ -16,19 +16,22 @@ with the variant's overrides.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import time
 from pathlib import Path
-from typing import Any
 
 from featcal.flows.environment import configure
 from featcal.flows.environment import project_root as working_project
 from featcal.flows.run_tags import lineage_tags, params_digest
 from featcal.flows.steps import Steps
+from featcal.flows.variants import (
+    evaluation_rows,
+    merge_key,
+    repair,
+    row_of,
+    run_merges,
+    shared_steps,
+)
 from featcal_core.errors import FeatCalError
-from featcal_core.memory import peak_rss_bytes, reset_peak_rss
 from featcal_core.params import Params, load_params
 from featcal_core.provenance.records import REPORTS_ROOT
 
@@ -42,16 +45,6 @@ log = logging.getLogger(__name__)
 REFERENCE = "merged"
 #: evaluation rows that a variant may not be named after
 RESERVED = ("base", "expert", REFERENCE)
-_MIB = 1024 * 1024
-
-
-def merge_key(merge) -> str:
-    """12 hex digits naming a merge: method and its filled-in hyperparameters."""
-    from featcal_core.merging import get
-
-    spec = {"method": merge.method, "hyperparameters": get(merge.method).check(
-        dict(merge.hyperparameters))}  # fmt: skip
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def variant_overrides(params: Params, overrides: list[str], name: str) -> list[str]:
@@ -83,18 +76,17 @@ def load_compare(params_path: str, overrides: list[str]) -> tuple[Params, dict[s
     return params, variants
 
 
-def _shared(steps: Steps, params: Params, merged: Path) -> Steps:
-    """Steps of `params` that read the shared lock and calibration sets and the merge `merged`."""
-    found = Steps(params, in_flow=steps.in_flow)
-    found.paths.update(lock=steps.paths["lock"], calibration_sets=steps.paths["calibration_sets"],
-                       merged=merged)  # fmt: skip
-    return found
+def compare_name(params: Params) -> str:
+    """`<run.name>-compare` (the report folder, the MLflow parent run); a run name that already
+    ends in `-compare` is used as it is."""
+    name = params.run.name
+    return name if name.endswith("-compare") else f"{name}-compare"
 
 
 def compare_run_name() -> str:
     parameters = flow_run.parameters
     params = load_params(parameters["params_path"], parameters.get("overrides") or [])
-    return f"{params.run.name}-compare-{params_digest(params)[:8]}"
+    return f"{compare_name(params)}-{params_digest(params)[:8]}"
 
 
 @flow(name="featcal-variant", flow_run_name="{name}")
@@ -104,18 +96,10 @@ def variant_flow(name: str, params_path: str, overrides: list[str], merged: str)
     base_params = load_params(params_path, overrides)
     params = load_params(params_path, variant_overrides(base_params, overrides, name))
     shared = Steps(base_params)
-    steps = _shared(shared, params, Path(merged))
+    steps = shared_steps(shared, params, Path(merged))
     steps.in_flow = True
-    method = params.repair_method
     with steps.session(f"featcal compare ({name})"):
-        reset_peak_rss()
-        started = time.perf_counter()
-        if method != "none":
-            steps.calibrate()
-        seconds = time.perf_counter() - started
-    path = str(steps.paths["calibrated"]) if method != "none" else None
-    return {"path": path, "repair_seconds": seconds,
-            "peak_rss_mb": peak_rss_bytes() / _MIB if method != "none" else None}  # fmt: skip
+        return repair(steps)
 
 
 @flow(name="featcal-compare", flow_run_name=compare_run_name)
@@ -143,7 +127,7 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
     root = working_project()
     tags = {"prefect_flow_run_id": flow_run.get_id(), "params_digest": params_digest(params),
             "featcal.compare": "true"}  # fmt: skip
-    with parent_run(params, run_name=f"{params.run.name}-compare", tags=tags,
+    with parent_run(params, run_name=compare_name(params), tags=tags,
                     project_root=root) as run:  # fmt: skip
         if params.zoo is not None:
             with step_run("zoo"):
@@ -156,27 +140,23 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
         log_datasets({"name": f"calibration/{t}", "context": "calibration", "sha256": r["digest"],
                       "path": steps.paths["calibration_sets"] / t} for t, r in sets.items())  # fmt: skip
         _, variants = load_compare(params_path, overrides)  # after the zoo step: models known
-        merges = _merges(steps, params, variants, step_run)
+        merges = run_merges(steps, [(REFERENCE, params)] + [(None, v) for v in variants.values()],
+                            step_run)  # fmt: skip
         costs, children = {}, {}
         for name, variant in variants.items():
             key = merge_key(variant.merge)
             with step_run(name, tags={"featcal.variant": name}) as child:
                 costs[name] = variant_flow(name, params_path, overrides, str(merges[key]["path"]))
             children[name] = child.info.run_id if child is not None else None
-        models = {merge["row"]: str(merge["path"]) for merge in merges.values()}
-        surgeries = {}
-        for name, cost in costs.items():
-            if variants[name].repair_method == "surgery":
-                merged = merges[merge_key(variants[name].merge)]["path"]
-                surgeries[name] = (str(merged), cost["path"])
-            elif cost["path"] is not None:
-                models[name] = cost["path"]
+        models, surgeries = evaluation_rows(variants, merges, costs)
         base, experts = steps.models()
+        with step_run("score-held-out"):
+            label_free = _label_free(steps, params, variants, merges, costs, base, experts)
         with step_run("evaluate"):
             evaluation = steps._call(evaluate_models, steps.params, base, experts, models,
                                      str(steps.paths["root"]), None, surgeries)  # fmt: skip
         log_datasets(evaluation_inputs(steps.params, str(steps.paths["root"])))
-        rows = _rows(evaluation, variants, merges, costs)
+        rows = _rows(evaluation, variants, merges, costs, label_free)
         summary = _report(params, rows, merges, evaluation, run)
         for row in rows:
             log_metrics(_variant_metrics(row), run_id=children[row["name"]])
@@ -185,28 +165,30 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
     return summary
 
 
-def _merges(steps: Steps, params: Params, variants: dict[str, Params], step_run) -> dict:
-    """Run each distinct merge once (the params file's own first, as the reference)."""
-    merges: dict[str, dict[str, Any]] = {}
-    for source in (params, *variants.values()):
-        key = merge_key(source.merge)
-        if key in merges:
-            continue
-        method = source.merge.method
-        row = REFERENCE if not merges else f"merge-{method}-{key[:6]}"
-        path = steps.paths["merges"] / key
-        reset_peak_rss()
-        started = time.perf_counter()
-        with step_run(f"merge {row}"):
-            record = _shared(steps, source, path).merge()
-        merges[key] = {"row": row, "path": path, "method": method,
-                       "hyperparameters": record["hyperparameters"],
-                       "seconds": time.perf_counter() - started,
-                       "peak_rss_mb": peak_rss_bytes() / _MIB}  # fmt: skip
-    return merges
+def _label_free(steps, params, variants, merges, costs, base, experts) -> dict | None:
+    """Each variant's label-free scores (agreement, drift) on held-out unlabeled inputs
+    (tasks/selection.py; `select.holdout_per_task` of them per task, else 32); None for causal
+    LMs, which have no classification head."""
+    from featcal.tasks.selection import build_selection_sets, score_candidates
+    from featcal_core.architectures import get
+    from featcal_core.evaluation.language_model import generation_kind
+
+    if generation_kind(base) is not None:
+        return None
+    holdout = params.select.holdout_per_task if params.select is not None else 32
+    modality = get(steps.lock()["architecture"]).modality
+    steps._call(build_selection_sets, steps.params, modality,
+                str(steps.paths["calibration_sets"]), str(steps.paths["selection_sets"]), holdout)  # fmt: skip
+    models, surgeries = evaluation_rows(variants, merges, costs)
+    scored = {name: surgeries.get(name) or (models[row_of(name, v, merges, costs)], None)
+              for name, v in variants.items()}  # fmt: skip
+    return steps._call(score_candidates, steps.params, base, experts, scored,
+                       {t: str(steps.paths["selection_sets"] / t) for t in steps.params.tasks},
+                       str(steps.paths["root"]))  # fmt: skip
 
 
-def _rows(evaluation: dict, variants: dict[str, Params], merges: dict, costs: dict) -> list[dict]:
+def _rows(evaluation: dict, variants: dict[str, Params], merges: dict, costs: dict,
+          label_free: dict | None = None) -> list[dict]:  # fmt: skip
     from featcal_core.report.compare import comparison_rows
 
     described = []
@@ -215,12 +197,13 @@ def _rows(evaluation: dict, variants: dict[str, Params], merges: dict, costs: di
         cost = costs[name]
         peaks = [p for p in (merge["peak_rss_mb"], cost["peak_rss_mb"]) if p is not None]
         described.append({
-            "name": name, "row": name if cost["path"] else merge["row"],
+            "name": name, "row": row_of(name, variant, merges, costs),
             "merge": {"method": merge["method"], "hyperparameters": merge["hyperparameters"]},
             "repair": variant.repair_method, "set": next(
                 v.set for v in variant.compare.variants if v.name == name),
             "cost": {"merge_seconds": merge["seconds"], "repair_seconds": cost["repair_seconds"],
                      "peak_rss_mb": max(peaks) if peaks else None},
+            "label_free": (label_free or {}).get(name),
         })  # fmt: skip
     return comparison_rows(evaluation, described, REFERENCE)
 
@@ -243,7 +226,7 @@ def _report(params: Params, rows: list[dict], merges: dict, evaluation: dict, ru
         "mlflow_run_id": run.info.run_id if run is not None else None,
         "prefect_flow_run_id": str(flow_run.get_id()),
     }
-    out = REPORTS_ROOT / f"{params.run.name}-compare"
+    out = REPORTS_ROOT / compare_name(params)
     files = write_comparison(out, run_name=params.run.name, rows=rows, reference=REFERENCE,
                              record=record)  # fmt: skip
     log.info("comparison of %d variants: %s", len(rows), files["compare.md"])
@@ -258,6 +241,8 @@ def _variant_metrics(row: dict) -> dict[str, float]:
         metrics.update({f"{k}/{task}": v for k, v in values.items() if v is not None})
     metrics.update({f"{k}_mean": v for k, v in row["mean"].items() if v is not None})
     metrics.update({k: v for k, v in row["cost"].items() if v is not None})
+    scores = row.get("label_free") or {}
+    metrics.update({f"label_free/{k}": scores[k] for k in ("agreement", "drift") if k in scores})
     return metrics
 
 

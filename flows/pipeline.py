@@ -1,6 +1,6 @@
 """`featcal run`: the pipeline as one Prefect flow, configured by params.yaml.
 
-download-experts → calibration sets → merge → calibrate (one cached task per block, resumable)
+download-experts → calibration sets → (select: the best of select:'s candidates) → merge → calibrate (one cached task per block, resumable)
 → evaluate → report, each step a nested MLflow run under one parent run per flow run. The steps and
 the layout of what they write are in flows/steps.py.
 
@@ -21,6 +21,7 @@ from featcal.flows.environment import configure
 from featcal.flows.environment import project_root as working_project
 from featcal.flows.progress import run_progress
 from featcal.flows.run_tags import checkpoint_digest, lineage_tags, params_digest
+from featcal.flows.selection import check_candidates
 from featcal.flows.steps import Steps
 from featcal_core.io.outputs import write_json
 from featcal_core.params import Params, load_params
@@ -59,6 +60,7 @@ def run_pipeline(params_path: str | Path, overrides: list[str] | None = None) ->
     """Validate params.yaml (before any heavy work), take the run lock (a second run on the same
     results stops in one line, before Prefect starts a flow run), then run `featcal_run`."""
     params = load_params(params_path, overrides or [])
+    check_candidates(params)
     with Steps(params).session():
         return featcal_run(str(Path(params_path).resolve()), list(overrides or []))
 
@@ -72,6 +74,7 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
         log_datasets,
         log_evaluation,
         log_model,
+        log_selection,
         log_tags,
     )
     from featcal.tasks.tracking_store import git_commit
@@ -114,6 +117,11 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
         log_tags({f"calibration_set.{t}.sha256": r["digest"] for t, r in sets.items()})
         log_datasets({"name": f"calibration/{t}", "context": "calibration", "sha256": r["digest"],
                       "path": steps.paths["calibration_sets"] / t} for t, r in sets.items())  # fmt: skip
+        if params.select is not None:
+            with step_run("select"), display.step("select"):
+                summary["selection"] = steps.select()
+            log_selection(summary["selection"])
+            params = steps.params  # the winner's, from here on
         with step_run("merge"), display.step("merge"):
             steps.merge()
         log_tags({"merged.sha256": checkpoint_digest(steps.paths["merged"])})
@@ -154,7 +162,9 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
 def _step_names(params: Params) -> list[str]:
     """The steps this run will show in its progress display, in order."""
     names = ["zoo"] if params.zoo is not None else []
-    names += ["download-experts", "calibration-sets", "merge"]
+    names += ["download-experts", "calibration-sets"]
+    names += ["select"] if params.select is not None else []
+    names += ["merge"]
     if params.repair_method != "none":
         names.append("calibrate" if params.repair_method == "featcal" else params.repair_method)
     names += ["calibrate-heads"] if params.featcal.heads else []

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 STEP_NAMES = {
     "download": "download-experts",
     "calibration_sets": "calibration-sets",
+    "select": "select",
     "merge": "merge",
     "calibrate": "calibrate",
     "heads": "calibrate-heads",
@@ -74,6 +75,10 @@ def _log_outputs(steps: Steps, step: str, result: Any) -> None:
     if step == "calibration_sets":
         log_datasets({"name": f"calibration/{t}", "context": "calibration", "sha256": r["digest"],
                       "path": steps.paths["calibration_sets"] / t} for t, r in result.items())  # fmt: skip
+    elif step == "select":
+        from featcal.tasks.tracking_log import log_selection
+
+        log_selection(result)
     elif step == "calibrate" and steps.params.repair_method == "featcal":
         log_calibration_record(result)
     elif step == "evaluate":

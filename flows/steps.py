@@ -54,6 +54,31 @@ class Steps:
             manifest = load_manifest(zoo.path)
             if manifest is not None:
                 self.params = params.with_zoo(manifest)
+        #: the select step's record whose winner these steps run (None: no select: or no choice)
+        self.selection: dict | None = None
+        self.apply_selection()
+
+    def apply_selection(self) -> None:
+        """With select: and a record (selection.json) of the choice for these very params: the
+        winner's params from now on (flows.selection). Without one, the steps that need the
+        choice stop and ask for the select step."""
+        if self.params.select is None or self.params.models is None:
+            return
+        from featcal.flows.selection import chosen
+
+        path = self.paths["selection"]
+        record = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        found = chosen(self.params, record)
+        if found is not None:
+            self.params, self.selection = found, record
+
+    def _require_selection(self) -> None:
+        if self.params.select is not None:
+            raise FeatCalError(
+                f"select: {self.paths['selection']} holds no choice made for these params (none "
+                "yet, or the select: section, candidates or settings changed since); run `featcal "
+                "select --params FILE` (or `featcal run`) first"
+            )
 
     def _require_models(self) -> None:
         if self.params.models is None:
@@ -168,9 +193,20 @@ class Steps:
         root = str(self.paths["calibration_sets"])
         return self._call(build_calibration_sets, self.params, modality, root)
 
+    def select(self) -> dict:
+        """The select step (flows.selection): score select:'s candidates, choose, write
+        selection.json; from then on these steps run the winner's params."""
+        from featcal.flows.selection import select
+        from featcal.tasks.tracking import step_run
+
+        record = select(self, step_run)
+        self.apply_selection()
+        return record
+
     def merge(self) -> dict:
         from featcal.tasks.merge import merge_task
 
+        self._require_selection()
         base, experts = self.models()
         merge = self.params.merge
         return self._call(
@@ -219,6 +255,7 @@ class Steps:
     def calibrate(self) -> dict:
         """The repair of the merged model (`repair.method`) into `calibrated/`: FeatCal, resumable
         block by block, with its model card; or RegMean (`regmean`), whose record it returns."""
+        self._require_selection()
         if self.params.repair_method == "regmean":
             return self.regmean()
         if self.params.repair_method == "surgery":
@@ -289,6 +326,7 @@ class Steps:
 
     def heads(self) -> dict[str, dict[str, str]]:
         """Head calibration (featcal.heads): refit heads for the merged and calibrated models."""
+        self._require_selection()
         self.paths["refit_heads"].mkdir(parents=True, exist_ok=True)  # a DVC out
         if not self.params.featcal.heads:
             return {}  # before importing the task: off, `featcal heads` costs no torch start-up
@@ -367,6 +405,7 @@ class Steps:
         from featcal_core.provenance.lineage import trace
         from featcal_core.provenance.model_card import model_card_fields, write_model_card
 
+        self._require_selection()
         base, experts = self.models()
         heads = self.refit_heads()
         table = self._call(
@@ -411,4 +450,5 @@ class Steps:
             calibration=calibration,
             merge=load(self.paths["merged"] / MERGE_RECORD),
             lock=load(self.paths["lock"]),
+            selection=self.selection,
         )

@@ -41,14 +41,27 @@ def accuracy_table(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
     if rows:
         mean = {k: (sum(v) / len(v) if v and None not in v else None) for k, v in sums.items()}
         rows.append(_cells("average", mean, present, normalized))
+    return "accuracy (%) on the evaluation split\n" + plain_table(headers, rows)
+
+
+def plain_table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:
+    """A monospace table: the first `left` columns left-aligned, the others right-aligned."""
     widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=True)]
-    lines = ["  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in
-                       enumerate(zip(headers, widths, strict=True)))]  # fmt: skip
-    lines.append("  ".join("-" * w for w in widths))
-    for row in rows:
-        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
-                               enumerate(zip(row, widths, strict=True))))  # fmt: skip
-    return "accuracy (%) on the evaluation split\n" + "\n".join(lines)
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths, strict=True)))  # fmt: skip
+
+    return "\n".join([line(headers), "  ".join("-" * w for w in widths), *map(line, rows)])
+
+
+def selection_summary(record: Mapping[str, Any]) -> str:
+    """The select step's choice and every candidate's score (plain text)."""
+    from featcal_core.report.selection import selection_lines, selection_table
+
+    headers, rows = selection_table(record)
+    text = "\n".join(selection_lines(record))
+    return text + ("\n" + plain_table(headers, rows, left=4) if rows else "")
 
 
 def _cells(label, acc, present, normalized) -> list[str]:
@@ -66,7 +79,10 @@ def _cells(label, acc, present, normalized) -> list[str]:
 def run_summary(summary: Mapping[str, Any]) -> str:
     """The accuracy table of a `run_pipeline` summary, then where the report, the MLflow run and
     the results are (the full record: `featcal run --json`)."""
-    lines = ["", accuracy_table(summary.get("evaluation") or {}), ""]
+    lines = [""]
+    if summary.get("selection"):
+        lines += [selection_summary(summary["selection"]), ""]
+    lines += [accuracy_table(summary.get("evaluation") or {}), ""]
     if summary.get("report"):
         lines.append(f"report:      {shown(summary['report'])}")
     if summary.get("mlflow_run_id"):
@@ -89,6 +105,8 @@ def markdown_summary(summary: Mapping[str, Any]) -> str:
     """The Prefect artifact of a pipeline run (markdown): the accuracy table, then links to the
     report and where the MLflow run and the results are."""
     lines = [f"# featcal run {summary.get('name', '')}".rstrip(), ""]
+    if summary.get("selection"):
+        lines += ["```", selection_summary(summary["selection"]), "```", ""]
     if summary.get("evaluation"):
         lines += ["```", accuracy_table(summary["evaluation"]), "```", ""]
     else:

@@ -60,4 +60,6 @@ def merge_task(
             log.info("merge: %s already holds this merge; reused (verified)", out_path)
             return json.loads((out_path / RECORD_NAME).read_text())
         log.warning("merge: %s does not verify (%s); merging again", out_path, wrong)
-    return merge_checkpoints(base, experts, out, method, hyperparameters, overwrite=True)
+    return merge_checkpoints(
+        base, experts, out, method, hyperparameters, overwrite=True, progress=False
+    )  # the run shows its own progress (flows/progress.py)

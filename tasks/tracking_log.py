@@ -113,6 +113,24 @@ def log_tags(tags: Mapping[str, object], *, run_id: str | None = None) -> None:
     batch_tags(MlflowClient(session.uri), run, clean(values, MAX_TAG_VALUE))
 
 
+def log_selection(record: Mapping[str, Any], *, run_id: str | None = None) -> None:
+    """The select step's choice: tags `select.winner`, `select.score`, `select.why` and
+    `select.set` (the winner's overrides); metrics `select/<score>/<candidate>` (mean over
+    tasks) and `select/<score>/<candidate>/<task>`."""
+    if record.get("winner") is None:
+        return
+    score = record["score"]
+    log_tags({"select.winner": record["winner"], "select.score": score,
+              "select.why": record["why"], "select.set": "; ".join(record["set"])},
+             run_id=run_id)  # fmt: skip
+    metrics = {}
+    for candidate in record["candidates"]:
+        metrics[f"select/{score}/{candidate['name']}"] = candidate["mean"]
+        for task, values in candidate["tasks"].items():
+            metrics[f"select/{score}/{candidate['name']}/{task}"] = values[score]
+    log_metrics(metrics, run_id=run_id)
+
+
 def log_metrics(metrics: Mapping[str, float], *, run_id: str | None = None) -> None:
     """Metrics (name → value) on the parent run (or `run_id`); nothing without a parent run."""
     target = run_target(run_id)

@@ -70,6 +70,15 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
                           "surgery.json").read_text())  # fmt: skip
     assert surgery["rank"] == 16 and rows["ta-surgery"]["repair"] == "surgery"
     assert "ta-surgery" in evaluation["alpha"]  # the merge under the task's module
+    # label-free scores of every variant on held-out inputs, and how they rank against test
+    for row in rows.values():
+        scores = row["label_free"]
+        assert 0 <= scores["agreement"] <= 100 and scores["drift"] >= 0
+        assert scores["agreement"] == pytest.approx(
+            sum(scores["tasks"][t]["agreement"] for t in ("alpha", "beta")) / 2
+        )
+    assert record["label_free"]["agreement"]["choice"] in rows
+    assert "Spearman ρ" in (report / "compare.md").read_text()
 
     _check_prefect(prefect_api, record)
     _check_mlflow(uri, record)

@@ -115,7 +115,8 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api):
     _sh(["git", "commit", "-qm", "second run"], repo, env)
     experiment = _sh(["dvc", "exp", "run", "-S", "featcal.alpha=0.5", "-n", "alpha-half"], repo,
                      env)  # fmt: skip
-    assert _ran(experiment) == ["code", "calibrate", "evaluate", "report"]
+    # (select reruns on any featcal change; without select: its record stays the same)
+    assert _ran(experiment) == ["code", "select", "calibrate", "evaluate", "report"]
     shown = _json_out(_sh(["dvc", "exp", "show", "--json"], repo, env, stdout_only=True))
     found = [exp for exp in _experiments(shown) if exp.get("name") == "alpha-half"]
     assert found, shown
@@ -125,7 +126,7 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api):
     assert 0.0 <= metrics["alpha"]["calibrated"]["accuracy"] <= 1.0
 
 
-STAGES = ("code", "zoo", "download", "calib-set", "merge", "calibrate", "evaluate", "report")
+STAGES = ("code", "zoo", "download", "calib-set", "select", "merge", "calibrate", "evaluate", "report")
 
 
 def _ran(output: str) -> list[str]:

@@ -210,6 +210,9 @@ def test_flow_builds_the_zoo_and_runs_with_head_calibration(toy_data, tmp_path):
     compared = json.loads((tmp_path / "reports" / "toy-compare" / "compare.json").read_text())
     assert [v["name"] for v in compared["variants"]] == ["merge-only", "regmean"]
     assert set(compared["evaluation"]) == set(toy_data)
+    for variant in compared["variants"]:  # scored on held-out inputs of the zoo's train splits
+        assert set(variant["label_free"]["tasks"]) == set(toy_data)
+    assert compared["label_free"]["agreement"]["choice"] in ("merge-only", "regmean")
 
 
 def test_default_params_use_the_vision_zoo_and_dvc_builds_it():
@@ -218,6 +221,13 @@ def test_default_params_use_the_vision_zoo_and_dvc_builds_it():
     assert params.zoo is not None and params.zoo.preset == "vision"
     assert params.zoo.path.as_posix().startswith("data/zoo/")
     assert params.featcal.heads  # head calibration shown beside the paper-faithful numbers
+    # the label-free choice by default, among candidates that hold the paper's defaults
+    assert params.select is not None and params.select.score == "agreement"
+    names = [c.name for c in params.select.candidates]
+    assert "paper" in names and "tuned-ties" in names
+    from featcal.flows.selection import check_candidates
+
+    check_candidates(params)
     with open(os.path.join(root, "dvc.yaml")) as handle:
         stages = yaml.safe_load(handle)["stages"]
     assert stages["zoo"]["cmd"] == "featcal zoo --params params.yaml"

@@ -53,7 +53,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,11 +85,17 @@ LABEL = "label"
 # ------------------------------------------------------------------------------------ sampling
 
 
-def sample_rows(total: int, n: int, seed: int) -> list[int]:
+def sample_rows(total: int, n: int, seed: int, exclude: Sequence[int] = ()) -> list[int]:
     """`n` distinct row ids of `total`, sorted (numpy default_rng(seed)); all rows when n >= total.
+    Rows in `exclude` are never drawn (a held-out set beside a calibration set): the draw is then
+    from the remaining rows, in order.
 
     The same draw as featcal_core.data.calibration_data.load_calibration_set.
     """
+    if exclude:
+        excluded = set(exclude)
+        rest = [i for i in range(total) if i not in excluded]
+        return [rest[i] for i in sample_rows(len(rest), n, seed)]
     if n >= total:
         return list(range(total))
     rng = np.random.default_rng(seed)
@@ -139,9 +145,12 @@ def draw_calibration_set(
     text_column: str | None = None,
     label_column: str | None = None,
     trust_remote_code: bool = False,
+    exclude: Sequence[int] = (),
 ) -> dict[str, Any]:
     """Sample `n` rows of the task's calibration source and save them at `out_dir`.
 
+    `exclude`: row ids never drawn (a held-out set: the calibration set's `row_ids`); none left
+    is an error.
     Column overrides take precedence over the source's `image_column` / `text_column` /
     `label_column`. Returns the record written to `out_dir/calibration_set.json`, plus `path`.
     Refuses (FeatCalError, nothing written): calibration data that is the evaluation data (by
@@ -178,7 +187,12 @@ def draw_calibration_set(
     input_override = image_column if modality == "image" else text_column
     column, label = _resolve_columns(data, source, key, modality, input_override, label_column)
     total = len(data)
-    ids = sample_rows(total, n, seed)
+    ids = sample_rows(total, n, seed, exclude)
+    if not ids:
+        raise FeatCalError(
+            f"{key}: all {total} rows of {source.describe()} are in the calibration set, so none "
+            "is left to hold out; lower featcal.num_per_task or use a larger calibration source"
+        )
 
     kept = [column] + ([label] if label else [])
     names = [CANONICAL_COLUMNS[modality]] + ([LABEL] if label else [])
@@ -215,7 +229,7 @@ def draw_calibration_set(
         "rows_available": total,
         "n_rows": len(ids),
         "row_ids": ids,
-    }
+    } | ({"excluded_rows": len(set(exclude))} if exclude else {})
     fingerprint = hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()[:16]
     sample = datasets.Dataset(
         datasets.table.InMemoryTable(table),

@@ -51,14 +51,18 @@ class Head(ABC):
         features(**inputs) gives the head's input (B, d) float32, linear maps it to logits
         (B, classes). `linear` is the head's own, before any `with_linear` override."""
 
-    def classifier(self, model_dir: str | Path, device: torch.device) -> nn.Module:
-        """A module in eval mode on `device` whose forward(**inputs) gives logits (B, classes),
-        running the tower stored in `model_dir` under this head (and its linear override)."""
+    def layers(self, model_dir: str | Path, device: torch.device) -> tuple[nn.Module, nn.Linear]:
+        """(features, linear) as `classifier` runs them: `parts` with the linear override."""
         features, linear = self.parts(model_dir, device)
         if self.linear_override is not None:
             weight, bias = self.linear_override
             linear = _linear(weight, bias).to(device)
-        return _FeatureClassifier(features, linear).eval()
+        return features, linear
+
+    def classifier(self, model_dir: str | Path, device: torch.device) -> nn.Module:
+        """A module in eval mode on `device` whose forward(**inputs) gives logits (B, classes),
+        running the tower stored in `model_dir` under this head (and its linear override)."""
+        return _FeatureClassifier(*self.layers(model_dir, device)).eval()
 
     def with_linear(self, weight: torch.Tensor, bias: torch.Tensor) -> Head:
         """This head with its final Linear replaced by (weight (classes, d), bias (classes))."""

@@ -72,6 +72,19 @@ def load_params(path: str | Path, overrides: Iterable[str] = ()) -> Params:
         _fail(_format_validation_error(exc, name, overrides))
 
 
+def apply_overrides(params: Params, overrides: Iterable[str], name: str = "params") -> Params:
+    """`params` with `--set`-style overrides applied and validated again (one FeatCalError line
+    on a problem, naming `name`)."""
+    data = params.model_dump(mode="json")
+    overrides = list(overrides)
+    for override in overrides:
+        _apply_override(data, override, name)
+    try:
+        return Params.model_validate(data)
+    except ValidationError as exc:
+        _fail(_format_validation_error(exc, name, overrides))
+
+
 def _yaml_problem(exc: yaml.YAMLError) -> str:
     mark = getattr(exc, "problem_mark", None)
     problem = getattr(exc, "problem", None) or str(exc)

@@ -13,7 +13,9 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from featcal_core.params.models import ModelRef, ModelsSpec
+from featcal_core.params.repair import CompareSettings, RepairSettings, Variant
 from featcal_core.params.schema import Params
+from featcal_core.params.selection import SelectSettings
 from featcal_core.params.tasks import DataSource, TaskSpec
 
 #: (heading, key prefix, model) of each table, in the order of the page
@@ -22,9 +24,13 @@ TABLES = [
     ("`run:`", "run.", None),
     ("`merge:`", "merge.", None),
     ("`featcal:`", "featcal.", None),
+    ("`repair:`", "repair.", RepairSettings),
     ("`evaluation:`", "evaluation.", None),
     ("`tracking:`", "tracking.", None),
     ("`zoo:`", "zoo.", None),
+    ("`select:`", "select.", SelectSettings),
+    ("`compare:`", "compare.", CompareSettings),
+    ("a variant or candidate (`compare.variants[]`, `select.candidates[]`)", "", Variant),
     ("`models:`", "models.", ModelsSpec),
     ("a model reference (`models.base`, `models.experts.<task>`)", "", ModelRef),
     ("`tasks.<task>:`", "tasks.<task>.", TaskSpec),

@@ -85,9 +85,17 @@ class CompareSettings(_Section):
     @field_validator("variants")
     @classmethod
     def _unique(cls, variants: list[Variant]) -> list[Variant]:
-        seen: set[str] = set()
-        for variant in variants:
-            if variant.name in seen:
-                raise _error(f"variant name {variant.name!r} appears twice; names must differ")
-            seen.add(variant.name)
+        problem = unique_names(variants)
+        if problem is not None:
+            raise _error(problem)
         return variants
+
+
+def unique_names(variants: list[Variant]) -> str | None:
+    """The problem with the variants' names (one appears twice), or None."""
+    seen: set[str] = set()
+    for variant in variants:
+        if variant.name in seen:
+            return f"variant name {variant.name!r} appears twice; names must differ"
+        seen.add(variant.name)
+    return None

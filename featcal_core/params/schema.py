@@ -24,6 +24,7 @@ from featcal_core.params.sections import (
     TrackingSettings,
     ZooSettings,
 )
+from featcal_core.params.selection import SelectSettings
 from featcal_core.params.tasks import TaskSpec
 
 
@@ -49,6 +50,9 @@ class Params(_Section):
     tracking: TrackingSettings = Field(default_factory=TrackingSettings, description="MLflow")
     compare: CompareSettings | None = Field(
         None, description="variants for `featcal compare` (null: none)"
+    )
+    select: SelectSettings | None = Field(
+        None, description="candidates `featcal run` chooses among before merging (null: none)"
     )
 
     @field_validator("tasks")
@@ -84,6 +88,15 @@ class Params(_Section):
                     f"task {task!r} has no expert; add models.experts.{task} or remove tasks.{task}",
                     f"tasks.{task}",
                 )
+        if self.select is not None and self.select.score == "validation":
+            for task, spec in self.tasks.items():
+                if spec.validation is None:
+                    raise _error(
+                        "select.score validation needs labelled validation data for every task; "
+                        f"add tasks.{task}.validation (a split carved from train) or use "
+                        "select.score agreement (label-free)",
+                        f"tasks.{task}.validation",
+                    )
         return self
 
     def with_zoo(self, manifest: Mapping[str, Any]) -> Params:
@@ -93,12 +106,23 @@ class Params(_Section):
         if self.zoo is None:
             return self
         models, tasks = zoo_models_and_tasks(manifest, self.zoo.path, self.zoo.evaluation_split)
+        for spec in tasks.values():  # the zoo's validation split, unless that is the evaluation
+            if self.zoo.evaluation_split != "validation":
+                spec["validation"] = {**spec["evaluation"], "split": "validation"}
         data = self.model_dump(mode="json", exclude={"zoo", "models", "tasks"})
         resolved = Params.model_validate({**data, "models": models, "tasks": tasks})
         resolved._zoo = self.zoo
         return resolved
 
     _zoo: ZooSettings | None = PrivateAttr(None)
+
+    def with_overrides(self, overrides: list[str]) -> Params:
+        """These params with `--set`-style overrides applied (a chosen candidate's), validated."""
+        from featcal_core.params.loading import apply_overrides
+
+        resolved = apply_overrides(self, overrides)
+        resolved._zoo = self._zoo
+        return resolved
 
     @property
     def repair_method(self) -> str:

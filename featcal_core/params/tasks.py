@@ -96,6 +96,9 @@ class TaskSpec(_Section):
 
     calibration: DataSource = Field(description="unlabeled inputs for FeatCal (from train data)")
     evaluation: DataSource = Field(description="held-out labelled data for evaluation")
+    validation: DataSource | None = Field(
+        None, description="labelled data for `select: {score: validation}` (never the evaluation's)"
+    )
     class_names: list[str] | None = Field(
         None, min_length=1, description="CLIP zero-shot class names (default: the label feature's)"
     )
@@ -120,5 +123,12 @@ class TaskSpec(_Section):
                 f"calibration and evaluation use the same data ({self.calibration.describe()}); "
                 "calibration must come from train data (e.g. split: train) so evaluation stays held out",
                 "calibration",
+            )
+        if self.validation is not None and self.validation.identity() == self.evaluation.identity():
+            raise _error(
+                f"validation and evaluation use the same data ({self.evaluation.describe()}); "
+                "choosing settings on the evaluation data would report a tuned-on-test number; "
+                "give a validation split carved from train",
+                "validation",
             )
         return self

@@ -45,6 +45,9 @@ RESULTS_LAYOUT = {
     "plots": "plots",
     "merges": "merges",  # featcal compare: one folder per distinct merge
     "variants": "variants",  # featcal compare: one results folder per variant
+    "candidates": "candidates",  # select: one results folder per candidate
+    "selection_sets": "selection_sets",  # held-out unlabeled inputs that score candidates
+    "selection": "selection.json",  # select: the candidates' scores and the choice
 }
 
 

@@ -23,7 +23,8 @@ from typing import Any
 from featcal_core.io.outputs import guarded_directory
 from featcal_core.report.tables import gap_closed
 
-__all__ = ["COMPARE_FILES", "comparison_markdown", "comparison_rows", "write_comparison"]
+__all__ = ["COMPARE_FILES", "comparison_markdown", "comparison_rows", "label_free_summary",
+           "write_comparison"]  # fmt: skip
 
 COMPARE_FILES = ("compare.md", "compare.json", "accuracy_vs_cost.png")
 
@@ -66,10 +67,41 @@ def comparison_rows(
         mean["gap_closed"] = gap_closed(*means)
         cost = dict(variant["cost"])
         cost["total_seconds"] = cost.get("merge_seconds", 0.0) + cost.get("repair_seconds", 0.0)
-        rows.append({"name": variant["name"], "merge": variant["merge"],
-                     "repair": variant["repair"], "set": list(variant.get("set", [])),
-                     "tasks": tasks, "mean": mean, "cost": cost})  # fmt: skip
+        row = {"name": variant["name"], "merge": variant["merge"], "repair": variant["repair"],
+               "set": list(variant.get("set", [])), "tasks": tasks, "mean": mean, "cost": cost}  # fmt: skip
+        if variant.get("label_free"):  # {task: {"agreement", "drift", ...}} on held-out inputs
+            by_task = variant["label_free"]
+            row["label_free"] = {"tasks": dict(by_task), **{
+                key: sum(v[key] for v in by_task.values()) / len(by_task)
+                for key in ("agreement", "drift")}}  # fmt: skip
+        rows.append(row)
     return rows
+
+
+def label_free_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """How well each label-free score ranks the variants as their mean test accuracy does:
+    {score: {"spearman" (of the score oriented so higher is better, against mean accuracy),
+    "choice", "accuracy", "gap_closed"}, "best_on_test": {"name", "accuracy", "gap_closed"}};
+    None with under two scored variants."""
+    from featcal_core.evaluation.selection import HIGHER_IS_BETTER, choose, spearman
+
+    scored = [r for r in rows if r.get("label_free") and r["mean"]["accuracy"] is not None]
+    if len(scored) < 2:
+        return None
+    accuracy = [r["mean"]["accuracy"] for r in scored]
+    by_name = {r["name"]: r for r in scored}
+    found: dict[str, Any] = {}
+    for score in ("agreement", "drift"):
+        sign = 1.0 if HIGHER_IS_BETTER[score] else -1.0
+        values = [sign * r["label_free"][score] for r in scored]
+        winner = choose({r["name"]: r["label_free"]["tasks"] for r in scored}, score)["winner"]
+        found[score] = {"spearman": spearman(values, accuracy), "choice": winner,
+                        "accuracy": by_name[winner]["mean"]["accuracy"],
+                        "gap_closed": by_name[winner]["mean"]["gap_closed"]}  # fmt: skip
+    best = max(scored, key=lambda r: r["mean"]["accuracy"])
+    found["best_on_test"] = {"name": best["name"], "accuracy": best["mean"]["accuracy"],
+                             "gap_closed": best["mean"]["gap_closed"]}  # fmt: skip
+    return found
 
 
 def _pct(value: float | None, unit: str = "") -> str:
@@ -86,8 +118,9 @@ def comparison_markdown(run_name: str, rows: Sequence[Mapping[str, Any]], refere
              f"`{reference}`, of the mean accuracies; cost = the variant's merge (shared by "
              "variants with the same merge) plus its repair, on this machine (a merge or "
              "calibration reused from an earlier run costs what reusing it took).", ""]  # fmt: skip
+    label_free = any(row.get("label_free") for row in rows)
     header = ["variant", *tasks, "mean acc", "mean norm", "gap closed", "merge s", "repair s",
-              "total s", "peak RSS MiB"]  # fmt: skip
+              "total s", "peak RSS MiB"] + (["agree %", "drift"] if label_free else [])  # fmt: skip
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cost = row["cost"]
@@ -96,7 +129,24 @@ def comparison_markdown(run_name: str, rows: Sequence[Mapping[str, Any]], refere
                  _pct(row["mean"]["gap_closed"], " %"), f"{cost.get('merge_seconds', 0):.1f}",
                  f"{cost.get('repair_seconds', 0):.1f}", f"{cost['total_seconds']:.1f}",
                  "—" if cost.get("peak_rss_mb") is None else f"{cost['peak_rss_mb']:.0f}"]  # fmt: skip
+        if label_free:
+            scores = row.get("label_free") or {}
+            cells += [_pct(scores.get("agreement")),
+                      "—" if scores.get("drift") is None else f"{scores['drift']:.4f}"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
+    summary = label_free_summary(rows)
+    if summary is not None:
+        best = summary["best_on_test"]
+        lines += ["", "Label-free scores (on held-out unlabeled calibration inputs, against each "
+                  "task's expert) as predictors of the mean test accuracy:", ""]  # fmt: skip
+        for score in ("agreement", "drift"):
+            found = summary[score]
+            rho = "—" if found["spearman"] is None else f"{found['spearman']:+.2f}"
+            lines.append(f"- {score}: Spearman ρ {rho}; it would choose `{found['choice']}` "
+                         f"({_pct(found['accuracy'])} % mean accuracy, gap closed "
+                         f"{_pct(found['gap_closed'], ' %')})")  # fmt: skip
+        lines.append(f"- best on test: `{best['name']}` ({_pct(best['accuracy'])} %, gap closed "
+                     f"{_pct(best['gap_closed'], ' %')})")  # fmt: skip
     lines += ["", "| variant | merge | repair | overrides |", "|---|---|---|---|"]
     for row in rows:
         merge = f"{row['merge']['method']} {json.dumps(row['merge']['hyperparameters'])}"
@@ -136,7 +186,8 @@ def write_comparison(out_dir: str | Path, *, run_name: str, rows: Sequence[Mappi
     """Write compare.md, compare.json (`record` plus the rows) and accuracy_vs_cost.png into
     `out_dir`, replacing an earlier comparison there atomically; returns {file: final path}."""
     out = Path(out_dir)
-    document = {**record, "reference": reference, "variants": list(rows)}
+    document = {**record, "reference": reference, "variants": list(rows),
+                "label_free": label_free_summary(rows)}  # fmt: skip
     with guarded_directory(out, overwrite=True, flag="comparison folder") as tmp:
         chosen = record.get("chosen")
         (tmp / "compare.md").write_text(comparison_markdown(run_name, rows, reference, chosen))

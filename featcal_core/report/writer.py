@@ -15,7 +15,9 @@ from featcal_core.report.sections import (
     _heads_section,
     _inputs_section,
     _merge_section,
+    _Section,
 )
+from featcal_core.report.selection import selection_lines, selection_table
 from featcal_core.report.tables import _average_notes, _rows, _summary
 
 __all__ = ["REPORT_FILES", "write_report"]
@@ -33,13 +35,15 @@ def write_report(
     merge: dict | None,
     lock: dict | None,
     extra: dict | None = None,
+    selection: dict | None = None,
 ) -> dict[str, Path]:
     """Write report.md, report.html, accuracy.png and drift.png (only when the calibration record
     has blocks) into `out_dir`, replacing an earlier report there atomically.
 
     evaluation: {task: {model: {"accuracy", "loss", "examples", "normalized"}}} (evaluate_models);
     calibration: featcal.json; merge: merge.json; lock: the lock file; extra: more key → value
-    pairs shown under "Run details" (e.g. params, MLflow run id). Returns {file name: final path}.
+    pairs shown under "Run details" (e.g. params, MLflow run id); selection: the select step's
+    record (selection.json), shown first when it chose. Returns {file name: final path}.
     Raises FeatCalError when `out_dir` holds anything but report files; on any error an existing
     report is left as it was.
     """
@@ -55,6 +59,8 @@ def write_report(
     sections = [_calibration_section(calibration), _inputs_section(lock), _merge_section(merge)]
     if (heads_section := _heads_section(evaluation)) is not None:
         sections.insert(0, heads_section)
+    if selection is not None and selection.get("winner") is not None:
+        sections.insert(0, _selection_section(selection))
     if (extra_section := _extra_section(extra)) is not None:
         sections.append(extra_section)
 
@@ -70,3 +76,9 @@ def write_report(
         )
         names = sorted(p.name for p in tmp.iterdir())
     return {name: out / name for name in names}
+
+
+def _selection_section(selection: dict) -> _Section:
+    """The choice among select:'s candidates: what won, on which score, and every candidate."""
+    return _Section("Choice of settings (select:)", lines=selection_lines(selection),
+                    tables=[selection_table(selection)])  # fmt: skip

@@ -1,0 +1,42 @@
+"""`select:` the choice of settings among candidates (merge × repair × hyperparameters), made
+before the run by scoring each candidate on inputs that neither calibration nor evaluation sees.
+
+Label-free (`score: agreement` or `drift`): part of each task's *unlabeled* calibration source,
+disjoint from its calibration set (`holdout_per_task` rows), is held out; each candidate's
+repaired model is scored there against the task's expert: the fraction of inputs where the
+model's prediction (under the task's head) equals the expert's own (`agreement`, higher wins), or
+the relative squared distance between the features the head reads (`drift`, lower wins). With
+labelled validation data (`score: validation`: each task's `validation:` source; the zoo's
+validation split), the candidates' mean validation accuracy decides instead.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from featcal_core.params.base import StrictInt, _error, _Section
+from featcal_core.params.repair import Variant, unique_names
+
+
+class SelectSettings(_Section):
+    """The candidates `featcal run` chooses among before it merges, and how it scores them."""
+
+    score: Literal["agreement", "drift", "validation"] = Field(
+        "agreement", description="agreement | drift (label-free) | validation (labelled)"
+    )
+    holdout_per_task: StrictInt = Field(
+        32, ge=1, description="unlabeled inputs per task held out of calibration for scoring"
+    )
+    candidates: list[Variant] = Field(
+        ..., min_length=2, description="the candidates (as compare: variants), in order"
+    )
+
+    @field_validator("candidates")
+    @classmethod
+    def _unique(cls, candidates: list[Variant]) -> list[Variant]:
+        problem = unique_names(candidates)
+        if problem is not None:
+            raise _error(problem)
+        return candidates

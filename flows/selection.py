@@ -1,0 +1,143 @@
+"""The `select` step (params `select:`, featcal_core.params.selection): every candidate merged
+and repaired on the shared calibration sets, scored on held-out unlabeled inputs (or labelled
+validation data), and the best one chosen; the run then merges, repairs, evaluates and reports
+with the winner's settings.
+
+Where things go, below `run.results_dir`: `selection_sets/<task>` (the held-out inputs),
+`merges/<key>` (each distinct merge, once), `candidates/<name>` (each candidate's repair) and
+`selection.json` (the record: the score, every candidate's per-task scores, mean and cost, the
+ranking, the winner, its overrides and why). The record is keyed by the settings it was made
+for (`selection_key`); the single steps and DVC stages apply the winner only while that key still
+matches, and otherwise ask for `featcal select` again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+from featcal.flows.steps import Steps
+from featcal.flows.variants import (
+    evaluation_rows,
+    merge_key,
+    repair,
+    row_of,
+    run_merges,
+    shared_steps,
+)
+from featcal_core.io.outputs import write_json
+from featcal_core.params import Params
+from featcal_core.provenance.records import RESULTS_LAYOUT
+
+log = logging.getLogger(__name__)
+
+FORMAT = "featcal-selection-v1"
+#: what the choice depends on besides select: (a candidate overrides these)
+_KEYED = {"run": {"seed"}, "models": True, "tasks": True, "merge": True, "featcal": True,
+          "repair": True}  # fmt: skip  (dvc.yaml's select stage: the same params)
+
+
+def selection_key(params: Params) -> str:
+    """sha256 of what the choice depends on: select: and the sections its candidates override."""
+    data = params.model_dump(mode="json", include={**_KEYED, "select": True})
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def candidate_params(params: Params, name: str, overrides: list[str]) -> Params:
+    """Candidate `name`'s params: `params` with its overrides, repaired in candidates/<name>."""
+    results = Path(params.run.results_dir) / RESULTS_LAYOUT["candidates"] / name
+    bare = params.model_copy(update={"select": None})
+    return bare.with_overrides([*overrides, f"run.results_dir={results}"])
+
+
+def check_candidates(params: Params) -> None:
+    """Every candidate's overrides applied and validated (before any work)."""
+    from featcal_core.errors import FeatCalError
+
+    for candidate in params.select.candidates if params.select is not None else ():
+        try:
+            candidate_params(params, candidate.name, candidate.set)
+        except FeatCalError as exc:
+            raise FeatCalError(f"select.candidates {candidate.name!r}: {exc}") from None
+
+
+def chosen(params: Params, record: dict | None) -> Params | None:
+    """`params` with the record's winner applied (select: cleared), when the record is this
+    params' current choice; None otherwise."""
+    if record is None or record.get("format") != FORMAT:
+        return None
+    if record.get("key") != selection_key(params) or record.get("winner") is None:
+        return None
+    bare = params.model_copy(update={"select": None})
+    return bare.with_overrides(record["set"])
+
+
+def select(steps: Steps, step_run) -> dict:
+    """The select step for `steps` (its params' select:); writes and returns the record."""
+    from featcal.tasks.selection import build_selection_sets, score_candidates
+    from featcal_core.architectures import get
+    from featcal_core.evaluation.selection import choose
+
+    params = steps.params
+    settings = params.select
+    if settings is None:
+        record = {"format": FORMAT, "key": None, "winner": None,
+                  "why": "no select: section; the params file's own settings run"}  # fmt: skip
+        for key in ("selection_sets", "merges", "candidates"):  # the DVC stage's outputs
+            steps.paths[key].mkdir(parents=True, exist_ok=True)
+        write_json(steps.paths["selection"], record)
+        return record
+    check_candidates(params)
+    modality = get(steps.lock()["architecture"]).modality
+    sets = steps._call(build_selection_sets, params, modality,
+                       str(steps.paths["calibration_sets"]), str(steps.paths["selection_sets"]),
+                       settings.holdout_per_task)  # fmt: skip
+    candidates = {c.name: candidate_params(params, c.name, c.set) for c in settings.candidates}
+    merges = run_merges(steps, [(None, p) for p in candidates.values()], step_run)
+    costs = {}
+    for name, candidate in candidates.items():
+        merged = merges[merge_key(candidate.merge)]["path"]
+        with step_run(f"candidate {name}", tags={"featcal.candidate": name}):
+            costs[name] = repair(shared_steps(steps, candidate, merged))
+    models, surgeries = evaluation_rows(candidates, merges, costs)
+    scored = {name: surgeries.get(name) or (models[row_of(name, c, merges, costs)], None)
+              for name, c in candidates.items()}  # fmt: skip
+    base, experts = steps.models()
+    scores = steps._call(score_candidates, params, base, experts, scored,
+                         {t: str(steps.paths["selection_sets"] / t) for t in params.tasks},
+                         str(steps.paths["root"]), settings.score)  # fmt: skip
+    choice = choose(scores, settings.score)
+    by_name = {c.name: c for c in settings.candidates}
+    record = {
+        "format": FORMAT,
+        "key": selection_key(params),
+        "score": settings.score,
+        "higher_is_better": choice["higher_is_better"],
+        "holdout_per_task": settings.holdout_per_task,
+        "selection_sets": {t: r["digest"] for t, r in sets.items()},
+        "winner": choice["winner"],
+        "set": list(by_name[choice["winner"]].set),
+        "why": choice["why"],
+        "ranking": choice["ranking"],
+        "candidates": [
+            {
+                "name": name,
+                "set": list(by_name[name].set),
+                "merge": {
+                    "method": candidate.merge.method,
+                    "hyperparameters": merges[merge_key(candidate.merge)]["hyperparameters"],
+                },
+                "repair": candidate.repair_method,
+                "mean": choice["means"][name],
+                "tasks": scores[name],
+                "merge_seconds": merges[merge_key(candidate.merge)]["seconds"],
+                "repair_seconds": costs[name]["repair_seconds"],
+            }
+            for name, candidate in candidates.items()
+        ],  # fmt: skip
+    }
+    write_json(steps.paths["selection"], record)
+    log.info("select (%s): %s", settings.score, record["why"])
+    return record

@@ -1,0 +1,94 @@
+"""Variants of one run (merge × repair × hyperparameters) that share its download and
+calibration sets: `featcal compare`'s variants and `select:`'s candidates.
+
+Each distinct merge runs once, in `<results>/merges/<key>/`; each variant's repair runs in its
+own results folder and reads that merge. Costs: wall seconds and the step's own peak RSS (MiB).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from featcal.flows.steps import Steps
+from featcal_core.memory import peak_rss_bytes, reset_peak_rss
+from featcal_core.params import Params
+
+_MIB = 1024 * 1024
+
+
+def merge_key(merge) -> str:
+    """12 hex digits naming a merge: method and its filled-in hyperparameters."""
+    from featcal_core.merging import get
+
+    spec = {"method": merge.method, "hyperparameters": get(merge.method).check(
+        dict(merge.hyperparameters))}  # fmt: skip
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def shared_steps(steps: Steps, params: Params, merged: Path) -> Steps:
+    """Steps of `params` that read `steps`' lock and calibration sets and the merge `merged`."""
+    found = Steps(params, in_flow=steps.in_flow)
+    found.paths.update(lock=steps.paths["lock"], calibration_sets=steps.paths["calibration_sets"],
+                       merged=merged)  # fmt: skip
+    return found
+
+
+def run_merges(steps: Steps, sources: list[tuple[str | None, Params]], step_run) -> dict:
+    """Run each distinct merge of `sources` ((row name or None, params)) once, in order;
+    {merge key: {"row", "path", "method", "hyperparameters", "seconds", "peak_rss_mb"}}. A
+    source's row name names its merge's evaluation row (None: `merge-<method>-<key>`)."""
+    merges: dict[str, dict[str, Any]] = {}
+    for row, source in sources:
+        key = merge_key(source.merge)
+        if key in merges:
+            continue
+        method = source.merge.method
+        row = row or f"merge-{method}-{key[:6]}"
+        path = steps.paths["merges"] / key
+        reset_peak_rss()
+        started = time.perf_counter()
+        with step_run(f"merge {row}"):
+            record = shared_steps(steps, source, path).merge()
+        merges[key] = {"row": row, "path": path, "method": method,
+                       "hyperparameters": record["hyperparameters"],
+                       "seconds": time.perf_counter() - started,
+                       "peak_rss_mb": peak_rss_bytes() / _MIB}  # fmt: skip
+    return merges
+
+
+def repair(steps: Steps) -> dict:
+    """`steps`' repair (repair.method) of its merge into its calibrated folder; {"path" (None:
+    no repair), "repair_seconds", "peak_rss_mb"}."""
+    method = steps.params.repair_method
+    reset_peak_rss()
+    started = time.perf_counter()
+    if method != "none":
+        steps.calibrate()
+    seconds = time.perf_counter() - started
+    if method == "none":
+        return {"path": None, "repair_seconds": seconds, "peak_rss_mb": None}
+    return {"path": str(steps.paths["calibrated"]), "repair_seconds": seconds,
+            "peak_rss_mb": peak_rss_bytes() / _MIB}  # fmt: skip
+
+
+def evaluation_rows(variants: dict[str, Params], merges: dict, costs: dict):
+    """(models, surgeries) for evaluate_models / score_candidates: each repaired variant's
+    checkpoint under its name, each merge under its row, and each Surgery variant as (its
+    merge, its modules)."""
+    models = {merge["row"]: str(merge["path"]) for merge in merges.values()}
+    surgeries = {}
+    for name, cost in costs.items():
+        if variants[name].repair_method == "surgery":
+            surgeries[name] = (str(merges[merge_key(variants[name].merge)]["path"]), cost["path"])
+        elif cost["path"] is not None:
+            models[name] = cost["path"]
+    return models, surgeries
+
+
+def row_of(name: str, variant: Params, merges: dict, costs: dict) -> str:
+    """The evaluation row that holds variant `name`: its own, or its merge's (no repair)."""
+    return name if costs[name]["path"] else merges[merge_key(variant.merge)]["row"]

@@ -1,0 +1,236 @@
+"""`select:`: the choice among candidates on held-out unlabeled inputs (or validation data).
+
+Units: the choice and the rank correlation against brute force, the label-free scores against a
+hand computation, the held-out draw (disjoint from the calibration set), the params checks. End
+to end: `featcal run` with select: on tiny checkpoints (real Prefect flow, real MLflow store),
+then the single steps that apply the recorded choice, and a stale choice refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from test_pipeline import write_params
+
+from featcal_core.data.calibration_sets import sample_rows
+from featcal_core.errors import FeatCalError
+from featcal_core.evaluation.agreement import HeadOutputs, agreement_scores
+from featcal_core.evaluation.selection import choose, spearman
+from featcal_core.params import load_params
+
+CANDIDATES = [
+    {"name": "ta", "set": ["repair.method=none"]},
+    {"name": "ta-featcal", "set": []},
+    {"name": "ties-featcal", "set": ["merge.method=ties", "featcal.alpha=0.5"]},
+]
+
+
+# ------------------------------------------------------------------------------------- units
+def test_choose_ranks_by_mean_over_tasks_in_the_scores_direction():
+    scores = {"a": {"x": {"agreement": 80.0, "drift": 0.5}, "y": {"agreement": 60.0, "drift": 0.1}},
+              "b": {"x": {"agreement": 70.0, "drift": 0.2}, "y": {"agreement": 90.0, "drift": 0.3}},
+              "c": {"x": {"agreement": 75.0, "drift": 0.2}, "y": {"agreement": 85.0, "drift": 0.3}}}  # fmt: skip
+    up = choose(scores, "agreement")
+    assert up["means"] == pytest.approx({"a": 70.0, "b": 80.0, "c": 80.0})
+    assert up["ranking"] == ["b", "c", "a"] and up["winner"] == "b"  # a tie goes to the first
+    assert "b: 80 % agreement" in up["why"] and "next best (c)" in up["why"]
+    down = choose(scores, "drift")
+    assert down["ranking"] == ["b", "c", "a"] and not down["higher_is_better"]
+    with pytest.raises(FeatCalError, match="not one of"):
+        choose(scores, "accuracy")
+
+
+def test_spearman_matches_the_pearson_correlation_of_average_ranks():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        n = int(rng.integers(3, 9))
+        xs = rng.integers(0, 4, n).astype(float).tolist()  # with ties
+        ys = rng.normal(size=n).tolist()
+        ranks = []
+        for values in (xs, ys):  # brute force: each value's rank = mean position of its equals
+            ordered = sorted(values)
+            ranks.append(
+                [np.mean([i + 1 for i, v in enumerate(ordered) if v == x]) for x in values]
+            )
+        if np.std(ranks[0]) == 0:
+            assert spearman(xs, ys) is None
+            continue
+        assert spearman(xs, ys) == pytest.approx(np.corrcoef(*ranks)[0, 1])
+    assert spearman([1.0, 2.0], [2.0, 1.0]) is None
+
+
+def test_agreement_scores_by_hand():
+    expert = HeadOutputs(
+        torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0]]), torch.tensor([0, 1, 1])
+    )
+    model = HeadOutputs(torch.tensor([[1.0, 1.0], [0.0, 2.0], [0.0, 0.0]]), torch.tensor([0, 0, 1]))
+    scores = agreement_scores(model, expert)
+    assert scores["agreement"] == pytest.approx(200 / 3) and scores["examples"] == 3
+    assert scores["drift"] == pytest.approx((1 / 1 + 0 / 4 + 25 / 25) / 3)
+    with pytest.raises(FeatCalError, match="same rows"):
+        agreement_scores(HeadOutputs(torch.zeros(2, 2), torch.zeros(2)), expert)
+
+
+def test_held_out_rows_avoid_the_calibration_rows():
+    drawn = sample_rows(100, 30, seed=3)
+    held = sample_rows(100, 20, seed=3, exclude=drawn)
+    assert len(held) == 20 and not set(held) & set(drawn) and held == sorted(held)
+    assert held == sample_rows(100, 20, seed=3, exclude=drawn)  # deterministic
+    assert sorted(sample_rows(10, 50, seed=0, exclude=range(4))) == list(range(4, 10))
+
+
+def _params(tmp_path, select):
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump({
+        "models": {"base": "a/b", "experts": {"t": "a/c"}},
+        "tasks": {"t": {"calibration": {"path": "d", "split": "train"},
+                        "evaluation": {"path": "d", "split": "test"}}},
+        "select": select,
+    }))  # fmt: skip
+    return path
+
+
+@pytest.mark.parametrize(("select", "message"), [
+    ({"candidates": [{"name": "a", "set": []}]}, "select.candidates"),
+    ({"candidates": [{"name": "a", "set": []}, {"name": "a", "set": []}]}, "appears twice"),
+    ({"candidates": [{"name": "a", "set": ["tasks.t.evaluation.split=x"]},
+                     {"name": "b", "set": []}]}, "a variant may set only"),
+    ({"score": "validation", "candidates": [{"name": "a", "set": []}, {"name": "b", "set": []}]},
+     "tasks.t.validation"),
+    ({"holdout_per_task": 0, "candidates": [{"name": "a", "set": []}, {"name": "b", "set": []}]},
+     "select.holdout_per_task"),
+])  # fmt: skip
+def test_bad_select_sections_fail_with_the_key(tmp_path, select, message):
+    with pytest.raises(FeatCalError, match=message):
+        load_params(_params(tmp_path, select))
+
+
+def test_a_candidate_override_that_does_not_validate_is_named(tmp_path):
+    from featcal.flows.selection import check_candidates
+
+    params = load_params(_params(tmp_path, {"candidates": [
+        {"name": "a", "set": []}, {"name": "b", "set": ["featcal.alpha=-1"]}]}))  # fmt: skip
+    with pytest.raises(FeatCalError, match="select.candidates 'b':.*featcal.alpha"):
+        check_candidates(params)
+
+
+def test_validation_data_may_not_be_the_evaluation_data(tmp_path):
+    path = _params(tmp_path, None)
+    with pytest.raises(FeatCalError, match="tasks.t.validation.*tuned-on-test"):
+        load_params(path, ["tasks.t.validation={path: d, split: test}"])
+
+
+# ---------------------------------------------------------------------------------- end to end
+def _select_params(tmp_path):
+    path = write_params(tmp_path)
+    params = yaml.safe_load(path.read_text())
+    params["run"]["name"] = "sel"
+    params["select"] = {"holdout_per_task": 6, "candidates": CANDIDATES}
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def _cli(tmp_path, env, *args):
+    cmd = [sys.executable, "-m", "featcal_cli.main", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+
+
+def test_run_chooses_a_candidate_and_runs_it(tmp_path, prefect_api):
+    params_path = _select_params(tmp_path)
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": uri,
+           "PREFECT_API_URL": prefect_api}  # fmt: skip
+    proc = _cli(tmp_path, env, "run", "--params", str(params_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = tmp_path / "results"
+    record = json.loads((results / "selection.json").read_text())
+    names = [c["name"] for c in CANDIDATES]
+    assert sorted(record["ranking"]) == sorted(names) and record["winner"] == record["ranking"][0]
+    means = {c["name"]: c["mean"] for c in record["candidates"]}
+    assert means[record["winner"]] == max(means.values())
+    for candidate in record["candidates"]:
+        for task in ("alpha", "beta"):
+            scores = candidate["tasks"][task]
+            assert 0 <= scores["agreement"] <= 100 and scores["drift"] >= 0
+            assert scores["examples"] == 6
+        assert candidate["mean"] == pytest.approx(np.mean([candidate["tasks"][t]["agreement"]
+                                                           for t in ("alpha", "beta")]))  # fmt: skip
+    # the held-out inputs: none is a calibration row
+    for task in ("alpha", "beta"):
+        held = json.loads((results / "selection_sets" / task / "calibration_set.json").read_text())
+        calib = json.loads(
+            (results / "calibration_sets" / task / "calibration_set.json").read_text()
+        )
+        assert len(held["row_ids"]) == 6 and not set(held["row_ids"]) & set(calib["row_ids"])
+    # the run went on with the winner's settings
+    winner = next(c for c in CANDIDATES if c["name"] == record["winner"])
+    merge = json.loads((results / "merged" / "merge.json").read_text())
+    expected = "ties" if "merge.method=ties" in winner["set"] else "task_arithmetic"
+    assert merge["method"] == expected
+    assert (results / "calibrated").is_dir() == (winner["name"] != "ta")
+    assert f"chosen: {record['winner']}" in proc.stdout and "mean agreement" in proc.stdout
+    report = (tmp_path / "reports" / "sel" / "report.md").read_text()
+    assert "Choice of settings (select:)" in report and record["why"] in report
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    run = client.search_runs([client.get_experiment_by_name("featcal").experiment_id],
+                             filter_string="tags.mlflow.runName = 'sel'")[0]  # fmt: skip
+    assert run.data.tags["select.winner"] == record["winner"]
+    assert run.data.metrics[f"select/agreement/{record['winner']}"] == pytest.approx(
+        means[record["winner"]]
+    )
+
+    # the single steps (DVC stages) apply the recorded choice; a changed select: asks for the
+    # select step again before writing anything
+    from featcal.flows.steps import Steps
+
+    steps = Steps(load_params(params_path))
+    assert steps.selection["winner"] == record["winner"] and steps.params.select is None
+    assert steps.params.merge.method == expected
+    stale = Steps(load_params(params_path, ["select.holdout_per_task=5"]))
+    with pytest.raises(FeatCalError, match="featcal select --params FILE"):
+        stale.merge()
+    assert json.loads((results / "merged" / "merge.json").read_text())["method"] == expected
+
+
+def test_scores_of_an_expert_against_itself_and_on_validation_data(tmp_path):
+    """An expert scored against itself agrees on every held-out input with zero drift; with
+    score validation, a candidate's score is its accuracy on the task's validation split."""
+    from featcal.tasks.evaluate import task_head
+    from featcal.tasks.selection import build_selection_sets, score_candidates
+    from featcal_core.evaluation.accuracy import evaluate
+
+    params = load_params(write_params(tmp_path), [
+        f"tasks.{t}.validation={{path: {tmp_path / f'data_{t}'}, split: train}}"
+        for t in ("alpha", "beta")])  # fmt: skip
+    calibration = tmp_path / "results" / "calibration_sets"
+    from featcal.tasks.calibration_sets import build_calibration_sets
+
+    build_calibration_sets.fn(params, "image", str(calibration))
+    sets = build_selection_sets.fn(params, "image", str(calibration), str(tmp_path / "held"), 5)
+    assert all(r["n_rows"] == 5 for r in sets.values())
+    base, experts = (
+        str(params.models.base.path),
+        {t: str(r.path) for t, r in params.models.experts.items()},
+    )
+    held = {t: str(tmp_path / "held" / t) for t in experts}
+    candidates = {"alpha-expert": (experts["alpha"], None)}
+    free = score_candidates.fn(params, base, experts, candidates, held, str(tmp_path / "results"))
+    assert free["alpha-expert"]["alpha"] == {"agreement": 100.0, "drift": 0.0, "examples": 5}
+    assert free["alpha-expert"]["beta"]["examples"] == 5
+    labelled = score_candidates.fn(params, base, experts, candidates, held,
+                                   str(tmp_path / "results"), "validation")  # fmt: skip
+    head, _ = task_head("alpha", params.tasks["alpha"], params.models.base.path,
+                        params.models.experts["alpha"].path, tmp_path / "results")  # fmt: skip
+    direct = evaluate(experts["alpha"], head, tmp_path / "data_alpha", "train", progress=False)
+    assert labelled["alpha-expert"]["alpha"]["validation"] == pytest.approx(
+        100 * direct["accuracy"]
+    )

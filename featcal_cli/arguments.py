@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 from featcal_core.errors import FeatCalError
 
+if typing.TYPE_CHECKING:
+    from featcal_core.method.settings import Settings
+
 
 @dataclass(frozen=True)
 class Command:
@@ -79,6 +82,52 @@ def pairs(flag: str, values: list[tuple[str, str]] | None) -> dict[str, str]:
             raise FeatCalError(f"{flag} {task}=... is given twice; name each task once")
         out[task] = path
     return out
+
+
+def repair_arguments(
+    cmd: argparse.ArgumentParser, *, merged: str, out: str, expert: str | None = None
+) -> None:
+    """The inputs of a repair baseline (`featcal regmean`, `featcal surgery`): --merged DIR,
+    repeated --expert TASK=DIR and --calib TASK=DIR, and --out DIR, with the command's help texts
+    (--merged and --out required; checked by `repair_inputs`)."""
+    cmd.add_argument("--merged", required=True, help=merged)
+    cmd.add_argument("--expert", action="append", type=task_path("--expert"), metavar="TASK=DIR",
+                     help=expert)  # fmt: skip
+    cmd.add_argument("--calib", action="append", type=task_path("--calib"), metavar="TASK=DIR")
+    cmd.add_argument("--out", required=True, help=out)
+
+
+def repair_run_flags(
+    cmd: argparse.ArgumentParser, settings: list[str], *, spill_dir: bool = False
+) -> None:
+    """The run flags of a repair baseline: one per `featcal:` field in `settings`, --seed, then
+    --spill-dir (when `spill_dir`), --overwrite and --no-progress."""
+    from featcal_core.params import FeatCalSettings, RunSettings
+
+    setting_flags(cmd, FeatCalSettings, settings, "featcal")
+    setting_flags(cmd, RunSettings, ["seed"], "run")
+    if spill_dir:
+        cmd.add_argument("--spill-dir", default=None, help="keep hidden-state streams on disk here")
+    cmd.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def repair_inputs(
+    args: argparse.Namespace, command: str, settings: list[str]
+) -> tuple[dict[str, str], dict[str, str], Settings]:
+    """(experts, calib, Settings) of a repair baseline's parsed flags: the `settings` flags
+    checked by the `featcal:` section's model, {task: dir} of --expert and --calib (at least one
+    expert), and the run `Settings` of those flags and --seed (the others at their defaults)."""
+    from featcal_core.method.settings import Settings
+    from featcal_core.params import featcal_from_flags
+
+    featcal_from_flags({name: getattr(args, name) for name in settings})  # checks the values
+    experts, calib = pairs("--expert", args.expert), pairs("--calib", args.calib)
+    if not experts:
+        raise FeatCalError(
+            f"featcal {command} needs at least one --expert TASK=DIR and --calib TASK=DIR"
+        )
+    return experts, calib, Settings(seed=args.seed, **{n: getattr(args, n) for n in settings})
 
 
 def setting_flags(parser: argparse.ArgumentParser, model, names: list[str], section: str) -> None:

@@ -20,9 +20,16 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
     "zoo": ("featcal_core/zoo", "featcal_core/data", "tasks/zoo.py"),
     "download": ("featcal_core/provenance", "featcal_core/open_clip", "tasks/download.py"),
     "calib-set": ("featcal_core/data", "featcal_core/architectures", "tasks/calibration_sets.py"),
-    "select": ("featcal_core", "tasks/selection.py", "tasks/evaluate.py", "tasks/merge.py",
-               "tasks/calibration.py", "flows/selection.py", "flows/variants.py",
-               "flows/calibration.py"),  # fmt: skip
+    "select": (
+        "featcal_core",
+        "tasks/selection.py",
+        "tasks/evaluate.py",
+        "tasks/merge.py",
+        "tasks/calibration.py",
+        "flows/selection.py",
+        "flows/variants.py",
+        "flows/calibration.py",
+    ),  # fmt: skip
     "merge": (
         "featcal_core/merging",
         "featcal_core/io",

@@ -153,7 +153,7 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
         with step_run("score-held-out"):
             label_free = _label_free(steps, params, variants, merges, costs, base, experts)
         with step_run("evaluate"):
-            evaluation = steps._call(evaluate_models, steps.params, base, experts, models,
+            evaluation = steps.call(evaluate_models, steps.params, base, experts, models,
                                      str(steps.paths["root"]), None, surgeries)  # fmt: skip
         log_datasets(evaluation_inputs(steps.params, str(steps.paths["root"])))
         rows = _rows(evaluation, variants, merges, costs, label_free)
@@ -167,7 +167,7 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
 
 def _label_free(steps, params, variants, merges, costs, base, experts) -> dict | None:
     """Each variant's label-free scores (agreement, drift) on held-out unlabeled inputs
-    (tasks/selection.py; `select.holdout_per_task` of them per task, else 32); None for causal
+    (tasks/selection.py; `select.holdout_per_task` of them per task, else its default); None for causal
     LMs, which have no classification head."""
     from featcal.tasks.selection import build_selection_sets, score_candidates
     from featcal_core.architectures import get
@@ -175,14 +175,16 @@ def _label_free(steps, params, variants, merges, costs, base, experts) -> dict |
 
     if generation_kind(base) is not None:
         return None
-    holdout = params.select.holdout_per_task if params.select is not None else 32
+    from featcal_core.params.selection import HOLDOUT_PER_TASK
+
+    holdout = params.select.holdout_per_task if params.select is not None else HOLDOUT_PER_TASK
     modality = get(steps.lock()["architecture"]).modality
-    steps._call(build_selection_sets, steps.params, modality,
+    steps.call(build_selection_sets, steps.params, modality,
                 str(steps.paths["calibration_sets"]), str(steps.paths["selection_sets"]), holdout)  # fmt: skip
     models, surgeries = evaluation_rows(variants, merges, costs)
     scored = {name: surgeries.get(name) or (models[row_of(name, v, merges, costs)], None)
               for name, v in variants.items()}  # fmt: skip
-    return steps._call(score_candidates, steps.params, base, experts, scored,
+    return steps.call(score_candidates, steps.params, base, experts, scored,
                        {t: str(steps.paths["selection_sets"] / t) for t in steps.params.tasks},
                        str(steps.paths["root"]))  # fmt: skip
 

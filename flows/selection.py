@@ -35,8 +35,14 @@ log = logging.getLogger(__name__)
 
 FORMAT = "featcal-selection-v1"
 #: what the choice depends on besides select: (a candidate overrides these)
-_KEYED = {"run": {"seed"}, "models": True, "tasks": True, "merge": True, "featcal": True,
-          "repair": True}  # fmt: skip  (dvc.yaml's select stage: the same params)
+_KEYED = {
+    "run": {"seed"},
+    "models": True,
+    "tasks": True,
+    "merge": True,
+    "featcal": True,
+    "repair": True,
+}  # fmt: skip  (dvc.yaml's select stage: the same params)
 
 
 def selection_key(params: Params) -> str:
@@ -91,7 +97,7 @@ def select(steps: Steps, step_run) -> dict:
         return record
     check_candidates(params)
     modality = get(steps.lock()["architecture"]).modality
-    sets = steps._call(build_selection_sets, params, modality,
+    sets = steps.call(build_selection_sets, params, modality,
                        str(steps.paths["calibration_sets"]), str(steps.paths["selection_sets"]),
                        settings.holdout_per_task)  # fmt: skip
     candidates = {c.name: candidate_params(params, c.name, c.set) for c in settings.candidates}
@@ -105,7 +111,7 @@ def select(steps: Steps, step_run) -> dict:
     scored = {name: surgeries.get(name) or (models[row_of(name, c, merges, costs)], None)
               for name, c in candidates.items()}  # fmt: skip
     base, experts = steps.models()
-    scores = steps._call(score_candidates, params, base, experts, scored,
+    scores = steps.call(score_candidates, params, base, experts, scored,
                          {t: str(steps.paths["selection_sets"] / t) for t in params.tasks},
                          str(steps.paths["root"]), settings.score)  # fmt: skip
     choice = choose(scores, settings.score)

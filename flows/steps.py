@@ -33,6 +33,14 @@ from featcal_core.provenance.records import (
 __all__ = ["Steps", "layout", "write_json"]
 
 
+def in_dvc_stage() -> bool:
+    """Whether this step runs as a DVC stage (`dvc repro` sets DVC_STAGE): a stage writes only
+    its own outputs, so the steps leave the calibrate stage's folder as that stage wrote it."""
+    import os
+
+    return bool(os.environ.get("DVC_STAGE"))
+
+
 def layout(params: Params) -> dict[str, Path]:
     """The paths of this run's outputs (featcal_core.provenance.records.results_layout)."""
     return results_layout(params.run.results_dir, params.run.name)
@@ -119,7 +127,8 @@ class Steps:
             sweep_tree(root, depth=3)
             yield
 
-    def _call(self, task, *args, **kwargs):
+    def call(self, task, *args, **kwargs):
+        """The Prefect task `task` (in a flow run), or its body (outside one)."""
         return task(*args, **kwargs) if self.in_flow else task.fn(*args, **kwargs)
 
     # ----- inputs of later steps -------------------------------------------------------------
@@ -175,7 +184,7 @@ class Steps:
             return None
         from featcal.tasks.zoo import build_zoo_task
 
-        manifest = self._call(build_zoo_task, zoo)
+        manifest = self.call(build_zoo_task, zoo)
         self.params = self.params.with_zoo(manifest) if self.params.zoo else self.params
         return manifest
 
@@ -183,7 +192,7 @@ class Steps:
         from featcal.tasks.download import download_models
 
         self._require_models()
-        return self._call(download_models, self.params.models, self.paths["lock"])
+        return self.call(download_models, self.params.models, self.paths["lock"])
 
     def calibration_sets(self) -> dict:
         from featcal.tasks.calibration_sets import build_calibration_sets
@@ -191,7 +200,7 @@ class Steps:
 
         modality = get(self.lock()["architecture"]).modality
         root = str(self.paths["calibration_sets"])
-        return self._call(build_calibration_sets, self.params, modality, root)
+        return self.call(build_calibration_sets, self.params, modality, root)
 
     def select(self) -> dict:
         """The select step (flows.selection): score select:'s candidates, choose, write
@@ -209,7 +218,7 @@ class Steps:
         self._require_selection()
         base, experts = self.models()
         merge = self.params.merge
-        return self._call(
+        return self.call(
             merge_task, base, experts, str(self.paths["merged"]), merge.method,
             dict(merge.hyperparameters),
         )  # fmt: skip
@@ -340,7 +349,7 @@ class Steps:
                 "featcal.heads: head calibration refits classification heads; language models are "
                 "evaluated by label continuation and have none; set featcal.heads: false"
             )
-        found = self._call(
+        found = self.call(
             calibrate_heads, self.params, base, experts, self._evaluated_models(),
             self.calibration_set_dirs(), str(self.paths["root"]),
         )  # fmt: skip
@@ -351,9 +360,8 @@ class Steps:
         """The calibrated model's refit heads travel with it: heads.safetensors / heads.json in
         its folder (featcal_core.evaluation.task_heads), the marker updated. Not as a DVC stage
         (DVC_STAGE set): the calibrated folder is the calibrate stage's output."""
-        import os
 
-        if not folders or os.environ.get("DVC_STAGE"):
+        if not folders or in_dvc_stage():
             return
         from featcal_core.evaluation.linear_head import load_linear_head
         from featcal_core.evaluation.task_heads import save_task_heads
@@ -399,7 +407,6 @@ class Steps:
         stage (DVC_STAGE set): the calibrated folder is the calibrate stage's output, and
         rewriting it there would make every `dvc repro` run again."""
         import logging
-        import os
 
         from featcal.tasks.evaluate import evaluate_models
         from featcal_core.provenance.lineage import trace
@@ -408,14 +415,14 @@ class Steps:
         self._require_selection()
         base, experts = self.models()
         heads = self.refit_heads()
-        table = self._call(
+        table = self.call(
             evaluate_models, self.params, base, experts, self._evaluated_models(),
             str(self.paths["root"]), heads, self.surgeries(),
         )  # fmt: skip
         write_json(self.paths["evaluation"], table)
         calibrated = self.paths["calibrated"]
         if self.params.repair_method == "featcal" and (calibrated / FEATCAL_RECORD).is_file():
-            if os.environ.get("DVC_STAGE"):
+            if in_dvc_stage():
                 logging.getLogger(__name__).info(
                     "model card of %s left as the calibrate stage wrote it (a DVC stage writes "
                     "only its own outputs)", calibrated,

@@ -126,7 +126,17 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api):
     assert 0.0 <= metrics["alpha"]["calibrated"]["accuracy"] <= 1.0
 
 
-STAGES = ("code", "zoo", "download", "calib-set", "select", "merge", "calibrate", "evaluate", "report")
+STAGES = (
+    "code",
+    "zoo",
+    "download",
+    "calib-set",
+    "select",
+    "merge",
+    "calibrate",
+    "evaluate",
+    "report",
+)
 
 
 def _ran(output: str) -> list[str]:

@@ -24,7 +24,6 @@ it and casts it to the base tensor's dtype.
 from __future__ import annotations
 
 import math
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -53,9 +52,10 @@ class Place:
     checkpoint: Any = None
 
 
-class MergeMethod(ABC):
-    """One merge rule. Subclasses set `name` and `defaults`, implement `merge_tensor`, may extend
-    `validate`, and register themselves with `@featcal_core.merging.register`."""
+class MergeMethod:
+    """One merge rule. Subclasses set `name` and `defaults`, implement `merge_tensor` (or
+    `prepare` and `merge_chunk`, which the default `merge_tensor` runs on the whole tensor), may
+    extend `validate`, and register themselves with `@featcal_core.merging.register`."""
 
     #: registry name, e.g. "ties"
     name: str = ""
@@ -97,12 +97,32 @@ class MergeMethod(ABC):
         """Check (and normalise, in place) the filled-in hyperparameters; the default accepts all."""
         return
 
-    @abstractmethod
     def merge_tensor(
-        self, base: torch.Tensor, experts: list[torch.Tensor], hp: dict[str, Any]
+        self,
+        base: torch.Tensor,
+        experts: list[torch.Tensor],
+        hp: dict[str, Any],
+        *,
+        place: Place | None = None,
     ) -> torch.Tensor:
         """The merged tensor (shape S, floating, at least float32) from `base` (shape S) and one
-        tensor per expert (each shape S, any floating dtype). `hp` has passed `check`."""
+        tensor per expert (each shape S, any floating dtype). `hp` has passed `check`.
+
+        The default, for a method that implements `prepare` and `merge_chunk` (TIES, Model
+        Breadcrumbs), runs them on the whole tensor: `prepare` over each expert's task vector in
+        one chunk, then `merge_chunk` (each passed `place` on when given). A method whose rule
+        acts entry by entry overrides this instead and keeps the default `merge_chunk`."""
+        if type(self).merge_chunk is MergeMethod.merge_chunk:
+            raise NotImplementedError(
+                f"{type(self).__qualname__} implements neither merge_tensor nor merge_chunk"
+            )
+
+        def task_vector(t: int) -> Iterator[torch.Tensor]:
+            yield as_compute(experts[t]).sub_(as_compute(base))
+
+        where = {} if place is None else {"place": place}
+        prepared = self.prepare(task_vector, len(experts), base.numel(), hp, **where)
+        return self.merge_chunk(base, experts, hp, prepared, **where)
 
     def needs_checkpoint(self, hp: dict[str, Any]) -> bool:
         """True when `prepare_checkpoint` must run before merging with `hp` (default False)."""

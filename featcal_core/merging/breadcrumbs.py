@@ -61,17 +61,6 @@ class Breadcrumbs(MergeMethod):
         real(hp, "gamma", self.name, at_least=0.0, below=1.0)
         real(hp, "scale", self.name)
 
-    def merge_tensor(
-        self, base: torch.Tensor, experts: list[torch.Tensor], hp: dict[str, Any]
-    ) -> torch.Tensor:
-        """base (S), experts T × (S) → θ0 + s · Σ_t masked τ_t, float64 (S)."""
-
-        def task_vector(t: int) -> Iterator[torch.Tensor]:
-            yield as_compute(experts[t]).sub_(as_compute(base))
-
-        bands = self.prepare(task_vector, len(experts), base.numel(), hp)
-        return self.merge_chunk(base, experts, hp, bands)
-
     def prepare(
         self,
         task_vectors: Callable[[int], Iterator[torch.Tensor]],
@@ -80,7 +69,8 @@ class Breadcrumbs(MergeMethod):
         hp: dict[str, Any],
     ) -> list[tuple[float, float]]:
         """Each expert's band (lo, hi) of kept magnitudes over the whole tensor, exact (its
-        magnitudes gathered in one float64 array and partially sorted)."""
+        magnitudes gathered in one float64 array and partially sorted). `merge_tensor` (the base
+        class's) runs this and `merge_chunk` on the whole tensor: θ0 + s · Σ_t masked τ_t."""
         kept, bottom, top = band_counts(numel, hp["density"], hp["gamma"])
         if kept == 0:
             return [(math.inf, math.inf)] * count  # nothing kept

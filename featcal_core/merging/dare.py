@@ -23,6 +23,7 @@ without loss; the authors' script default, --weight_mask_rate in yule-BUAA/Merge
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -61,7 +62,8 @@ def keep_mask(
 
 
 class _Dare(MergeMethod):
-    """Shared by both registry names: hyperparameters and the dropped, rescaled task vectors."""
+    """Shared by both registry names: hyperparameters, the dropped, rescaled task vectors and the
+    merge θ0 + s · (their combination); each registered subclass defines `combine`."""
 
     defaults = {"drop_rate": 0.9, "scale": 1.0, "seed": 0}
     takes_place = True
@@ -83,6 +85,31 @@ class _Dare(MergeMethod):
         tau.masked_fill_(~kept.reshape(tau.shape), 0.0)
         return tau.div_(1.0 - p)
 
+    def merge_tensor(
+        self,
+        base: torch.Tensor,
+        experts: list[torch.Tensor],
+        hp: dict[str, Any],
+        *,
+        place: Place | None = None,
+    ) -> torch.Tensor:
+        """base (S), experts T × (S) → θ0 + s · `combine` of the τ̂_t, float64 (S). `place` names
+        the tensor and its first entry's flat index (default: name "", offset 0)."""
+        place = place or Place("")
+        theta0 = as_compute(base)
+
+        def tau(t: int) -> torch.Tensor:
+            return self.dropped(theta0, experts[t], t, hp, place)
+
+        return theta0.add_(self.combine(tau, len(experts), theta0), alpha=hp["scale"])
+
+    def combine(
+        self, tau: Callable[[int], torch.Tensor], count: int, like: torch.Tensor
+    ) -> torch.Tensor:
+        """The merged task vector (float64, `like`'s shape) of τ̂_1..τ̂_count: tau(t) returns a
+        fresh τ̂_t (it may be modified)."""
+        raise NotImplementedError
+
 
 @register
 class DareTaskArithmetic(_Dare):
@@ -93,22 +120,14 @@ class DareTaskArithmetic(_Dare):
 
     name = "dare_task_arithmetic"
 
-    def merge_tensor(
-        self,
-        base: torch.Tensor,
-        experts: list[torch.Tensor],
-        hp: dict[str, Any],
-        *,
-        place: Place | None = None,
+    def combine(
+        self, tau: Callable[[int], torch.Tensor], count: int, like: torch.Tensor
     ) -> torch.Tensor:
-        """base (S), experts T × (S) → θ0 + s · Σ_t τ̂_t, float64 (S). `place` names the tensor
-        and its first entry's flat index (default: name "", offset 0)."""
-        place = place or Place("")
-        theta0 = as_compute(base)
-        total = torch.zeros_like(theta0)
-        for t, expert in enumerate(experts):
-            total.add_(self.dropped(theta0, expert, t, hp, place))
-        return theta0.add_(total, alpha=hp["scale"])
+        """Σ_t τ̂_t."""
+        total = torch.zeros_like(like)
+        for t in range(count):
+            total.add_(tau(t))
+        return total
 
 
 @register
@@ -120,20 +139,8 @@ class DareTies(_Dare):
 
     name = "dare_ties"
 
-    def merge_tensor(
-        self,
-        base: torch.Tensor,
-        experts: list[torch.Tensor],
-        hp: dict[str, Any],
-        *,
-        place: Place | None = None,
+    def combine(
+        self, tau: Callable[[int], torch.Tensor], count: int, like: torch.Tensor
     ) -> torch.Tensor:
-        """base (S), experts T × (S) → θ0 + s · disjoint mean of the τ̂_t, float64 (S)."""
-        place = place or Place("")
-        theta0 = as_compute(base)
-
-        def tau(t: int) -> torch.Tensor:
-            return self.dropped(theta0, experts[t], t, hp, place)
-
-        merged = disjoint_mean(tau, len(experts), theta0)
-        return theta0.add_(merged, alpha=hp["scale"])
+        """The disjoint mean of the τ̂_t under the elected sign (featcal_core.merging.ties)."""
+        return disjoint_mean(tau, count, like)

@@ -109,24 +109,6 @@ class Ties(MergeMethod):
     def needs_checkpoint(self, hp: dict[str, Any]) -> bool:
         return hp.get("trim", "tensor") == "global"
 
-    def merge_tensor(
-        self,
-        base: torch.Tensor,
-        experts: list[torch.Tensor],
-        hp: dict[str, Any],
-        *,
-        place: Place | None = None,
-    ) -> torch.Tensor:
-        """base (S), experts T × (S) → θ0 + λ · disjoint mean of trimmed τ_t, float64 (S).
-        With `trim: global` the thresholds are place.checkpoint's (without them the tensor is
-        taken as the whole model)."""
-
-        def task_vector(t: int) -> Iterator[torch.Tensor]:
-            yield as_compute(experts[t]).sub_(as_compute(base))
-
-        thresholds = self.prepare(task_vector, len(experts), base.numel(), hp, place=place)
-        return self.merge_chunk(base, experts, hp, thresholds)
-
     def prepare_checkpoint(
         self,
         task_vectors: Callable[[int], Iterator[torch.Tensor]],
@@ -158,8 +140,10 @@ class Ties(MergeMethod):
         place: Place | None = None,
     ) -> list[float | None]:
         """Each expert's trim threshold (None: keep every entry): with `trim: global` the
-        checkpoint's (place.checkpoint), else the k-th largest |τ_t| over the whole tensor, from
-        its magnitudes gathered in one float64 array and partially sorted (exact, as `trim`)."""
+        checkpoint's (place.checkpoint; without them the tensor is taken as the whole model),
+        else the k-th largest |τ_t| over the whole tensor, from its magnitudes gathered in one
+        float64 array and partially sorted (exact, as `trim`). `merge_tensor` (the base class's)
+        runs this and `merge_chunk` on the whole tensor: θ0 + λ · disjoint mean of trimmed τ_t."""
         if self.needs_checkpoint(hp) and place is not None and place.checkpoint is not None:
             return list(place.checkpoint)
         keep = kept_count(numel, hp["top_k"]) if numel else 0

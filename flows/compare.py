@@ -22,6 +22,7 @@ from pathlib import Path
 from featcal.flows.environment import configure
 from featcal.flows.environment import project_root as working_project
 from featcal.flows.run_tags import lineage_tags, params_digest
+from featcal.flows.selection import score_held_out
 from featcal.flows.steps import Steps
 from featcal.flows.variants import (
     evaluation_rows,
@@ -151,7 +152,7 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
         models, surgeries = evaluation_rows(variants, merges, costs)
         base, experts = steps.models()
         with step_run("score-held-out"):
-            label_free = _label_free(steps, params, variants, merges, costs, base, experts)
+            label_free = _label_free(steps, params, variants, merges, costs, base)
         with step_run("evaluate"):
             evaluation = steps.call(evaluate_models, steps.params, base, experts, models,
                                      str(steps.paths["root"]), None, surgeries)  # fmt: skip
@@ -165,28 +166,17 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
     return summary
 
 
-def _label_free(steps, params, variants, merges, costs, base, experts) -> dict | None:
+def _label_free(steps, params, variants, merges, costs, base) -> dict | None:
     """Each variant's label-free scores (agreement, drift) on held-out unlabeled inputs
-    (tasks/selection.py; `select.holdout_per_task` of them per task, else its default); None for causal
-    LMs, which have no classification head."""
-    from featcal.tasks.selection import build_selection_sets, score_candidates
-    from featcal_core.architectures import get
+    (flows.selection.score_held_out; `select.holdout_per_task` of them per task, else its
+    default); None for causal LMs, which have no classification head."""
     from featcal_core.evaluation.language_model import generation_kind
+    from featcal_core.params.selection import HOLDOUT_PER_TASK
 
     if generation_kind(base) is not None:
         return None
-    from featcal_core.params.selection import HOLDOUT_PER_TASK
-
     holdout = params.select.holdout_per_task if params.select is not None else HOLDOUT_PER_TASK
-    modality = get(steps.lock()["architecture"]).modality
-    steps.call(build_selection_sets, steps.params, modality,
-                str(steps.paths["calibration_sets"]), str(steps.paths["selection_sets"]), holdout)  # fmt: skip
-    models, surgeries = evaluation_rows(variants, merges, costs)
-    scored = {name: surgeries.get(name) or (models[row_of(name, v, merges, costs)], None)
-              for name, v in variants.items()}  # fmt: skip
-    return steps.call(score_candidates, steps.params, base, experts, scored,
-                       {t: str(steps.paths["selection_sets"] / t) for t in steps.params.tasks},
-                       str(steps.paths["root"]))  # fmt: skip
+    return score_held_out(steps, variants, merges, costs, holdout)[1]
 
 
 def _rows(evaluation: dict, variants: dict[str, Params], merges: dict, costs: dict,

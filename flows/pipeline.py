@@ -1,8 +1,9 @@
 """`featcal run`: the pipeline as one Prefect flow, configured by params.yaml.
 
-download-experts → calibration sets → (select: the best of select:'s candidates) → merge → calibrate (one cached task per block, resumable)
-→ evaluate → report, each step a nested MLflow run under one parent run per flow run. The steps and
-the layout of what they write are in flows/steps.py.
+download-experts → calibration sets → (select: the best of select:'s candidates) → merge →
+calibrate (one cached task per block, resumable) → evaluate → report, each step a nested MLflow
+run under one parent run per flow run. The steps and the layout of what they write are in
+flows/steps.py.
 
 The flow is `featcal_run` at module level, so Prefect can deploy it from its entrypoint
 (`prefect deploy featcal/flows/pipeline.py:featcal_run` in the installed package, or

@@ -80,10 +80,30 @@ def chosen(params: Params, record: dict | None) -> Params | None:
     return bare.with_overrides(record["set"])
 
 
-def select(steps: Steps, step_run) -> dict:
-    """The select step for `steps` (its params' select:); writes and returns the record."""
+def score_held_out(steps: Steps, variants: dict[str, Params], merges: dict, costs: dict,
+                   holdout: int, score: str = "agreement") -> tuple[dict, dict]:  # fmt: skip
+    """Draw `holdout` held-out inputs per task (selection_sets/) and score every variant there
+    (tasks/selection.py); ({task: held-out set record}, {variant: {task: scores}})."""
     from featcal.tasks.selection import build_selection_sets, score_candidates
     from featcal_core.architectures import get
+
+    params = steps.params
+    modality = get(steps.lock()["architecture"]).modality
+    sets = steps.call(build_selection_sets, params, modality,
+                      str(steps.paths["calibration_sets"]), str(steps.paths["selection_sets"]),
+                      holdout)  # fmt: skip
+    models, surgeries = evaluation_rows(variants, merges, costs)
+    scored = {name: surgeries.get(name) or (models[row_of(name, v, merges, costs)], None)
+              for name, v in variants.items()}  # fmt: skip
+    base, experts = steps.models()
+    scores = steps.call(score_candidates, params, base, experts, scored,
+                        {t: str(steps.paths["selection_sets"] / t) for t in params.tasks},
+                        str(steps.paths["root"]), score)  # fmt: skip
+    return sets, scores
+
+
+def select(steps: Steps, step_run) -> dict:
+    """The select step for `steps` (its params' select:); writes and returns the record."""
     from featcal_core.evaluation.selection import choose
 
     params = steps.params
@@ -96,10 +116,6 @@ def select(steps: Steps, step_run) -> dict:
         write_json(steps.paths["selection"], record)
         return record
     check_candidates(params)
-    modality = get(steps.lock()["architecture"]).modality
-    sets = steps.call(build_selection_sets, params, modality,
-                       str(steps.paths["calibration_sets"]), str(steps.paths["selection_sets"]),
-                       settings.holdout_per_task)  # fmt: skip
     candidates = {c.name: candidate_params(params, c.name, c.set) for c in settings.candidates}
     merges = run_merges(steps, [(None, p) for p in candidates.values()], step_run)
     costs = {}
@@ -107,13 +123,8 @@ def select(steps: Steps, step_run) -> dict:
         merged = merges[merge_key(candidate.merge)]["path"]
         with step_run(f"candidate {name}", tags={"featcal.candidate": name}):
             costs[name] = repair(shared_steps(steps, candidate, merged))
-    models, surgeries = evaluation_rows(candidates, merges, costs)
-    scored = {name: surgeries.get(name) or (models[row_of(name, c, merges, costs)], None)
-              for name, c in candidates.items()}  # fmt: skip
-    base, experts = steps.models()
-    scores = steps.call(score_candidates, params, base, experts, scored,
-                         {t: str(steps.paths["selection_sets"] / t) for t in params.tasks},
-                         str(steps.paths["root"]), settings.score)  # fmt: skip
+    sets, scores = score_held_out(steps, candidates, merges, costs, settings.holdout_per_task,
+                                  settings.score)  # fmt: skip
     choice = choose(scores, settings.score)
     by_name = {c.name: c for c in settings.candidates}
     record = {

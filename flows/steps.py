@@ -360,7 +360,6 @@ class Steps:
         """The calibrated model's refit heads travel with it: heads.safetensors / heads.json in
         its folder (featcal_core.evaluation.task_heads), the marker updated. Not as a DVC stage
         (DVC_STAGE set): the calibrated folder is the calibrate stage's output."""
-
         if not folders or in_dvc_stage():
             return
         from featcal_core.evaluation.linear_head import load_linear_head

@@ -63,20 +63,17 @@ def load_params(path: str | Path, overrides: Iterable[str] = ()) -> Params:
             f"{name}: expected a mapping of sections (models:, tasks:, ...) at the top level, "
             f"got a {type(data).__name__}"
         )
-    overrides = [overrides] if isinstance(overrides, str) else list(overrides)
-    for override in overrides:
-        _apply_override(data, override, name)
-    try:
-        return Params.model_validate(data)
-    except ValidationError as exc:
-        _fail(_format_validation_error(exc, name, overrides))
+    return _overridden(data, [overrides] if isinstance(overrides, str) else list(overrides), name)
 
 
 def apply_overrides(params: Params, overrides: Iterable[str], name: str = "params") -> Params:
     """`params` with `--set`-style overrides applied and validated again (one FeatCalError line
     on a problem, naming `name`)."""
-    data = params.model_dump(mode="json")
-    overrides = list(overrides)
+    return _overridden(params.model_dump(mode="json"), list(overrides), name)
+
+
+def _overridden(data: dict[str, Any], overrides: list[str], name: str) -> Params:
+    """The params document `data` (modified in place) with `overrides` applied, validated."""
     for override in overrides:
         _apply_override(data, override, name)
     try:

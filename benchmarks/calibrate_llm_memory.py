@@ -28,6 +28,10 @@ that.
 Target: peak RSS of `featcal calibrate` below the size of one expert checkpoint (≈ 2.2 GB at the
 default geometry), i.e. memory bounded by about one block, not the model.
 
+--flow-traffic 0 default runs the resumable flow (`--results-dir`) once per memory budget and
+prints each run's bytes written and read, to show what holding a block's statistics in memory
+saves (budget 0: every task's statistics go to a file and are read back).
+
 --resume-check also runs the resumable flow (`--results-dir`): an uninterrupted reference run,
 a run SIGKILLed (whole process group) once --kill-after block states are committed
 (`<results>/states/*/manifest.json`, the stems' state included in the count as one more), and the
@@ -192,6 +196,38 @@ def plain_calibrate(args, pool, tasks, merged, out, work, env, logs, steps) -> l
     return lines
 
 
+def flow_traffic(args, pool, tasks, merged, work, env) -> tuple[list[Step], list[str]]:
+    """One resumable flow run per --flow-traffic budget: the disk traffic of each, side by side."""
+    env = {**env, "PREFECT_HOME": str(work / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    steps: list[Step] = []
+    for budget in args.flow_traffic:
+        out, results = work / f"calibrated_budget_{budget}", work / f"results_budget_{budget}"
+        shutil.rmtree(results, ignore_errors=True)
+        cmd = _featcal(*_calibrate_args(pool, tasks, merged, out, args))
+        cmd += ["--results-dir", str(results)]
+        if budget != "default":
+            cmd += ["--memory-budget", budget]
+        if not args.warm_cache:
+            evict([pool, merged])
+        step = measure(f"flow, memory budget {budget}", cmd, env, work / "logs", args.poll)
+        step.vmhwm = _record_peak(out / "featcal.json")
+        steps.append(step)
+        blocks = json.loads((out / "featcal.json").read_text())["blocks"]
+        held = sorted({str(b.get("statistics", {}).get("held")) for b in blocks})
+        steps[-1].label += f" [{', '.join(held)}]"
+        shutil.rmtree(results, ignore_errors=True)
+    lines = []
+    if len(steps) == 2:
+        first, second = steps
+        lines.append(
+            f"flow traffic, {first.label} over {second.label}: written "
+            f"{first.write_chars / max(second.write_chars, 1):.1f}x, read() "
+            f"{first.read_chars / max(second.read_chars, 1):.1f}x"
+        )
+    return steps, lines
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
@@ -291,6 +327,14 @@ def main() -> None:
         help="with --resume-check: skip the plain `featcal calibrate --spill-dir` run",
     )
     parser.add_argument(
+        "--flow-traffic",
+        nargs="+",
+        metavar="GIB",
+        default=None,
+        help="run the resumable flow once per memory budget (GiB, or 'default') and report "
+        "each run's disk traffic, e.g. --flow-traffic 0 default",
+    )
+    parser.add_argument(
         "--build-only",
         action="store_true",
         help="only build the pool under --work/pool (what the build step runs)",
@@ -308,8 +352,8 @@ def main() -> None:
     if args.build_only:
         build(args, pool)
         return
-    if args.skip_plain and not args.resume_check:
-        parser.error("--skip-plain leaves nothing to run without --resume-check")
+    if args.skip_plain and not (args.resume_check or args.flow_traffic):
+        parser.error("--skip-plain leaves nothing to run without --resume-check or --flow-traffic")
     if args.resume_check and args.kill_after >= args.layers:
         parser.error(f"--kill-after {args.kill_after} needs more than that many --layers")
 
@@ -360,6 +404,13 @@ def main() -> None:
             more, resume_lines = resume_check(args, pool, tasks, merged, work, env, out)
             steps += more
             lines += resume_lines
+
+        if args.flow_traffic:
+            made += [f"{kind}_budget_{b}" for b in args.flow_traffic
+                     for kind in ("calibrated", "results")]  # fmt: skip
+            more, traffic_lines = flow_traffic(args, pool, tasks, merged, work, env)
+            steps += more
+            lines += traffic_lines
 
         geometry = (
             f"hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "

@@ -25,7 +25,12 @@ from featcal.flows.steps import Steps  # noqa: E402
 from featcal.flows.variants import merge_key  # noqa: E402
 from featcal.tasks.selection import build_selection_sets, score_candidates  # noqa: E402
 from featcal_core.architectures import get  # noqa: E402
-from featcal_core.evaluation.selection import HIGHER_IS_BETTER, choose, spearman  # noqa: E402
+from featcal_core.evaluation.selection import (  # noqa: E402
+    HIGHER_IS_BETTER,
+    LABEL_FREE,
+    choose,
+    spearman,
+)
 from featcal_core.provenance.records import REPORTS_ROOT  # noqa: E402
 
 log = logging.getLogger("selection_holdout")
@@ -64,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         scores = score_candidates.fn(steps.params, base, experts, checkpoints(steps, variants),
                                      {t: str(out / t) for t in steps.params.tasks},
                                      str(steps.paths["root"]))  # fmt: skip
-        for score in ("agreement", "drift"):
+        for score in LABEL_FREE:
             choice = choose(scores, score)
             sign = 1.0 if HIGHER_IS_BETTER[score] else -1.0
             rho = spearman([sign * choice["means"][v] for v in names], [accuracy[v] for v in names])

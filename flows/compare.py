@@ -33,6 +33,7 @@ from featcal.flows.variants import (
     shared_steps,
 )
 from featcal_core.errors import FeatCalError
+from featcal_core.evaluation.selection import LABEL_FREE
 from featcal_core.params import Params, load_params
 from featcal_core.provenance.records import REPORTS_ROOT
 
@@ -234,7 +235,7 @@ def _variant_metrics(row: dict) -> dict[str, float]:
     metrics.update({f"{k}_mean": v for k, v in row["mean"].items() if v is not None})
     metrics.update({k: v for k, v in row["cost"].items() if v is not None})
     scores = row.get("label_free") or {}
-    metrics.update({f"label_free/{k}": scores[k] for k in ("agreement", "drift") if k in scores})
+    metrics.update({f"label_free/{k}": scores[k] for k in LABEL_FREE if k in scores})
     return metrics
 
 

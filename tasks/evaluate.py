@@ -26,7 +26,7 @@ from prefect.cache_policies import NO_CACHE
 
 from featcal_core.data.source_rows import open_source
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation.accuracy import evaluate, normalized_accuracy
+from featcal_core.evaluation.accuracy import evaluate_linears, normalized_accuracy
 from featcal_core.evaluation.expert_head import ExpertHead
 from featcal_core.evaluation.language_model import (
     DEFAULT_TEMPLATE,
@@ -175,33 +175,33 @@ def evaluate_models(
                                             {"expert": experts[task_name], **models})  # fmt: skip
             continue
         head, zero_shot = task_head(task_name, spec, Path(base), Path(experts[task_name]), root)
-        candidates = {name: (directory, head) for name, directory in
-                      {"expert": experts[task_name], **models}.items()}  # fmt: skip
+        # one tower pass per group: (checkpoint, head, {row: None (the head's own Linear) or a
+        # refit Linear (weight, bias)}); a model's refit-head row shares its tower's pass
+        groups = {name: (directory, head, {name: None}) for name, directory in
+                  {"expert": experts[task_name], **models}.items()}  # fmt: skip
         if zero_shot:
-            candidates = {"base": (base, head), **candidates}
+            groups = {"base": (base, head, {"base": None}), **groups}
+        order = list(groups)
         for name, heads in (refit_heads or {}).items():
             if task_name in heads:
                 refit = load_linear_head(heads[task_name])
-                candidates[f"{name}_heads"] = (
-                    models[name],
-                    head.with_linear(refit.weight, refit.bias),
-                )
+                groups[name][2][f"{name}_heads"] = (refit.weight, refit.bias)
+                order.append(f"{name}_heads")
         for name, (directory, folder) in (surgeries or {}).items():
             from featcal_core.repair.surgery_module import SurgeryHead, load_surgery
 
-            candidates[name] = (
-                directory,
-                SurgeryHead(head, load_surgery(Path(folder) / task_name)),
-            )
-        row = {}
-        for name, (directory, model_head) in candidates.items():
-            row[name] = evaluate(
-                directory, model_head, data, split,
+            surgery = SurgeryHead(head, load_surgery(Path(folder) / task_name))
+            groups[name] = (directory, surgery, {name: None})
+            order.append(name)
+        found = {}
+        for directory, model_head, linears in groups.values():
+            found.update(evaluate_linears(
+                directory, model_head, data, split, linears,
                 batch_size=settings.batch_size, max_examples=settings.max_examples_per_task,
                 image_column=source.image_column, text_column=source.text_column,
                 label_column=source.label_column, device=params.featcal.device, progress=False,
-            )  # fmt: skip
-        table[task_name] = _normalize(task_name, row)
+            ))  # fmt: skip
+        table[task_name] = _normalize(task_name, {name: found[name] for name in order})
     return table
 
 

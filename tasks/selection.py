@@ -55,7 +55,7 @@ def score_candidates(
     score: str = "agreement",
 ) -> dict[str, dict[str, dict[str, float]]]:
     """{candidate: {task: scores}} for each candidate (name -> (checkpoint, Surgery modules
-    folder or None)). Label-free scores: {"agreement", "drift", "examples"}; with `score`
+    folder or None)). Label-free scores: {"agreement", "drift", "kl", "examples"}; with `score`
     validation: {"validation": accuracy in percent, "examples"}."""
     from featcal_core.evaluation.agreement import agreement_scores, head_outputs
     from featcal_core.evaluation.language_model import generation_kind
@@ -108,4 +108,4 @@ def _validation(params, task_name, spec, checkpoint, head, root: Path) -> dict[s
 def _brief(scores: dict[str, float]) -> str:
     if "validation" in scores:
         return f"{scores['validation']:.1f}%"
-    return f"{scores['agreement']:.1f}% / {scores['drift']:.3g}"
+    return f"{scores['agreement']:.1f}% / {scores['drift']:.3g} / {scores['kl']:.3g}"

@@ -18,7 +18,7 @@ from test_evaluation import (  # noqa: F401  (module fixtures: tiny BERT expert,
 from transformers import AutoTokenizer, BertForSequenceClassification
 
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation.accuracy import evaluate
+from featcal_core.evaluation.accuracy import evaluate, evaluate_linears
 from featcal_core.evaluation.expert_head import ExpertHead
 from featcal_core.evaluation.zero_shot_head import ZeroShotHead
 from featcal_core.method.head_calibration import HeadStatistics, calibrate_head, fit_linear_head
@@ -128,6 +128,32 @@ def test_calibrated_bert_head_matches_the_closed_form_and_the_expert_better(bert
                                rtol=1e-4, atol=1e-5)  # fmt: skip
     result = evaluate(bert["bare"], refit, bert["data"], "test", progress=False)
     assert 0.0 <= result["accuracy"] <= 1.0 and result["examples"] == len(texts)
+
+
+def test_one_tower_pass_gives_every_linears_separate_result(bert):  # noqa: F811
+    """evaluate_linears (the evaluate step's merged + merged_heads rows in one pass of the tower)
+    gives what separate `evaluate` calls give, for the head's own classifier (a BERT expert:
+    its model forward) and for two replacement Linears."""
+    head = ExpertHead(bert["expert"])
+    generator = torch.Generator().manual_seed(3)
+    d = 32  # the tiny BERT's hidden size
+    pairs = {f"refit{i}": (torch.randn(head.num_classes, d, generator=generator),
+                           torch.randn(head.num_classes, generator=generator)) for i in range(2)}  # fmt: skip
+    together = evaluate_linears(bert["bare"], head, bert["data"], "test",
+                                {"own": None, **pairs}, batch_size=3, progress=False)  # fmt: skip
+    alone = {"own": evaluate(bert["bare"], head, bert["data"], "test", batch_size=3,
+                             progress=False)}  # fmt: skip
+    for name, (weight, bias) in pairs.items():
+        alone[name] = evaluate(bert["bare"], head.with_linear(weight, bias), bert["data"],
+                               "test", batch_size=3, progress=False)  # fmt: skip
+    assert list(together) == ["own", *pairs]
+    for name, result in alone.items():
+        assert together[name]["accuracy"] == result["accuracy"]
+        assert together[name]["examples"] == result["examples"]
+        assert together[name]["loss"] == pytest.approx(result["loss"], rel=1e-5)
+    assert len({round(r["loss"], 6) for r in together.values()}) == 3  # three different heads
+    with pytest.raises(FeatCalError, match="at least one"):
+        evaluate_linears(bert["bare"], head, bert["data"], "test", {}, progress=False)
 
 
 def test_with_linear_checks_shapes(bert):  # noqa: F811

@@ -9,6 +9,7 @@ then the single steps that apply the recorded choice, and a stale choice refused
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -67,15 +68,27 @@ def test_spearman_matches_the_pearson_correlation_of_average_ranks():
 
 
 def test_agreement_scores_by_hand():
-    expert = HeadOutputs(
-        torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0]]), torch.tensor([0, 1, 1])
-    )
-    model = HeadOutputs(torch.tensor([[1.0, 1.0], [0.0, 2.0], [0.0, 0.0]]), torch.tensor([0, 0, 1]))
+    features = torch.tensor([[1.0, 0.0], [0.0, 2.0], [3.0, 4.0]])
+    expert_logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 3.0]])
+    expert = HeadOutputs(features, expert_logits)
+    model_logits = torch.tensor([[1.0, 0.0], [0.5, 0.0], [0.0, 2.0]])
+    model = HeadOutputs(torch.tensor([[1.0, 1.0], [0.0, 2.0], [0.0, 0.0]]), model_logits)
+    assert model.predictions.tolist() == [0, 0, 1]
     scores = agreement_scores(model, expert)
     assert scores["agreement"] == pytest.approx(200 / 3) and scores["examples"] == 3
     assert scores["drift"] == pytest.approx((1 / 1 + 0 / 4 + 25 / 25) / 3)
+    # KL(p ‖ q) = Σ_c p_c log(p_c / q_c), written out with plain exponentials per row
+    kl = 0.0
+    for e_row, m_row in zip(expert_logits.tolist(), model_logits.tolist(), strict=True):
+        p = [math.exp(v) / sum(math.exp(w) for w in e_row) for v in e_row]
+        q = [math.exp(v) / sum(math.exp(w) for w in m_row) for v in m_row]
+        kl += sum(pc * math.log(pc / qc) for pc, qc in zip(p, q, strict=True))
+    assert scores["kl"] == pytest.approx(kl / 3, rel=1e-9) and scores["kl"] > 0
+    assert agreement_scores(expert, expert)["kl"] == 0.0
     with pytest.raises(FeatCalError, match="same rows"):
-        agreement_scores(HeadOutputs(torch.zeros(2, 2), torch.zeros(2)), expert)
+        agreement_scores(HeadOutputs(torch.zeros(2, 2), torch.zeros(2, 2)), expert)
+    with pytest.raises(FeatCalError, match="logits differ"):
+        agreement_scores(HeadOutputs(features, torch.zeros(3, 5)), expert)
 
 
 def test_held_out_rows_avoid_the_calibration_rows():
@@ -224,7 +237,8 @@ def test_scores_of_an_expert_against_itself_and_on_validation_data(tmp_path):
     held = {t: str(tmp_path / "held" / t) for t in experts}
     candidates = {"alpha-expert": (experts["alpha"], None)}
     free = score_candidates.fn(params, base, experts, candidates, held, str(tmp_path / "results"))
-    assert free["alpha-expert"]["alpha"] == {"agreement": 100.0, "drift": 0.0, "examples": 5}
+    assert free["alpha-expert"]["alpha"] == {"agreement": 100.0, "drift": 0.0, "kl": 0.0,
+                                            "examples": 5}  # fmt: skip
     assert free["alpha-expert"]["beta"]["examples"] == 5
     labelled = score_candidates.fn(params, base, experts, candidates, held,
                                    str(tmp_path / "results"), "validation")  # fmt: skip

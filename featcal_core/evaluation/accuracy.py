@@ -10,6 +10,7 @@ accuracy to its task's expert's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,7 @@ from featcal_core.evaluation.head import Head
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["evaluate", "normalized_accuracy"]
+__all__ = ["evaluate", "evaluate_linears", "normalized_accuracy"]
 
 
 def _device(device: str | torch.device) -> torch.device:
@@ -50,13 +51,41 @@ def evaluate(
     progress: bool = True,
 ) -> dict[str, float | int]:
     """Evaluate the tower in `model_dir` under `head` on a labelled `save_to_disk` set.
-
     split: the DatasetDict split (None: the only split, or a plain Dataset); max_examples: the
     first N rows only. Returns {"accuracy": fraction correct, "loss": mean cross-entropy,
     "examples": rows evaluated}.
     """
+    return evaluate_linears(
+        model_dir, head, dataset_dir, split, {"head": None}, batch_size=batch_size,
+        max_examples=max_examples, image_column=image_column, text_column=text_column,
+        label_column=label_column, device=device, progress=progress,
+    )["head"]  # fmt: skip
+
+
+@torch.no_grad()
+def evaluate_linears(
+    model_dir: str | Path,
+    head: Head,
+    dataset_dir: str | Path,
+    split: str | None,
+    linears: Mapping[str, tuple[torch.Tensor, torch.Tensor] | None],
+    *,
+    batch_size: int = 64,
+    max_examples: int | None = None,
+    image_column: str | None = "image",
+    text_column: str | None = "text",
+    label_column: str | None = "label",
+    device: str | torch.device = "cpu",
+    progress: bool = True,
+) -> dict[str, dict[str, float | int]]:
+    """`evaluate` under several final Linears that read the same features: one pass of the tower
+    per batch, each Linear applied to its features. `linears` maps a name to (weight (classes,
+    d), bias (classes)), or to None for `head`'s own Linear; {name: result} as `evaluate` gives
+    (the same numbers as evaluating `head.with_linear(weight, bias)` alone)."""
     from tqdm.auto import tqdm
 
+    if not linears:
+        raise FeatCalError("evaluate_linears needs at least one Linear to evaluate")
     if batch_size < 1:
         raise FeatCalError(f"batch_size must be at least 1 (got {batch_size})")
     if max_examples is not None and max_examples < 1:
@@ -82,29 +111,34 @@ def evaluate(
     data = data.select_columns([input_column])
 
     target = _device(device)
-    model = head.classifier(model_dir, target)
+    if list(linears.values()) == [None]:  # the head's own classifier (an expert: its forward)
+        features, heads = head.classifier(model_dir, target), {name: None for name in linears}
+    else:  # the tower once, then each Linear on its features
+        features, own = head.layers(model_dir, target)
+        features.eval()
+        heads = {name: own if pair is None else head.with_linear(*pair).linear_override_layer(
+            target) for name, pair in linears.items()}  # fmt: skip
     total = len(data)
-    correct = 0
-    loss_sum = 0.0
+    correct = dict.fromkeys(heads, 0)
+    loss_sum = dict.fromkeys(heads, 0.0)
     batches = range(0, total, batch_size)
     bar = tqdm(batches, desc=f"evaluate {Path(model_dir).name}", unit="batch", disable=not progress)
     for start in bar:
         rows = data[start : start + batch_size][input_column]
         inputs = {k: v.to(target) for k, v in head.preprocess(rows).items()}
-        logits = model(**inputs).float()
+        found = features(**inputs).float()
         batch_labels = labels[start : start + len(rows)].to(target)
-        loss_sum += float(F.cross_entropy(logits, batch_labels, reduction="sum"))
-        correct += int((logits.argmax(dim=-1) == batch_labels).sum())
-    result = {"accuracy": correct / total, "loss": loss_sum / total, "examples": total}
-    logger.info(
-        "%s on %s: accuracy %.4f, loss %.4f over %d examples",
-        model_dir,
-        where,
-        result["accuracy"],
-        result["loss"],
-        total,
-    )
-    return result
+        for name, linear in heads.items():
+            logits = found if linear is None else linear(found).float()
+            loss_sum[name] += float(F.cross_entropy(logits, batch_labels, reduction="sum"))
+            correct[name] += int((logits.argmax(dim=-1) == batch_labels).sum())
+    results = {}
+    for name in heads:
+        results[name] = {"accuracy": correct[name] / total, "loss": loss_sum[name] / total,
+                         "examples": total}  # fmt: skip
+        logger.info("%s (%s) on %s: accuracy %.4f, loss %.4f over %d examples", model_dir, name,
+                    where, results[name]["accuracy"], results[name]["loss"], total)  # fmt: skip
+    return results
 
 
 def normalized_accuracy(model_acc: float, expert_acc: float) -> float:

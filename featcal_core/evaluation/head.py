@@ -64,6 +64,12 @@ class Head(ABC):
         running the tower stored in `model_dir` under this head (and its linear override)."""
         return _FeatureClassifier(*self.layers(model_dir, device)).eval()
 
+    def linear_override_layer(self, device: torch.device) -> nn.Linear:
+        """The replacement final Linear set by `with_linear`, on `device` (no tower loaded)."""
+        if self.linear_override is None:
+            raise FeatCalError(f"{self.describe()} has no replacement Linear; use layers()")
+        return _linear(*self.linear_override).to(device)
+
     def with_linear(self, weight: torch.Tensor, bias: torch.Tensor) -> Head:
         """This head with its final Linear replaced by (weight (classes, d), bias (classes))."""
         if weight.ndim != 2 or bias.shape != (weight.shape[0],):

@@ -15,11 +15,15 @@ from collections.abc import Mapping, Sequence
 
 from featcal_core.errors import FeatCalError
 
-__all__ = ["HIGHER_IS_BETTER", "choose", "spearman"]
+__all__ = ["HIGHER_IS_BETTER", "LABEL_FREE", "choose", "spearman"]
+
+#: the label-free scores (featcal_core.evaluation.agreement), in the order reports show them
+LABEL_FREE = ("agreement", "drift", "kl")
 
 #: whether a higher value of each score is better
-HIGHER_IS_BETTER = {"agreement": True, "drift": False, "validation": True}
+HIGHER_IS_BETTER = {"agreement": True, "drift": False, "kl": False, "validation": True}
 UNITS = {"agreement": "% agreement with the experts", "drift": "mean relative feature drift",
+         "kl": "nats mean KL divergence from the experts' class probabilities",
          "validation": "% mean validation accuracy"}  # fmt: skip
 
 

@@ -5,7 +5,8 @@ Label-free (`score: agreement` or `drift`): part of each task's *unlabeled* cali
 disjoint from its calibration set (`holdout_per_task` rows), is held out; each candidate's
 repaired model is scored there against the task's expert: the fraction of inputs where the
 model's prediction (under the task's head) equals the expert's own (`agreement`, higher wins), or
-the relative squared distance between the features the head reads (`drift`, lower wins). With
+the relative squared distance between the features the head reads (`drift`, lower wins), or the
+KL divergence of its class probabilities from the expert's (`kl`, lower wins). With
 labelled validation data (`score: validation`: each task's `validation:` source; the zoo's
 validation split), the candidates' mean validation accuracy decides instead.
 """
@@ -27,8 +28,8 @@ HOLDOUT_PER_TASK = 128
 class SelectSettings(_Section):
     """The candidates `featcal run` chooses among before it merges, and how it scores them."""
 
-    score: Literal["agreement", "drift", "validation"] = Field(
-        "agreement", description="agreement | drift (label-free) | validation (labelled)"
+    score: Literal["agreement", "drift", "kl", "validation"] = Field(
+        "agreement", description="agreement | drift | kl (label-free) | validation (labelled)"
     )
     holdout_per_task: StrictInt = Field(
         HOLDOUT_PER_TASK,

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from featcal_core.evaluation.selection import LABEL_FREE
 from featcal_core.io.outputs import guarded_directory
 from featcal_core.report.tables import gap_closed
 
@@ -73,7 +74,7 @@ def comparison_rows(
             by_task = variant["label_free"]
             row["label_free"] = {"tasks": dict(by_task), **{
                 key: sum(v[key] for v in by_task.values()) / len(by_task)
-                for key in ("agreement", "drift")}}  # fmt: skip
+                for key in LABEL_FREE}}  # fmt: skip
         rows.append(row)
     return rows
 
@@ -91,7 +92,7 @@ def label_free_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any] | No
     accuracy = [r["mean"]["accuracy"] for r in scored]
     by_name = {r["name"]: r for r in scored}
     found: dict[str, Any] = {}
-    for score in ("agreement", "drift"):
+    for score in LABEL_FREE:
         sign = 1.0 if HIGHER_IS_BETTER[score] else -1.0
         values = [sign * r["label_free"][score] for r in scored]
         winner = choose({r["name"]: r["label_free"]["tasks"] for r in scored}, score)["winner"]
@@ -120,7 +121,7 @@ def comparison_markdown(run_name: str, rows: Sequence[Mapping[str, Any]], refere
              "calibration reused from an earlier run costs what reusing it took).", ""]  # fmt: skip
     label_free = any(row.get("label_free") for row in rows)
     header = ["variant", *tasks, "mean acc", "mean norm", "gap closed", "merge s", "repair s",
-              "total s", "peak RSS MiB"] + (["agree %", "drift"] if label_free else [])  # fmt: skip
+              "total s", "peak RSS MiB"] + (["agree %", "drift", "KL"] if label_free else [])  # fmt: skip
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cost = row["cost"]
@@ -131,15 +132,15 @@ def comparison_markdown(run_name: str, rows: Sequence[Mapping[str, Any]], refere
                  "—" if cost.get("peak_rss_mb") is None else f"{cost['peak_rss_mb']:.0f}"]  # fmt: skip
         if label_free:
             scores = row.get("label_free") or {}
-            cells += [_pct(scores.get("agreement")),
-                      "—" if scores.get("drift") is None else f"{scores['drift']:.4f}"]  # fmt: skip
+            cells += [_pct(scores.get("agreement")), *(
+                "—" if scores.get(k) is None else f"{scores[k]:.4f}" for k in ("drift", "kl"))]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     summary = label_free_summary(rows)
     if summary is not None:
         best = summary["best_on_test"]
         lines += ["", "Label-free scores (on held-out unlabeled calibration inputs, against each "
                   "task's expert) as predictors of the mean test accuracy:", ""]  # fmt: skip
-        for score in ("agreement", "drift"):
+        for score in LABEL_FREE:
             found = summary[score]
             rho = "—" if found["spearman"] is None else f"{found['spearman']:+.2f}"
             lines.append(f"- {score}: Spearman ρ {rho}; it would choose `{found['choice']}` "

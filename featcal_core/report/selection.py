@@ -13,13 +13,14 @@ from typing import Any
 __all__ = ["selection_lines", "selection_table"]
 
 _LABELS = {"agreement": "agreement with the experts (%)", "drift": "feature drift",
+           "kl": "KL divergence from the experts' class probabilities (nats)",
            "validation": "validation accuracy (%)"}  # fmt: skip
 
 
 def _value(score: str, value: float | None) -> str:
     if value is None:
         return "—"
-    return f"{value:.4f}" if score == "drift" else f"{value:.1f}"
+    return f"{value:.4f}" if score in ("drift", "kl") else f"{value:.1f}"
 
 
 def selection_lines(record: Mapping[str, Any]) -> list[str]:

@@ -4,6 +4,10 @@ step draws them, disjoint from the calibration sets) and print, per score, Spear
 the variants' mean test accuracy (from the run's compare.json) and the variant it would choose.
 
     python benchmarks/selection_holdout.py --params params/compare-unseen.yaml --holdout 32 128
+    python benchmarks/selection_holdout.py --params FILE --holdout --validation   # labelled only
+
+`--validation` adds the labelled choice (`score: validation`: each variant's mean accuracy on the
+tasks' validation splits, carved from train) for comparison.
 
 Reads the compare run's results folder (merges, variants) and report; writes the held-out sets to
 `<results>/selection_sets_<N>/`. Nothing else is changed.
@@ -50,7 +54,10 @@ def checkpoints(steps: Steps, variants: dict) -> dict[str, tuple[str, str | None
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", required=True, help="the compare run's params file")
-    parser.add_argument("--holdout", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--holdout", type=int, nargs="*", default=[32, 128])
+    parser.add_argument("--validation", action="store_true",
+                        help="also score every variant on each task's labelled validation split "
+                        "(score: validation), as a user with labels would choose")  # fmt: skip
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params, variants = load_compare(args.params, [])
@@ -75,6 +82,13 @@ def main(argv: list[str] | None = None) -> int:
             rho = spearman([sign * choice["means"][v] for v in names], [accuracy[v] for v in names])
             lines.append(f"| {n} | {score} | {rho:+.2f} | `{choice['winner']}` | "
                          f"{accuracy[choice['winner']]:.1f} |")  # fmt: skip
+    if args.validation:
+        scores = score_candidates.fn(steps.params, base, experts, checkpoints(steps, variants),
+                                     {}, str(steps.paths["root"]), "validation")  # fmt: skip
+        choice = choose(scores, "validation")
+        rho = spearman([choice["means"][v] for v in names], [accuracy[v] for v in names])
+        lines.append(f"| — | validation | {rho:+.2f} | `{choice['winner']}` | "
+                     f"{accuracy[choice['winner']]:.1f} |")  # fmt: skip
     best = max(names, key=accuracy.get)
     print("\n".join(lines) + f"\n\nbest on test: `{best}` ({accuracy[best]:.1f})")
     return 0

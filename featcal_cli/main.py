@@ -13,6 +13,7 @@ import os
 import sys
 
 from featcal_cli import (
+    adamerging_command,
     calibrate_command,
     compare_command,
     demo_command,
@@ -39,6 +40,7 @@ MODULES = (
     compare_command,
     regmean_command,
     surgery_command,
+    adamerging_command,
     lineage_command,
     open_clip_command,
     zoo_command,

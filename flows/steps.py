@@ -263,12 +263,15 @@ class Steps:
 
     def calibrate(self) -> dict:
         """The repair of the merged model (`repair.method`) into `calibrated/`: FeatCal, resumable
-        block by block, with its model card; or RegMean (`regmean`), whose record it returns."""
+        block by block, with its model card; or RegMean (`regmean`), Surgery (`surgery`) or
+        AdaMerging (`adamerging`), whose record it returns."""
         self._require_selection()
         if self.params.repair_method == "regmean":
             return self.regmean()
         if self.params.repair_method == "surgery":
             return self.surgery()
+        if self.params.repair_method == "adamerging":
+            return self.adamerging()
         from featcal.flows.calibration import calibration_flow, calibration_flow_fn
         from featcal_core.provenance.lineage import trace
         from featcal_core.provenance.model_card import model_card_fields, write_model_card
@@ -290,6 +293,32 @@ class Steps:
             base, self.paths["merged"], experts, self.calibration_set_dirs(),
             self.paths["calibrated"], alpha=self.params.repair.regmean_alpha,
             settings=self.calibration_settings(), overwrite=True, progress=False,
+        )  # fmt: skip
+
+    def adamerging(self) -> dict:
+        """AdaMerging (featcal_core.repair) into `calibrated/`: the Task Arithmetic coefficients
+        learnt per task and tower tensor on the calibration sets, under each task's evaluation
+        head; the merged checkpoint is the template of every other tensor."""
+        from featcal.tasks.evaluate import task_head
+        from featcal_core.evaluation.language_model import generation_kind
+        from featcal_core.repair import adamerge_checkpoint
+
+        base, experts = self.models()
+        if generation_kind(base) is not None:
+            raise FeatCalError(
+                "repair.method adamerging minimises the entropy of classification heads; language "
+                "models are evaluated by label continuation and have none; use featcal or regmean"
+            )
+        repair = self.params.repair
+        heads = {task: task_head(task, spec, Path(base), Path(experts[task]),
+                                 self.paths["root"])[0]
+                 for task, spec in self.params.tasks.items()}  # fmt: skip
+        return adamerge_checkpoint(
+            base, self.paths["merged"], experts, self.calibration_set_dirs(),
+            self.paths["calibrated"], heads=heads, steps=repair.adamerging_steps,
+            lr=repair.adamerging_lr, init=repair.adamerging_init,
+            settings=self.calibration_settings(), seed=self.params.run.seed, tokenizer_dir=base,
+            overwrite=True, progress=False,
         )  # fmt: skip
 
     def surgery(self) -> dict:

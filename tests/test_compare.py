@@ -20,6 +20,7 @@ VARIANTS = [
     {"name": "ta-regmean", "set": ["repair.method=regmean"]},
     {"name": "ties-featcal", "set": ["merge.method=ties", "featcal.alpha=0.5"]},
     {"name": "ta-surgery", "set": ["repair.method=surgery", "repair.surgery_steps=30"]},
+    {"name": "ta-adamerging", "set": ["repair.method=adamerging", "repair.adamerging_steps=5"]},
 ]
 
 
@@ -57,7 +58,7 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
         assert rows["ta-featcal"]["tasks"][task]["accuracy"] == pytest.approx(calibrated)
     assert rows["ta"]["repair"] == "none" and rows["ta-regmean"]["repair"] == "regmean"
     assert rows["ties-featcal"]["merge"]["method"] == "ties"
-    for name in ("ta-featcal", "ta-regmean", "ties-featcal", "ta-surgery"):
+    for name in ("ta-featcal", "ta-regmean", "ties-featcal", "ta-surgery", "ta-adamerging"):
         assert rows[name]["cost"]["repair_seconds"] > 0 and rows[name]["cost"]["peak_rss_mb"] > 0
     results = tmp_path / "results"
     assert (results / "variants" / "ta-featcal" / "calibrated" / "featcal.json").is_file()
@@ -70,6 +71,12 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
                           "surgery.json").read_text())  # fmt: skip
     assert surgery["rank"] == 16 and rows["ta-surgery"]["repair"] == "surgery"
     assert "ta-surgery" in evaluation["alpha"]  # the merge under the task's module
+    adamerging = json.loads((results / "variants" / "ta-adamerging" / "calibrated" /
+                             "adamerging.json").read_text())  # fmt: skip
+    assert adamerging["hyperparameters"]["steps"] == 5 and rows["ta-adamerging"]["repair"] == \
+        "adamerging"  # fmt: skip
+    assert set(adamerging["coefficients"]) == {"alpha", "beta"}
+    assert "ta-adamerging" in evaluation["alpha"] and "ta-adamerging" in evaluation["beta"]
     # label-free scores of every variant on held-out inputs, and how they rank against test
     for row in rows.values():
         scores = row["label_free"]

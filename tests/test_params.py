@@ -403,12 +403,15 @@ def test_merge_hyperparameters_take_words_and_methods_check_them():
 def test_repair_defaults_match_the_repair_code():
     """params' repair defaults (kept without importing the repair code) equal the code's own."""
     from featcal_core.params.repair import (
+        ADAMERGING_INIT,
+        ADAMERGING_LR,
+        ADAMERGING_STEPS,
         REGMEAN_ALPHA,
         SURGERY_LR,
         SURGERY_RANK,
         SURGERY_STEPS,
     )
-    from featcal_core.repair import DEFAULT_ALPHA
+    from featcal_core.repair import DEFAULT_ALPHA, adamerging
     from featcal_core.repair.surgery import DEFAULT_LR, DEFAULT_RANK, DEFAULT_STEPS
 
     assert (REGMEAN_ALPHA, SURGERY_RANK, SURGERY_STEPS, SURGERY_LR) == (
@@ -416,4 +419,9 @@ def test_repair_defaults_match_the_repair_code():
         DEFAULT_RANK,
         DEFAULT_STEPS,
         DEFAULT_LR,
+    )
+    assert (ADAMERGING_STEPS, ADAMERGING_LR, ADAMERGING_INIT) == (
+        adamerging.DEFAULT_STEPS,
+        adamerging.DEFAULT_LR,
+        adamerging.DEFAULT_INIT,
     )

@@ -14,6 +14,7 @@ from featcal_core.params.base import FiniteFloat, StrictInt, _error, _Section
 #: defaults, kept equal by a test; params loading does not import the repair code)
 REGMEAN_ALPHA = 0.6
 SURGERY_RANK, SURGERY_STEPS, SURGERY_LR = 16, 1000, 1e-3
+ADAMERGING_STEPS, ADAMERGING_LR, ADAMERGING_INIT = 500, 1e-3, 0.3
 
 #: params a variant may change: what comes after the shared download and calibration sets
 VARIANT_KEYS = ("merge.", "repair.", "featcal.alpha", "featcal.rho", "featcal.lam",
@@ -25,12 +26,15 @@ class RepairSettings(_Section):
     turns every repair off, as before), `regmean` (RegMean, Jin et al. 2023: each block Linear
     from the experts' input Grams on the same calibration sets), `surgery` (Representation
     Surgery, Yang et al. 2024: a small per-task module on the merged model's features, trained
-    on the same unlabeled calibration inputs to match each expert's) or `none` (evaluate the
-    merge only). The repaired model is the pipeline's `calibrated` row (with surgery: the merged
-    checkpoint under each task's module, kept in `calibrated/<task>/`)."""
+    on the same unlabeled calibration inputs to match each expert's), `adamerging` (AdaMerging,
+    Yang et al. 2024: one Task Arithmetic coefficient per task and tower tensor, learnt by
+    minimising the entropy of each task's predictions on the same unlabeled calibration inputs;
+    the merge: section's checkpoint is only the template of the tensors it does not learn) or
+    `none` (evaluate the merge only). The repaired model is the pipeline's `calibrated` row (with
+    surgery: the merged checkpoint under each task's module, kept in `calibrated/<task>/`)."""
 
-    method: Literal["featcal", "regmean", "surgery", "none"] = Field(
-        "featcal", description="featcal | regmean | surgery | none"
+    method: Literal["featcal", "regmean", "surgery", "adamerging", "none"] = Field(
+        "featcal", description="featcal | regmean | surgery | adamerging | none"
     )
     regmean_alpha: FiniteFloat = Field(
         REGMEAN_ALPHA, ge=0.0, le=1.0,
@@ -41,6 +45,15 @@ class RepairSettings(_Section):
         SURGERY_STEPS, ge=1, description="Surgery's Adam steps per task"
     )
     surgery_lr: FiniteFloat = Field(SURGERY_LR, gt=0.0, description="Surgery's learning rate")
+    adamerging_steps: StrictInt = Field(
+        ADAMERGING_STEPS, ge=1, description="AdaMerging's Adam steps (all tasks per step)"
+    )
+    adamerging_lr: FiniteFloat = Field(
+        ADAMERGING_LR, gt=0.0, description="AdaMerging's learning rate"
+    )
+    adamerging_init: FiniteFloat = Field(
+        ADAMERGING_INIT, ge=0.0, le=1.0, description="AdaMerging's initial coefficients λ"
+    )
 
 
 class Variant(_Section):

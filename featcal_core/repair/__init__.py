@@ -6,8 +6,10 @@
     surgery.py         `train_surgery`: Representation Surgery (Yang et al., ICML 2024), one small
                        module per task on the feature its head reads
     surgery_module.py  `SurgeryModule`, `load_surgery`, `SurgeryHead` (the module before a head)
+    adamerging.py      `adamerge_checkpoint`: layer-wise AdaMerging (Yang et al., ICLR 2024), the
+                       merge coefficients learnt by entropy minimisation on unlabeled inputs
 
-`regmean_checkpoint` and `train_surgery` load on first use, so importing this package stays light.
+`regmean_checkpoint`, `train_surgery` and `adamerge_checkpoint` load on first use, so importing this package stays light.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ _SURGERY = {
     "SurgeryHead": "surgery_module",
     "SurgeryModule": "surgery_module",
     "load_surgery": "surgery_module",
+    "ADAMERGING_RECORD": "adamerging",
+    "adamerge_checkpoint": "adamerging",
 }
 __all__ += list(_SURGERY)
 

@@ -169,8 +169,9 @@ def _describe_set(data: CalibrationSet) -> dict:
 
 
 def _task_heads(experts: Mapping[str, str | Path], heads: Mapping[str, Head] | None,
-                tokenizer_dir: str | Path | None) -> dict[str, Head]:  # fmt: skip
-    """Each task's head: the given one, else the expert's own classifier (ExpertHead)."""
+                tokenizer_dir: str | Path | None, method: str = "surgery") -> dict[str, Head]:  # fmt: skip
+    """Each task's head: the given one, else the expert's own classifier (ExpertHead); errors
+    name `method`, the repair that needs the heads."""
     if heads is not None:
         extra = sorted(set(heads) - set(experts))
         if extra:
@@ -192,7 +193,7 @@ def _task_heads(experts: Mapping[str, str | Path], heads: Mapping[str, Head] | N
         except FeatCalError as exc:
             raise FeatCalError(
                 f"task {task!r}: expert {expert} has no classification head, so there is no head "
-                "input for surgery to act on; save classifier.safetensors beside the tower or "
+                f"input for {method} to act on; save classifier.safetensors beside the tower or "
                 f"pass heads={{{task!r}: ZeroShotHead(...)}}"
             ) from exc
         out[task] = head

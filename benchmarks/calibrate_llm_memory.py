@@ -218,12 +218,13 @@ def flow_traffic(args, pool, tasks, merged, work, env) -> tuple[list[Step], list
         steps[-1].label += f" [{', '.join(held)}]"
         shutil.rmtree(results, ignore_errors=True)
     lines = []
-    if len(steps) == 2:
-        first, second = steps
+    if len(steps) == 2:  # the run that moved more bytes over the one that moved fewer
+        more, fewer = sorted(steps, key=lambda s: s.write_chars + s.read_chars, reverse=True)
+        total = (more.write_chars + more.read_chars) / max(fewer.write_chars + fewer.read_chars, 1)
         lines.append(
-            f"flow traffic, {first.label} over {second.label}: written "
-            f"{first.write_chars / max(second.write_chars, 1):.1f}x, read() "
-            f"{first.read_chars / max(second.read_chars, 1):.1f}x"
+            f"flow traffic, {more.label} over {fewer.label}: written "
+            f"{more.write_chars / max(fewer.write_chars, 1):.1f}x, read() "
+            f"{more.read_chars / max(fewer.read_chars, 1):.1f}x, both {total:.1f}x"
         )
     return steps, lines
 

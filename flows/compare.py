@@ -168,7 +168,7 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
 
 
 def _label_free(steps, params, variants, merges, costs, base) -> dict | None:
-    """Each variant's label-free scores (agreement, drift) on held-out unlabeled inputs
+    """Each variant's label-free scores (agreement, drift, kl) on held-out unlabeled inputs
     (flows.selection.score_held_out; `select.holdout_per_task` of them per task, else its
     default); None for causal LMs, which have no classification head."""
     from featcal_core.evaluation.language_model import generation_kind

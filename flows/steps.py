@@ -295,11 +295,20 @@ class Steps:
             settings=self.calibration_settings(), overwrite=True, progress=False,
         )  # fmt: skip
 
+    def _task_heads(self) -> dict:
+        """{task: its evaluation head} (tasks.evaluate.task_head): what the trained repairs
+        (Surgery, AdaMerging) fit to."""
+        from featcal.tasks.evaluate import task_head
+
+        base, experts = self.models()
+        return {task: task_head(task, spec, Path(base), Path(experts[task]),
+                                self.paths["root"])[0]
+                for task, spec in self.params.tasks.items()}  # fmt: skip
+
     def adamerging(self) -> dict:
         """AdaMerging (featcal_core.repair) into `calibrated/`: the Task Arithmetic coefficients
         learnt per task and tower tensor on the calibration sets, under each task's evaluation
         head; the merged checkpoint is the template of every other tensor."""
-        from featcal.tasks.evaluate import task_head
         from featcal_core.evaluation.language_model import generation_kind
         from featcal_core.repair import adamerge_checkpoint
 
@@ -310,12 +319,9 @@ class Steps:
                 "models are evaluated by label continuation and have none; use featcal or regmean"
             )
         repair = self.params.repair
-        heads = {task: task_head(task, spec, Path(base), Path(experts[task]),
-                                 self.paths["root"])[0]
-                 for task, spec in self.params.tasks.items()}  # fmt: skip
         return adamerge_checkpoint(
             base, self.paths["merged"], experts, self.calibration_set_dirs(),
-            self.paths["calibrated"], heads=heads, steps=repair.adamerging_steps,
+            self.paths["calibrated"], heads=self._task_heads(), steps=repair.adamerging_steps,
             lr=repair.adamerging_lr, init=repair.adamerging_init,
             settings=self.calibration_settings(), seed=self.params.run.seed, tokenizer_dir=base,
             overwrite=True, progress=False,
@@ -324,17 +330,13 @@ class Steps:
     def surgery(self) -> dict:
         """Representation Surgery (featcal_core.repair): one module per task, on the features
         that task's evaluation head reads from the merged model, into `calibrated/<task>/`."""
-        from featcal.tasks.evaluate import task_head
         from featcal_core.repair.surgery import train_surgery
 
         base, experts = self.models()
         repair = self.params.repair
-        heads = {task: task_head(task, spec, Path(base), Path(experts[task]),
-                                 self.paths["root"])[0]
-                 for task, spec in self.params.tasks.items()}  # fmt: skip
         return train_surgery(
             self.paths["merged"], experts, self.calibration_set_dirs(), self.paths["calibrated"],
-            heads=heads, rank=repair.surgery_rank, steps=repair.surgery_steps,
+            heads=self._task_heads(), rank=repair.surgery_rank, steps=repair.surgery_steps,
             lr=repair.surgery_lr, settings=self.calibration_settings(), seed=self.params.run.seed,
             tokenizer_dir=base, overwrite=True, progress=False,
         )  # fmt: skip

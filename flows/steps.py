@@ -62,6 +62,8 @@ class Steps:
             manifest = load_manifest(zoo.path)
             if manifest is not None:
                 self.params = params.with_zoo(manifest)
+        #: the params as asked for (select: and all); `params` becomes the winner's once chosen
+        self.requested = self.params
         #: the select step's record whose winner these steps run (None: no select: or no choice)
         self.selection: dict | None = None
         self.apply_selection()
@@ -70,6 +72,7 @@ class Steps:
         """With select: and a record (selection.json) of the choice for these very params: the
         winner's params from now on (flows.selection). Without one, the steps that need the
         choice stop and ask for the select step."""
+        self.params, self.selection = self.requested, None
         if self.params.select is None or self.params.models is None:
             return
         from featcal.flows.selection import chosen
@@ -185,7 +188,9 @@ class Steps:
         from featcal.tasks.zoo import build_zoo_task
 
         manifest = self.call(build_zoo_task, zoo)
-        self.params = self.params.with_zoo(manifest) if self.params.zoo else self.params
+        if self.requested.zoo:
+            self.requested = self.requested.with_zoo(manifest)
+        self.apply_selection()
         return manifest
 
     def download(self) -> dict:
@@ -208,6 +213,7 @@ class Steps:
         from featcal.flows.selection import select
         from featcal.tasks.tracking import step_run
 
+        self.params, self.selection = self.requested, None  # a rerun chooses afresh
         record = select(self, step_run)
         self.apply_selection()
         return record

@@ -213,6 +213,16 @@ def test_run_chooses_a_candidate_and_runs_it(tmp_path, prefect_api):
         stale.merge()
     assert json.loads((results / "merged" / "merge.json").read_text())["method"] == expected
 
+    # a second select (a rerun of `featcal run`) on steps that already run the winner chooses
+    # again from the params as asked for, and keeps the record's key (it once wrote "no select:")
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: prefect_api}):
+        again = steps.select()
+    assert again["key"] == record["key"] and again["winner"] == record["winner"]
+    assert [c["mean"] for c in again["candidates"]] == [c["mean"] for c in record["candidates"]]
+    assert Steps(load_params(params_path)).selection["winner"] == record["winner"]
+
 
 def test_scores_of_an_expert_against_itself_and_on_validation_data(tmp_path):
     """An expert scored against itself agrees on every held-out input with zero drift; with

@@ -40,6 +40,14 @@ class CalibrationSet:
     total_rows: int
     targets: list[str] | None = None  # the `target` column (text sets that have one): decoder input
 
+    def describe(self) -> dict:
+        """How a record names this set: {"path"; "sha256" over the saved folder; "rows" in
+        it; "indices": the rows drawn}."""
+        from featcal_core.io.checkpoint import sha256_tree
+
+        return {"path": str(self.path.resolve()), "sha256": sha256_tree(self.path),
+                "rows": self.total_rows, "indices": self.indices}  # fmt: skip
+
 
 def load_calibration_set(
     task: str, path: str | Path, modality: str, num_per_task: int, seed: int

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from featcal_core.architectures import detect
 from featcal_core.errors import FeatCalError
-from featcal_core.io.checkpoint import INDEX_NAME, Checkpoint, sha256_file
+from featcal_core.io.checkpoint import INDEX_NAME, Checkpoint
 from featcal_core.io.outputs import check_output, guarded_directory
 from featcal_core.io.safetensors_io import DTYPES, Reader, SafetensorsFormatError, write_streaming
 from featcal_core.memory import peak_rss_bytes
@@ -96,8 +96,8 @@ def merge_checkpoints(
             "method": merger.name,
             "hyperparameters": hp,
             "inputs": {
-                "base": _describe(base_ckpt),
-                "experts": {task: _describe(c) for task, c in expert_ckpts.items()},
+                "base": base_ckpt.describe(),
+                "experts": {task: c.describe() for task, c in expert_ckpts.items()},
             },
             "tensors": counts,
             "wall_seconds": round(time.perf_counter() - started, 3),
@@ -372,10 +372,3 @@ def _copy_other_files(base: Checkpoint, out_dir: Path) -> None:
             log.warning("not copying %s from the base model into the merged model", path)
             continue
         shutil.copy2(path, out_dir / path.name)
-
-
-def _describe(checkpoint: Checkpoint) -> dict[str, Any]:
-    return {
-        "path": str(checkpoint.directory.resolve()),
-        "sha256": {p.name: sha256_file(p) for p in checkpoint.weight_paths()},
-    }

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from featcal_core.architectures.base import WEIGHT_MASK
 from featcal_core.data.calibration_data import CalibrationSet, load_calibration_set
 from featcal_core.errors import FeatCalError
-from featcal_core.io.checkpoint import Checkpoint, sha256_file, sha256_tree
+from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.io.export import export_checkpoint
 from featcal_core.io.outputs import check_output, guarded_directory, sweep, temp_path
 from featcal_core.io.safetensors_io import save_tensors
@@ -357,13 +357,6 @@ def _run_stems(models, sets, streams, dtype, device, batch_size, max_length):
     return masks
 
 
-def _describe(checkpoint: Checkpoint) -> dict:
-    return {
-        "path": str(checkpoint.directory.resolve()),
-        "sha256": {p.name: sha256_file(p) for p in checkpoint.weight_paths()},
-    }
-
-
 def _record(models: ModelSet, sets: dict[str, CalibrationSet], params, blocks, settings, started):
     peak_rss = peak_rss_bytes()
     peak_device = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
@@ -378,18 +371,10 @@ def _record(models: ModelSet, sets: dict[str, CalibrationSet], params, blocks, s
             **settings,
         },
         "inputs": {
-            "base": _describe(models.base),
-            "merged": _describe(models.merged),
-            "experts": {task: _describe(ckpt) for task, ckpt in models.experts.items()},
-            "calibration": {
-                task: {
-                    "path": str(s.path.resolve()),
-                    "sha256": sha256_tree(s.path),
-                    "rows": s.total_rows,
-                    "indices": s.indices,
-                }
-                for task, s in sets.items()
-            },
+            "base": models.base.describe(),
+            "merged": models.merged.describe(),
+            "experts": {task: ckpt.describe() for task, ckpt in models.experts.items()},
+            "calibration": {task: s.describe() for task, s in sets.items()},
         },
         "blocks": blocks,
         "wall_seconds": round(time.perf_counter() - started, 3),

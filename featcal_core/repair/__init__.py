@@ -8,6 +8,7 @@
     surgery_module.py  `SurgeryModule`, `load_surgery`, `SurgeryHead` (the module before a head)
     adamerging.py      `adamerge_checkpoint`: layer-wise AdaMerging (Yang et al., ICLR 2024), the
                        merge coefficients learnt by entropy minimisation on unlabeled inputs
+    trained_inputs.py  what Surgery and AdaMerging read (heads, calibration rows), checked once
 
 `regmean_checkpoint`, `train_surgery` and `adamerge_checkpoint` load on first use, so importing this package stays light.
 """

@@ -38,17 +38,19 @@ from tqdm.auto import tqdm
 
 from featcal_core.architectures import detect
 from featcal_core.architectures.base import Architecture
-from featcal_core.data.calibration_data import load_calibration_set
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.head import Head
 from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.io.export import export_checkpoint
-from featcal_core.io.outputs import check_output, guarded_directory, write_json
+from featcal_core.io.outputs import guarded_directory, write_json
 from featcal_core.io.safetensors_io import DTYPES, save_tensors
 from featcal_core.memory import peak_rss_bytes
-from featcal_core.method.calibration import check_tasks, resolve_device
 from featcal_core.method.settings import Settings
-from featcal_core.repair.surgery import _describe, _describe_set, _task_heads
+from featcal_core.repair.trained_inputs import (
+    check_learning_rate,
+    check_positive_integers,
+    load_trained_inputs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,12 +71,9 @@ def check_hyperparameters(
     steps: int, lr: float, init: float, batch_size: int, log_every: int
 ) -> None:
     """FeatCalError naming the first bad value."""
-    for flag, value in (("--steps", steps), ("--batch-size", batch_size),
-                        ("--log-every", log_every)):  # fmt: skip
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise FeatCalError(f"{flag} must be a positive integer (got {value!r})")
-    if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < float("inf"):
-        raise FeatCalError(f"--lr must be a positive number (got {lr!r})")
+    check_positive_integers({"--steps": steps, "--batch-size": batch_size,
+                             "--log-every": log_every})  # fmt: skip
+    check_learning_rate(lr)
     if isinstance(init, bool) or not isinstance(init, int | float) or not 0 <= init <= 1:
         raise FeatCalError(f"--init must be a number in [0, 1] (got {init!r})")
 
@@ -382,21 +381,14 @@ def adamerge_checkpoint(
     """
     started = time.perf_counter()
     out = Path(out)
-    check_tasks(dict(experts), dict(calibration_sets))
     check_hyperparameters(steps, lr, init, batch_size, log_every)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise FeatCalError(f"AdaMerging seed must be an integer (got {seed!r})")
-    inputs = (base, merged, *experts.values(), *calibration_sets.values())
-    check_output(out, overwrite=overwrite, inputs=inputs)
-    device = resolve_device(settings.device)
+    given = load_trained_inputs("AdaMerging", merged, experts, calibration_sets, out, heads=heads,
+                                tokenizer_dir=tokenizer_dir, settings=settings, seed=seed,
+                                overwrite=overwrite, more_inputs=(base,))  # fmt: skip
+    device, sets, inputs, task_heads = given.device, given.sets, given.inputs, given.heads
+    merged_ckpt, expert_ckpts = given.merged, given.experts
     base_ckpt = Checkpoint(base, role="base model")
-    merged_ckpt = Checkpoint(merged, role="merged model")
-    expert_ckpts = {t: Checkpoint(p, role=f"expert {t!r}") for t, p in experts.items()}
     arch = detect(base_ckpt.config, source=str(base_ckpt.directory / "config.json"))
-    task_heads = _task_heads(experts, heads, tokenizer_dir, "AdaMerging")
-    sets = {task: load_calibration_set(task, path, task_heads[task].modality,
-                                       settings.num_per_task, settings.seed)
-            for task, path in calibration_sets.items()}  # fmt: skip
     tasks = list(experts)
     hyper = {"granularity": "layer-wise", "steps": steps, "lr": lr, "betas": list(BETAS),
              "weight_decay": 0.0, "init": init, "clamp": [0.0, 1.0], "batch_size": batch_size,
@@ -439,12 +431,7 @@ def adamerge_checkpoint(
             "method": "adamerging",
             "architecture": arch.name,
             "hyperparameters": {**hyper, "settings": dict(asdict(settings), device=str(device))},
-            "inputs": {
-                "base": _describe(base_ckpt),
-                "merged": _describe(merged_ckpt),
-                "experts": {t: _describe(c) for t, c in expert_ckpts.items()},
-                "calibration": {t: _describe_set(s) for t, s in sets.items()},
-            },
+            "inputs": given.describe(base=base_ckpt),
             "heads": {t: task_heads[t].describe() for t in tasks},
             "tensors": {
                 "learnt": len(tensors),

@@ -21,7 +21,6 @@ import torch
 from tqdm.auto import tqdm
 
 from featcal_core.errors import FeatCalError
-from featcal_core.io.checkpoint import Checkpoint, sha256_file, sha256_tree
 from featcal_core.io.export import export_checkpoint
 from featcal_core.io.outputs import check_output, guarded_directory, sweep, temp_path
 from featcal_core.io.safetensors_io import DTYPES, save_tensors
@@ -177,13 +176,6 @@ def regmean_checkpoint(
     return record
 
 
-def _describe(checkpoint: Checkpoint) -> dict:
-    return {
-        "path": str(checkpoint.directory.resolve()),
-        "sha256": {p.name: sha256_file(p) for p in checkpoint.weight_paths()},
-    }
-
-
 def _record(run: Calibration, alpha: float, pooled_weights: bool, blocks: list, started: float):
     settings = asdict(run.settings)
     settings.update(device=str(run.device), precision=run.precision)  # what ran
@@ -205,18 +197,10 @@ def _record(run: Calibration, alpha: float, pooled_weights: bool, blocks: list, 
             **settings,
         },
         "inputs": {
-            "base": _describe(models.base),
-            "merged": _describe(models.merged),
-            "experts": {task: _describe(ckpt) for task, ckpt in models.experts.items()},
-            "calibration": {
-                task: {
-                    "path": str(s.path.resolve()),
-                    "sha256": sha256_tree(s.path),
-                    "rows": s.total_rows,
-                    "indices": s.indices,
-                }
-                for task, s in run.sets.items()
-            },  # fmt: skip
+            "base": models.base.describe(),
+            "merged": models.merged.describe(),
+            "experts": {task: ckpt.describe() for task, ckpt in models.experts.items()},
+            "calibration": {task: s.describe() for task, s in run.sets.items()},
         },
         "blocks": blocks,
         "fallbacks": len(found),

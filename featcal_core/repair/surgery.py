@@ -35,15 +35,17 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from featcal_core.data.calibration_data import CalibrationSet, load_calibration_set
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.head import Head
-from featcal_core.io.checkpoint import Checkpoint, sha256_file, sha256_tree
-from featcal_core.io.outputs import check_output, guarded_directory, write_json
+from featcal_core.io.outputs import guarded_directory, write_json
 from featcal_core.memory import peak_rss_bytes
-from featcal_core.method.calibration import check_tasks, resolve_device
 from featcal_core.method.settings import Settings
 from featcal_core.repair.surgery_module import SurgeryModule, save_surgery
+from featcal_core.repair.trained_inputs import (
+    check_learning_rate,
+    check_positive_integers,
+    load_trained_inputs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +65,9 @@ def check_hyperparameters(
     rank: int, steps: int, lr: float, batch_size: int, log_every: int
 ) -> None:
     """FeatCalError naming the first bad value."""
-    for flag, value in (("--rank", rank), ("--steps", steps), ("--surgery-batch-size", batch_size),
-                        ("--log-every", log_every)):  # fmt: skip
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise FeatCalError(f"{flag} must be a positive integer (got {value!r})")
-    if not isinstance(lr, int | float) or not 0 < lr < float("inf"):
-        raise FeatCalError(f"--lr must be a positive number (got {lr!r})")
+    check_positive_integers({"--rank": rank, "--steps": steps, "--surgery-batch-size": batch_size,
+                             "--log-every": log_every})  # fmt: skip
+    check_learning_rate(lr)
 
 
 def task_generator(seed: int, task: str) -> torch.Generator:
@@ -158,48 +157,6 @@ def fit_surgery(
     return module, curve
 
 
-def _describe(checkpoint: Checkpoint) -> dict:
-    return {"path": str(checkpoint.directory.resolve()),
-            "sha256": {p.name: sha256_file(p) for p in checkpoint.weight_paths()}}  # fmt: skip
-
-
-def _describe_set(data: CalibrationSet) -> dict:
-    return {"path": str(data.path.resolve()), "sha256": sha256_tree(data.path),
-            "rows": data.total_rows, "indices": data.indices}  # fmt: skip
-
-
-def _task_heads(experts: Mapping[str, str | Path], heads: Mapping[str, Head] | None,
-                tokenizer_dir: str | Path | None, method: str = "surgery") -> dict[str, Head]:  # fmt: skip
-    """Each task's head: the given one, else the expert's own classifier (ExpertHead); errors
-    name `method`, the repair that needs the heads."""
-    if heads is not None:
-        extra = sorted(set(heads) - set(experts))
-        if extra:
-            raise FeatCalError(f"heads: task {extra[0]!r} has no expert; give heads only for "
-                               "the experts' tasks")  # fmt: skip
-    from featcal_core.evaluation.expert_head import ExpertHead
-
-    out = {}
-    for task, expert in experts.items():
-        if heads is not None and task in heads:
-            out[task] = heads[task]
-            continue
-        try:
-            head = ExpertHead(expert, tokenizer_dir=tokenizer_dir)
-        except FeatCalError as exc:  # e.g. no `architectures`: name the task
-            raise FeatCalError(f"task {task!r}: {exc}") from exc
-        try:
-            head.require_head()
-        except FeatCalError as exc:
-            raise FeatCalError(
-                f"task {task!r}: expert {expert} has no classification head, so there is no head "
-                f"input for {method} to act on; save classifier.safetensors beside the tower or "
-                f"pass heads={{{task!r}: ZeroShotHead(...)}}"
-            ) from exc
-        out[task] = head
-    return out
-
-
 def train_surgery(
     merged: str | Path,
     experts: Mapping[str, str | Path],
@@ -230,19 +187,11 @@ def train_surgery(
     """
     started = time.perf_counter()
     out = Path(out)
-    check_tasks(dict(experts), dict(calibration_sets))
     check_hyperparameters(rank, steps, lr, batch_size, log_every)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise FeatCalError(f"surgery seed must be an integer (got {seed!r})")
-    inputs = (merged, *experts.values(), *calibration_sets.values())
-    check_output(out, overwrite=overwrite, inputs=inputs)
-    device = resolve_device(settings.device)
-    merged_ckpt = Checkpoint(merged, role="merged model")
-    expert_ckpts = {t: Checkpoint(p, role=f"expert {t!r}") for t, p in experts.items()}
-    task_heads = _task_heads(experts, heads, tokenizer_dir)
-    sets = {task: load_calibration_set(task, path, task_heads[task].modality,
-                                       settings.num_per_task, settings.seed)
-            for task, path in calibration_sets.items()}  # fmt: skip
+    given = load_trained_inputs("surgery", merged, experts, calibration_sets, out, heads=heads,
+                                tokenizer_dir=tokenizer_dir, settings=settings, seed=seed,
+                                overwrite=overwrite)  # fmt: skip
+    device, sets, inputs = given.device, given.sets, given.inputs
     hyper = {"rank": rank, "steps": steps, "lr": lr, "betas": list(BETAS), "weight_decay": 0.0,
              "batch_size": batch_size, "seed": seed, "log_every": log_every, "loss": "mean L1",
              "init": "W_down Kaiming-uniform (a = sqrt 5), W_up = 0"}  # fmt: skip
@@ -252,7 +201,7 @@ def train_surgery(
     with guarded_directory(out, overwrite=overwrite, inputs=inputs) as tmp:
         for task, data in sets.items():
             task_start = time.perf_counter()
-            head = task_heads[task]
+            head = given.heads[task]
             z = head_features(
                 head, merged, data.rows, batch_size=settings.batch_size, device=device
             )
@@ -273,9 +222,9 @@ def train_surgery(
                 "hyperparameters": hyper,
                 "loss": curve,
                 "inputs": {
-                    "merged": _describe(merged_ckpt),
-                    "expert": _describe(expert_ckpts[task]),
-                    "calibration": _describe_set(data),
+                    "merged": given.merged.describe(),
+                    "expert": given.experts[task].describe(),
+                    "calibration": data.describe(),
                 },
                 "wall_seconds": round(time.perf_counter() - task_start, 3),
                 "peak_rss_bytes": peak_rss_bytes(),
@@ -289,11 +238,7 @@ def train_surgery(
             "surgery_record_version": RECORD_VERSION,
             "method": "representation_surgery",
             "hyperparameters": {**hyper, "settings": dict(asdict(settings), device=str(device))},
-            "inputs": {
-                "merged": _describe(merged_ckpt),
-                "experts": {t: _describe(c) for t, c in expert_ckpts.items()},
-                "calibration": {t: _describe_set(s) for t, s in sets.items()},
-            },
+            "inputs": given.describe(),
             "tasks": tasks,
             "wall_seconds": round(time.perf_counter() - started, 3),
             "peak_rss_bytes": peak_rss_bytes(),

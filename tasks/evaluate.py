@@ -28,6 +28,7 @@ from featcal_core.data.source_rows import open_source
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.accuracy import evaluate_linears, normalized_accuracy
 from featcal_core.evaluation.expert_head import ExpertHead
+from featcal_core.evaluation.input_batches import InputBatches
 from featcal_core.evaluation.language_model import (
     DEFAULT_TEMPLATE,
     evaluate_lm_dataset,
@@ -194,12 +195,14 @@ def evaluate_models(
             groups[name] = (directory, surgery, {name: None})
             order.append(name)
         found = {}
+        batches = InputBatches()  # the task's rows preprocessed once for all its models
         for directory, model_head, linears in groups.values():
             found.update(evaluate_linears(
                 directory, model_head, data, split, linears,
                 batch_size=settings.batch_size, max_examples=settings.max_examples_per_task,
                 image_column=source.image_column, text_column=source.text_column,
                 label_column=source.label_column, device=params.featcal.device, progress=False,
+                batches=batches,
             ))  # fmt: skip
         table[task_name] = _normalize(task_name, {name: found[name] for name in order})
     return table

@@ -22,6 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from featcal.tasks.evaluate import _evaluation_data, task_head
 from featcal_core.data.calibration_sets import RECORD_NAME, draw_calibration_set
 from featcal_core.errors import FeatCalError
+from featcal_core.evaluation.input_batches import InputBatches
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +72,11 @@ def score_candidates(
     found: dict[str, dict[str, dict[str, float]]] = {name: {} for name in candidates}
     for task_name, spec in params.tasks.items():
         head, _ = task_head(task_name, spec, Path(base), Path(experts[task_name]), root)
+        batches = InputBatches()  # the held-out rows preprocessed once for all candidates
         expert = None
         if score != "validation":
             expert = head_outputs(experts[task_name], head, selection_sets[task_name],
-                                  batch_size=batch, device=device)  # fmt: skip
+                                  batch_size=batch, device=device, batches=batches)  # fmt: skip
         for name, (checkpoint, surgery) in candidates.items():
             model_head = head
             if surgery is not None:
@@ -84,7 +86,8 @@ def score_candidates(
                                                      model_head, root)  # fmt: skip
             else:
                 outputs = head_outputs(checkpoint, model_head, selection_sets[task_name],
-                                       batch_size=batch, device=device)  # fmt: skip
+                                       batch_size=batch, device=device,
+                                       batches=batches)  # fmt: skip
                 found[name][task_name] = agreement_scores(outputs, expert)
         log.info("score %s: %s", task_name, ", ".join(
             f"{n} {_brief(s[task_name])}" for n, s in found.items()))  # fmt: skip

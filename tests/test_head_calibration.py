@@ -156,6 +156,37 @@ def test_one_tower_pass_gives_every_linears_separate_result(bert):  # noqa: F811
         evaluate_linears(bert["bare"], head, bert["data"], "test", {}, progress=False)
 
 
+def test_shared_input_batches_preprocess_each_row_once_and_change_no_number(bert, monkeypatch):  # noqa: F811
+    """The evaluate step's InputBatches: two models evaluated on one set preprocess each batch
+    once and give exactly what they give alone; with no budget nothing is kept."""
+    from featcal_core.evaluation.input_batches import InputBatches
+
+    head = ExpertHead(bert["expert"])
+    calls = []
+    preprocess = head.preprocess
+    monkeypatch.setattr(
+        head, "preprocess", lambda rows: calls.append(len(rows)) or preprocess(rows)
+    )
+    models = {"bare": bert["bare"], "expert": bert["expert"]}
+    alone = {name: evaluate_linears(path, head, bert["data"], "test", {name: None}, batch_size=3,
+                                    progress=False)[name] for name, path in models.items()}  # fmt: skip
+    rows = sum(calls[: len(calls) // 2])
+    calls.clear()
+    batches = InputBatches()
+    shared = {name: evaluate_linears(path, head, bert["data"], "test", {name: None}, batch_size=3,
+                                     progress=False, batches=batches)[name]
+              for name, path in models.items()}  # fmt: skip
+    assert shared == alone
+    assert sum(calls) == rows and batches.made == len(calls) == batches.reused
+    assert alone["bare"]["loss"] != alone["expert"]["loss"]  # two different models
+    calls.clear()
+    none_kept = InputBatches(budget_mb=0)
+    for path in models.values():
+        evaluate_linears(path, head, bert["data"], "test", {"m": None}, batch_size=3,
+                         progress=False, batches=none_kept)  # fmt: skip
+    assert sum(calls) == 2 * rows and none_kept.reused == 0 and none_kept.kept_bytes == 0
+
+
 def test_with_linear_checks_shapes(bert):  # noqa: F811
     head = ExpertHead(bert["expert"])
     with pytest.raises(FeatCalError, match="classes"):

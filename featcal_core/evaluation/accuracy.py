@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.dataset import _check_labels, _load_split
 from featcal_core.evaluation.head import Head
+from featcal_core.evaluation.input_batches import InputBatches, batch_of
 
 logger = logging.getLogger(__name__)
 
@@ -77,11 +78,14 @@ def evaluate_linears(
     label_column: str | None = "label",
     device: str | torch.device = "cpu",
     progress: bool = True,
+    batches: InputBatches | None = None,
 ) -> dict[str, dict[str, float | int]]:
     """`evaluate` under several final Linears that read the same features: one pass of the tower
     per batch, each Linear applied to its features. `linears` maps a name to (weight (classes,
     d), bias (classes)), or to None for `head`'s own Linear; {name: result} as `evaluate` gives
-    (the same numbers as evaluating `head.with_linear(weight, bias)` alone)."""
+    (the same numbers as evaluating `head.with_linear(weight, bias)` alone). `batches`: the
+    preprocessed batches shared with the other models evaluated on this set under heads with the
+    same preprocessing (input_batches.py)."""
     from tqdm.auto import tqdm
 
     if not linears:
@@ -121,13 +125,14 @@ def evaluate_linears(
     total = len(data)
     correct = dict.fromkeys(heads, 0)
     loss_sum = dict.fromkeys(heads, 0.0)
-    batches = range(0, total, batch_size)
-    bar = tqdm(batches, desc=f"evaluate {Path(model_dir).name}", unit="batch", disable=not progress)
+    starts = range(0, total, batch_size)
+    bar = tqdm(starts, desc=f"evaluate {Path(model_dir).name}", unit="batch", disable=not progress)
     for start in bar:
-        rows = data[start : start + batch_size][input_column]
-        inputs = {k: v.to(target) for k, v in head.preprocess(rows).items()}
-        found = features(**inputs).float()
-        batch_labels = labels[start : start + len(rows)].to(target)
+        key = (str(dataset_dir), split, total, input_column, start, batch_size)
+        prepared = batch_of(batches, key, lambda start=start: head.preprocess(
+            data[start : start + batch_size][input_column]))  # fmt: skip
+        found = features(**{k: v.to(target) for k, v in prepared.items()}).float()
+        batch_labels = labels[start : start + batch_size].to(target)
         for name, linear in heads.items():
             logits = found if linear is None else linear(found).float()
             loss_sum[name] += float(F.cross_entropy(logits, batch_labels, reduction="sum"))

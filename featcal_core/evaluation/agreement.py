@@ -27,6 +27,7 @@ import torch
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.dataset import _load_split
 from featcal_core.evaluation.head import Head
+from featcal_core.evaluation.input_batches import InputBatches, batch_of
 
 __all__ = ["HeadOutputs", "agreement_scores", "head_outputs"]
 
@@ -53,9 +54,11 @@ def head_outputs(
     *,
     batch_size: int = 64,
     device: str | torch.device = "cpu",
+    batches: InputBatches | None = None,
 ) -> HeadOutputs:
     """The head's input features and logits of the tower in `model_dir` on every row
-    of the unlabeled set `inputs_dir` (a save_to_disk Dataset with an `image` or `text` column)."""
+    of the unlabeled set `inputs_dir` (a save_to_disk Dataset with an `image` or `text` column).
+    `batches`: the preprocessed batches shared with the other models scored on this set."""
     data = _load_split(inputs_dir, None)
     column = head.modality
     if column not in data.column_names:
@@ -69,9 +72,10 @@ def head_outputs(
     features_of, linear = head.layers(model_dir, target)
     features, logits = [], []
     for start in range(0, len(data), batch_size):
-        rows = data[start : start + batch_size][column]
-        batch = {k: v.to(target) for k, v in head.preprocess(rows).items()}
-        found = features_of(**batch).float()
+        key = (str(inputs_dir), len(data), column, start, batch_size)
+        prepared = batch_of(batches, key, lambda start=start: head.preprocess(
+            data[start : start + batch_size][column]))  # fmt: skip
+        found = features_of(**{k: v.to(target) for k, v in prepared.items()}).float()
         features.append(found.cpu())
         logits.append(linear(found).float().cpu())
     return HeadOutputs(torch.cat(features), torch.cat(logits))

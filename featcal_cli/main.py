@@ -7,10 +7,14 @@ module; this module only assembles the parser from them and dispatches.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 from featcal_cli import (
     adamerging_command,
@@ -125,13 +129,35 @@ def _library_bars_off() -> None:
             getattr(importlib.import_module(module), function)()
 
 
+def _stop(signum: int, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """While a command runs, SIGTERM (a scheduler stopping the job, `timeout`, `kill`) ends it
+    as Ctrl-C does, by an exception: temporary outputs are removed, run locks released, and
+    Prefect's temporary server, which Prefect stops at exit, is stopped (killed outright, the
+    process would leave it running). Exit status 143. Main thread only; the previous handler is
+    restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv, verbosity = split_verbosity(sys.argv[1:] if argv is None else list(argv))
     args = build_parser().parse_args(argv)
     configure_logging(verbosity + args.verbose)  # e.g. -vvv before the command
     tune_allocator()
     try:
-        return commands()[args.command].run(args)
+        with _sigterm_exits():
+            return commands()[args.command].run(args)
     except FeatCalError as exc:
         print(f"featcal: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT

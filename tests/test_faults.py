@@ -171,6 +171,64 @@ def test_second_run_stops_before_writing_and_the_first_is_unchanged(
     assert provenance["params"] == "e2e"
 
 
+def _children(pid: int) -> dict[int, str]:
+    """{pid: command line} of the processes whose parent is `pid` (Linux /proc)."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                found[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().decode()
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended meanwhile
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, dead but not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_sigterm_stops_the_run_removes_its_temporaries_and_prefects_server(project, tmp_path):
+    """`featcal run` on Prefect's embedded server, stopped by SIGTERM while it writes merged/:
+    it exits 143, leaves no temporary output and no lock held, and the temporary Prefect server
+    it started is gone (before, the server outlived the killed run)."""
+    params = _fresh(project, tmp_path)
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+           "FEATCAL_FAILPOINT": f"commit:merged:wait={tmp_path / 'never'}"}  # fmt: skip
+    env.pop("PREFECT_API_URL", None)
+    cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params)]
+    run = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    results = tmp_path / "results"
+    deadline = time.monotonic() + 300
+    try:
+        while not any(TEMP_TAG in p.name and "merged" in p.name for p in results.glob(".*")):
+            assert run.poll() is None, run.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the run never reached the merge"
+            time.sleep(0.5)
+        servers = [p for p, cmdline in _children(run.pid).items() if "uvicorn" in cmdline]
+        assert servers, "no temporary Prefect server under the run"
+        run.terminate()
+        _, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 143, err[-3000:]
+    assert _leftovers(results, tmp_path / "reports") == []
+    assert not (results / "merged").exists()
+    with run_lock(results, "the test"):  # free again
+        pass
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in servers) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [pid for pid in servers if _alive(pid)], "the Prefect server was left running"
+
+
 def test_run_lock_names_its_holder_and_a_dead_holder_is_taken_over(tmp_path):
     code = (
         "import sys, time; from featcal_core.io.run_lock import run_lock\n"

@@ -123,26 +123,12 @@ def _group(item) -> str | None:
     return None if name in SPREAD else name
 
 
-#: the groups (or spread files) that take longest, longest first (measured: `./scripts/test` prints
-#: the slowest tests): collected first, so `--dist loadgroup`, which hands groups to the workers
-#: in collection order, starts them first and the short groups fill in at the end, instead of one
-#: worker running a long group alone while the other waits
-LONGEST_FIRST = ("test_faults.py", "lane-1", "lane-2", "test_zoo.py", "test_serve.py")
-
-
-def _start_rank(item) -> int:
-    group = _group(item) or item.path.name
-    return LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
-
-
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         group = _group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
-    if getattr(config.option, "dist", "no") == "loadgroup":  # a stable sort: files keep their order
-        items[:] = sorted(items, key=_start_rank)
 
 
 def pytest_terminal_summary(terminalreporter):

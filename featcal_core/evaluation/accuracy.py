@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.dataset import _check_labels, _load_split
 from featcal_core.evaluation.head import Head
-from featcal_core.evaluation.input_batches import InputBatches, batch_of
+from featcal_core.evaluation.input_batches import InputBatches
 
 logger = logging.getLogger(__name__)
 
@@ -125,11 +125,12 @@ def evaluate_linears(
     total = len(data)
     correct = dict.fromkeys(heads, 0)
     loss_sum = dict.fromkeys(heads, 0.0)
+    batches = batches if batches is not None else InputBatches(0)
     starts = range(0, total, batch_size)
     bar = tqdm(starts, desc=f"evaluate {Path(model_dir).name}", unit="batch", disable=not progress)
     for start in bar:
         key = (str(dataset_dir), split, total, input_column, start, batch_size)
-        prepared = batch_of(batches, key, lambda start=start: head.preprocess(
+        prepared = batches.get(key, lambda start=start: head.preprocess(
             data[start : start + batch_size][input_column]))  # fmt: skip
         found = features(**{k: v.to(target) for k, v in prepared.items()}).float()
         batch_labels = labels[start : start + batch_size].to(target)

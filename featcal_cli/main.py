@@ -11,9 +11,9 @@ import contextlib
 import importlib
 import logging
 import os
-import signal
+import re
 import sys
-import threading
+import typing
 from collections.abc import Iterator
 
 from featcal_cli import (
@@ -30,6 +30,7 @@ from featcal_cli import (
     zoo_command,
 )
 from featcal_cli.arguments import Command
+from featcal_cli.sigterm import sigterm_stops
 from featcal_core.errors import FeatCalError
 from featcal_core.memory import tune_allocator
 
@@ -62,12 +63,67 @@ def commands() -> dict[str, Command]:
     return table
 
 
+class UsageError(SystemExit):
+    """A command line the parser refused; its one line is already on stderr. Exit status 2
+    (`main` returns it; a caller of `parse_args` sees SystemExit(2), as with argparse)."""
+
+
+#: argparse's "argument --flag: problem"
+_ARGUMENT = re.compile(r"argument (?P<flag>[^:]+): (?P<problem>.*)")
+#: a negative number is a flag's value, not an option: -2e-1 and -.5 as well as argparse's -1
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+
+
+def usage_line(prog: str, message: str) -> str:
+    """argparse's complaint `message` about a command line of `prog` ("featcal" or "featcal
+    <command>") as the one line after `featcal: error: `: the command, the flag and what is
+    wrong, then where the flags are listed (`featcal <command> --help`)."""
+    message = " ".join(message.split())
+    found = _ARGUMENT.fullmatch(message)
+    if prog == "featcal":  # the top level: the command itself is wrong or missing
+        if found and found["flag"] == "command":
+            message = found["problem"].replace("invalid choice:", "unknown command", 1)
+        elif message == "the following arguments are required: command":
+            message = "a command is required (featcal COMMAND [FLAGS])"
+        return f"{message}; see featcal --help"
+    where = f"{prog} {found['flag']}: {found['problem']}" if found else f"{prog}: {message}"
+    return f"{where}; see {prog} --help"
+
+
+class FeatCalParser(argparse.ArgumentParser):
+    """The parser of `featcal` and of each of its commands: every complaint (a bad or missing
+    flag, a value of the wrong type, an unknown command or flag) is one line on stderr,
+    `featcal: error: featcal <command> --flag: what is wrong; see featcal <command> --help`,
+    and exit status 2 (UsageError), as every other error of featcal is; no usage text.
+    Negative numbers in any notation (`--lam -2e-1`) are values, not flags."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE_NUMBER
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.fail(self.prog, message)
+
+    @staticmethod
+    def fail(prog: str, message: str) -> typing.NoReturn:
+        print(f"featcal: error: {usage_line(prog, message)}", file=sys.stderr)
+        raise UsageError(EXIT_BAD_INPUT)
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:  # argparse names the top level here; name the command they were given to
+            command = getattr(parsed, "command", None)
+            prog = f"{self.prog} {command}" if command and self.prog == "featcal" else self.prog
+            self.fail(prog, f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="featcal", description=__doc__.split("\n\n")[0])
+    parser = FeatCalParser(prog="featcal", description=__doc__.split("\n\n")[0])
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="more output, anywhere on the command line: -v every module's log "
                         "and the libraries' progress bars, -vv debug")  # fmt: skip
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=FeatCalParser)
     for command in commands().values():
         command.add_arguments(
             sub.add_parser(command.name, help=command.help, description=command.help)
@@ -129,30 +185,26 @@ def _library_bars_off() -> None:
             getattr(importlib.import_module(module), function)()
 
 
-def _stop(signum: int, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 @contextlib.contextmanager
 def _sigterm_exits() -> Iterator[None]:
-    """While a command runs, SIGTERM (a scheduler stopping the job, `timeout`, `kill`) ends it
-    as Ctrl-C does, by an exception: temporary outputs are removed, run locks released, and
-    Prefect's temporary server, which Prefect stops at exit, is stopped (killed outright, the
-    process would leave it running). Exit status 143. Main thread only; the previous handler is
-    restored after."""
-    if threading.current_thread() is not threading.main_thread():
+    """What wraps a command's run. SIGTERM (a scheduler stopping the job, `timeout`, `kill`)
+    ends it within about a second in any phase: exit status 143, one `featcal: error:` line,
+    temporary outputs removed, the processes it started (its Prefect server) stopped, the run
+    lock released (featcal_cli/sigterm.py; main thread only, the previous handler restored
+    after). The local Prefect server its first flow starts serves its later flows too and stops
+    when it ends (flows.environment.command_scope)."""
+    from featcal.flows.environment import command_scope
+
+    with sigterm_stops(), command_scope():
         yield
-        return
-    previous = signal.signal(signal.SIGTERM, _stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv, verbosity = split_verbosity(sys.argv[1:] if argv is None else list(argv))
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError:  # its one line is on stderr already
+        return EXIT_BAD_INPUT
     configure_logging(verbosity + args.verbose)  # e.g. -vvv before the command
     tune_allocator()
     try:

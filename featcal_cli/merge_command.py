@@ -16,7 +16,7 @@ import logging
 
 import yaml
 
-from featcal_cli.arguments import Command, pairs, refuse_with_params, task_path
+from featcal_cli.arguments import Command, number, pairs, refuse_with_params, task_path
 from featcal_cli.step_runner import run_step
 from featcal_core.errors import FeatCalError
 
@@ -35,13 +35,16 @@ class _MethodNames:
         return name in list(self)
 
 
-def _hyperparameter(value: str) -> tuple[str, object]:
-    """An argparse `type` for --hp KEY=VALUE; VALUE is read as YAML (0.3, 20, true, text)."""
+def _hyperparameter(value: str) -> tuple[str, object, str]:
+    """An argparse `type` for --hp KEY=VALUE: (KEY, VALUE, the flag as typed); VALUE is read as
+    params.yaml's values are (featcal_core.params.base.read_value: 0.3, 1e-3, 20, true, text)."""
+    from featcal_core.params.base import read_value
+
     key, sep, text = value.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"--hp expects KEY=VALUE, got {value!r}")
     try:
-        return key, yaml.safe_load(text)
+        return key, read_value(text), f"--hp {value}"
     except yaml.YAMLError as exc:
         raise argparse.ArgumentTypeError(f"--hp {key}: {text!r} is not a value ({exc})") from None
 
@@ -52,9 +55,9 @@ def add_arguments(merge: argparse.ArgumentParser) -> None:
                        metavar="TASK=DIR", help="a fine-tuned expert (repeat per task)")  # fmt: skip
     merge.add_argument("--method", choices=_MethodNames(), metavar="METHOD",
                        help="merge method: %(choices)s")  # fmt: skip
-    merge.add_argument("--scale", type=float, default=None,
+    merge.add_argument("--scale", type=number(), default=None,
                        help="task vector scale (task_arithmetic default 0.3, ties λ default 1.0)")  # fmt: skip
-    merge.add_argument("--top-k", type=float, default=None,
+    merge.add_argument("--top-k", type=number(), default=None,
                        help="ties: percent of each task vector's entries kept, per tensor "
                        "(default 20)")  # fmt: skip
     merge.add_argument("--hp", action="append", default=[], type=_hyperparameter,
@@ -79,13 +82,7 @@ def run(args: argparse.Namespace) -> int:
         raise FeatCalError(f"featcal merge needs {', '.join(missing)} (or --params FILE)")
     from featcal_core.merging.run import merge_checkpoints
 
-    flags = [(key, value) for key, value in (("scale", args.scale), ("top_k", args.top_k))
-             if value is not None]  # fmt: skip
-    hyperparameters: dict[str, object] = {}
-    for key, value in [*flags, *args.hp]:
-        if key in hyperparameters:
-            raise FeatCalError(f"merge hyperparameter {key!r} is given twice (--hp / --{key})")
-        hyperparameters[key] = value
+    hyperparameters = _hyperparameters(args)
     record = merge_checkpoints(
         base=args.base,
         experts=pairs("--expert", args.expert),
@@ -101,6 +98,28 @@ def run(args: argparse.Namespace) -> int:
         record["wall_seconds"], record["peak_rss_bytes"] / 1e6, args.out,
     )  # fmt: skip
     return 0
+
+
+def _hyperparameters(args: argparse.Namespace) -> dict[str, object]:
+    """The merge hyperparameters of --scale, --top-k and --hp, checked by the method before any
+    work; a bad one is named by the flag it was given with (`--top-k`, `--hp drop_rate=2`)."""
+    from featcal_core.merging import get
+    from featcal_core.merging.base import HyperparameterError, flag
+
+    given: dict[str, str] = {}  # key -> the flag as typed
+    hyperparameters: dict[str, object] = {}
+    flags = [(key, value, flag(key)) for key, value in (("scale", args.scale), ("top_k", args.top_k))
+             if value is not None]  # fmt: skip
+    for key, value, typed in [*flags, *args.hp]:
+        if key in hyperparameters:
+            raise FeatCalError(f"merge hyperparameter {key!r} is given twice ({given[key]} and "
+                               f"{typed}); give it once")  # fmt: skip
+        hyperparameters[key], given[key] = value, typed
+    try:
+        get(args.method).check(dict(hyperparameters))
+    except HyperparameterError as exc:
+        raise FeatCalError(exc.named(given.get(exc.key))) from None
+    return hyperparameters
 
 
 COMMANDS = (

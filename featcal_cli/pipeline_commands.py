@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from featcal_cli.arguments import Command, params_arguments
+from featcal_cli.arguments import Command, number, params_arguments
 from featcal_cli.step_runner import run_step
 
 
@@ -49,7 +49,7 @@ def _evaluate(args: argparse.Namespace) -> int:
 def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     params_arguments(parser)
     parser.add_argument("--cron", help='cron schedule, e.g. "0 3 * * *"')
-    parser.add_argument("--interval", type=float, help="schedule every N seconds")
+    parser.add_argument("--interval", type=number(above=0), help="schedule every N seconds")
     parser.add_argument("--ui", action="store_true",
                         help="the local Prefect server also serves its web UI (URL printed)")  # fmt: skip
 

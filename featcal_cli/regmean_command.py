@@ -9,7 +9,13 @@ from __future__ import annotations
 import argparse
 import logging
 
-from featcal_cli.arguments import Command, repair_arguments, repair_inputs, repair_run_flags
+from featcal_cli.arguments import (
+    Command,
+    number,
+    repair_arguments,
+    repair_inputs,
+    repair_run_flags,
+)
 
 SETTINGS = ["num_per_task", "batch_size", "device", "max_length", "pooling", "token_weighting",
             "precision"]  # fmt: skip
@@ -23,7 +29,7 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
         cmd, merged="merged model directory (every tensor outside the block Linears is kept)",
         out="output directory (save_pretrained layout)",
     )  # fmt: skip
-    cmd.add_argument("--alpha", type=float, default=DEFAULT_ALPHA,
+    cmd.add_argument("--alpha", type=number(), default=DEFAULT_ALPHA,
                      help="scale of the Grams' off-diagonal entries, in [0, 1] (1: plain "
                      "RegMean; default: %(default)s, FusionBench's for CLIP)")  # fmt: skip
     cmd.add_argument("--pooled-weights", action="store_true",

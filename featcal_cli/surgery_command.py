@@ -10,7 +10,14 @@ from __future__ import annotations
 import argparse
 import logging
 
-from featcal_cli.arguments import Command, repair_arguments, repair_inputs, repair_run_flags
+from featcal_cli.arguments import (
+    Command,
+    integer,
+    number,
+    repair_arguments,
+    repair_inputs,
+    repair_run_flags,
+)
 
 SETTINGS = ["num_per_task", "batch_size", "device"]
 
@@ -31,13 +38,13 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     cmd.add_argument("--base", default=None,
                      help="base model directory: the tokenizer of experts saved without one")  # fmt: skip
-    cmd.add_argument("--rank", type=int, default=DEFAULT_RANK,
+    cmd.add_argument("--rank", type=integer(), default=DEFAULT_RANK,
                      help="rank r of each module (default: %(default)s, the paper's)")  # fmt: skip
-    cmd.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+    cmd.add_argument("--steps", type=integer(), default=DEFAULT_STEPS,
                      help="Adam steps per task (default: %(default)s, FusionBench's)")  # fmt: skip
-    cmd.add_argument("--lr", type=float, default=DEFAULT_LR,
+    cmd.add_argument("--lr", type=number(), default=DEFAULT_LR,
                      help="Adam learning rate (default: %(default)s, the paper's)")  # fmt: skip
-    cmd.add_argument("--surgery-batch-size", type=int, default=DEFAULT_SURGERY_BATCH,
+    cmd.add_argument("--surgery-batch-size", type=integer(), default=DEFAULT_SURGERY_BATCH,
                      help="calibration rows per Adam step (default: %(default)s)")  # fmt: skip
     repair_run_flags(cmd, SETTINGS)
 

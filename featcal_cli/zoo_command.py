@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from featcal_cli.arguments import Command, pairs, params_arguments, task_path
+from featcal_cli.arguments import Command, integer, pairs, params_arguments, task_path
 from featcal_core.errors import FeatCalError
 
 
@@ -22,15 +22,20 @@ def add_arguments(zoo: argparse.ArgumentParser) -> None:
                      "pretrain one here)")  # fmt: skip
     zoo.add_argument("--name", default="custom", help="with --dataset: the zoo's name")
     zoo.add_argument("--out", help="zoo folder (default: data/zoo/<preset or name>)")
-    zoo.add_argument("--seed", type=int, default=None, help="seed (default 0)")
-    zoo.add_argument("--pretrain-steps", type=int, help="vision base pretraining steps")
-    zoo.add_argument("--expert-steps", type=int, help="fine-tuning steps per expert")
+    zoo.add_argument("--seed", type=integer(), default=None, help="seed (default 0)")
+    zoo.add_argument("--pretrain-steps", type=integer(), help="vision base pretraining steps")
+    zoo.add_argument("--expert-steps", type=integer(), help="fine-tuning steps per expert")
     zoo.add_argument("--rebuild", action="store_true", help="build even if the zoo exists")
     zoo.add_argument("--no-progress", action="store_true", help="no progress bars")
     params_arguments(zoo, default=None)
 
 
 def run(args: argparse.Namespace) -> int:
+    from featcal_core.params import ZooSettings, settings_from_flags
+
+    # the flags that are params.yaml's zoo: fields, checked by that section's model (bounds)
+    given = {name: getattr(args, name) for name in ("seed", "pretrain_steps", "expert_steps")}
+    settings_from_flags(ZooSettings, "zoo", {k: v for k, v in given.items() if v is not None})
     settings = None
     if args.params is not None:
         from featcal_core.params import load_params

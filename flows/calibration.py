@@ -103,8 +103,6 @@ def _remove_partial_states(results_dir: Path) -> None:
 
 #: per-block folders of the distributed runner's per-task results (removed once the block is done)
 WORK = "work"
-#: what a calibration results folder holds (an unmarked folder holding only these is adopted)
-RESULTS_LAYOUT = ("states", "prefect-results", WORK)
 
 
 def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
@@ -129,7 +127,7 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
             f"--results-dir {results} lies in --out {out_path}, which the calibrated model "
             "replaces; put the results folder elsewhere"
         )
-    results_dir = prepare_root(results, inputs=inputs, layout=RESULTS_LAYOUT, flag="--results-dir")
+    results_dir = prepare_root(results, inputs=inputs, flag="--results-dir")
     storage = results_dir / "prefect-results"
     with run_lock(results_dir, "featcal calibration"), ExitStack() as stack:
         storage.mkdir(parents=True, exist_ok=True)
@@ -206,8 +204,12 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
 
 
 def calibration_flow(spec: dict, out: str, overwrite: bool = False) -> dict:
-    """Run the calibration as a Prefect flow (embedded server unless PREFECT_API_URL is set)."""
+    """Run the calibration as a Prefect flow (on a local server of this command's unless
+    PREFECT_API_URL is set: `flows.environment.command_api`)."""
     from prefect import flow
 
+    from featcal.flows.environment import command_api
+
     wrapped = flow(name="featcal-calibration", log_prints=False)(calibration_flow_fn)
-    return wrapped(spec, out, overwrite)
+    with command_api():
+        return wrapped(spec, out, overwrite)

@@ -10,7 +10,10 @@ import hashlib
 from pathlib import Path
 
 import featcal_core
-from featcal_core.io.outputs import write_file
+from featcal_core.io.outputs import prepare_root, write_file
+
+#: the root marker's kind of a digest folder
+KIND = "code-digests"
 
 #: what every stage runs: how params.yaml is read and the step runner
 COMMON = ("featcal_core/params", "flows/steps.py", "flows/single_step.py")
@@ -83,8 +86,8 @@ def stage_digest(stage: str) -> str:
 def write_code_digests(folder: str | Path) -> dict[str, str]:
     """Write `<stage>.sha256` for every stage into `folder` (a file is rewritten only when its
     digest changed); returns {stage: digest}."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    # a new, empty or featcal-marked digest folder only (never /, home, an input or a user's folder)
+    folder = prepare_root(folder, kind=KIND, flag="--out")
     digests = {stage: stage_digest(stage) for stage in STAGE_CODE}
     for stage, digest in digests.items():
         path = folder / f"{stage}.sha256"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from featcal.flows.environment import configure
+from featcal.flows.environment import command_api, configure
 from featcal.flows.environment import project_root as working_project
 from featcal.flows.run_tags import lineage_tags, params_digest
 from featcal.flows.selection import score_held_out
@@ -117,7 +117,7 @@ def featcal_compare(params_path: str = "params.yaml", overrides: list[str] | Non
 def run_compare(params_path: str | Path, overrides: list[str] | None = None) -> dict:
     """Validate the params and every variant, take the run lock, then run `featcal_compare`."""
     params, _ = load_compare(str(params_path), list(overrides or []))
-    with Steps(params).session("featcal compare"):
+    with Steps(params).session("featcal compare"), command_api():
         return featcal_compare(str(Path(params_path).resolve()), list(overrides or []))
 
 

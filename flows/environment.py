@@ -1,19 +1,29 @@
-"""Offline, quiet, project-local defaults for Prefect; call before importing prefect.
+"""Offline, quiet, project-local defaults for Prefect (`configure`: call before importing
+prefect), and the Prefect API of a featcal command that runs flows (`command_api`).
 
-Without PREFECT_API_URL each process starts Prefect's temporary local server backed by SQLite in
-PREFECT_HOME (here: `.prefect/` in the project, git-ignored). Values already set are kept.
-featcal's own loggers (`featcal`, `featcal_core`) also send their records to the Prefect API while
-a flow or task run is active, so the steps' and blocks' lines show in the Prefect UI beside the
-run (at the level the CLI set: INFO for the step and block lines by default, everything with -v).
+Without PREFECT_API_URL a featcal command that runs flows starts its own local server, once,
+at its first flow (`command_api`: the API alone, backed by SQLite in PREFECT_HOME, here
+`.prefect/` in the project, git-ignored; stopped when the command ends, `command_scope`), in
+place of the temporary server Prefect would start: this one requires the project's API token
+(`prefect_server.api_auth_string`, as `featcal serve`'s server does) and dies with the command
+however the command dies (`prefect_server.start_server`). Values already set are kept. featcal's own loggers (`featcal`, `featcal_core`) also send their records to the Prefect API
+while a flow or task run is active, so the steps' and blocks' lines show in the Prefect UI beside
+the run (at the level the CLI set: INFO for the step and block lines by default, everything with
+-v).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 from featcal_core.errors import FeatCalError
+
+log = logging.getLogger(__name__)
 
 
 def project_root() -> Path:
@@ -52,3 +62,143 @@ class _NoTracebackForBadInput(logging.Filter):
         if record.exc_info and isinstance(record.exc_info[1], FeatCalError):
             record.exc_info, record.exc_text = None, None
         return True
+
+
+#: the attribute by which a SIGTERM handler says it ends the process itself, at once and cleanly
+#: (featcal_cli.sigterm's): Prefect's flow engine then leaves it in place (`command_api`)
+STOPS_THE_PROCESS = "featcal_stops_the_process"
+
+
+#: the local server `command_api` started, while a `command_scope` keeps it for the rest of the
+#: command: (process, API URL, auth string)
+_kept: tuple | None = None
+_scopes = 0
+
+
+@contextlib.contextmanager
+def command_scope() -> Iterator[None]:
+    """One command (featcal_cli runs each in one): a local server `command_api` starts in the
+    body serves every later flow of the command too and is stopped when the body ends (without
+    a scope, at the end of each `command_api`): `featcal select` runs one calibration flow per
+    candidate."""
+    global _scopes
+    _scopes += 1
+    try:
+        yield
+    finally:
+        _scopes -= 1
+        if _scopes == 0:
+            _stop_kept()
+
+
+def _stop_kept() -> None:
+    global _kept
+    from featcal.flows.prefect_server import stop_server
+
+    kept, _kept = _kept, None
+    if kept is not None:
+        stop_server(kept[0])
+
+
+def _local_api() -> tuple[str, str]:
+    """The API URL and auth string of this command's local server, started now unless it runs
+    (main thread: it dies with the thread that started it)."""
+    global _kept
+    from featcal.flows.prefect_server import (
+        api_auth_string,
+        start_server,
+        stop_server,
+        wait_healthy,
+    )
+
+    if _kept is not None and _kept[0].poll() is None:
+        return _kept[1], _kept[2]
+    home = os.environ["PREFECT_HOME"]  # set by configure()
+    auth = api_auth_string(home)
+    server, api_url = start_server(home=home, auth=auth, temporary=True)
+    try:
+        wait_healthy(api_url, 180, server)
+    except BaseException:
+        stop_server(server)
+        raise
+    log.debug("local Prefect server at %s (pid %d, basic auth)", api_url, server.pid)
+    _kept = (server, api_url, auth)
+    return api_url, auth
+
+
+@contextlib.contextmanager
+def command_api() -> Iterator[None]:
+    """Prefect's API for the `with` body of a command that runs flows (main thread; re-entrant).
+
+    With PREFECT_API_URL set (in the environment or in Prefect's settings) that server is used.
+    Otherwise this command's local server (`prefect_server.start_server(temporary=True)` on
+    PREFECT_HOME, with the project's API token; started by the first `command_api` of the
+    command, stopped at the end of its `command_scope`) serves the body: PREFECT_API_URL and
+    PREFECT_API_AUTH_STRING point at it, in Prefect's settings for this process and in the
+    environment for the processes it starts; Prefect's queued logs and events are sent before
+    the body ends. While a SIGTERM handler that ends the process itself is installed
+    (featcal_cli's), Prefect's flow engine does not swap in its own for the flow run (its
+    handler raises inside whatever runs, and the run exits 0, 1 or 143 by chance)."""
+    configure()
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    if os.environ.get("PREFECT_API_URL") or PREFECT_API_URL.value():
+        with _keep_sigterm_handler():
+            yield
+        return
+    api_url, auth = _local_api()
+    names = ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(PREFECT_API_URL=api_url, PREFECT_API_AUTH_STRING=auth)
+    try:
+        with (
+            temporary_settings(updates={PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth}),
+            _keep_sigterm_handler(),
+        ):
+            try:
+                yield
+            finally:
+                _send_queued()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        if _scopes == 0:
+            _stop_kept()
+
+
+def _send_queued() -> None:
+    """Send Prefect's queued logs and events now, while the server is still there (at
+    interpreter exit it would be gone)."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for service in (APILogWorker, EventsWorker):
+        try:
+            service.drain_all(timeout=5)
+        except Exception as exc:  # a log line lost is no reason to fail the run
+            log.debug("could not send Prefect's queued %s: %s", service.__name__, exc)
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler() -> Iterator[None]:
+    """While the body runs, Prefect's flow engine keeps a SIGTERM handler marked
+    STOPS_THE_PROCESS instead of installing its own (`prefect.utilities.engine.capture_sigterm`,
+    which turns SIGTERM into an exception raised wherever the process is). Anything else (no
+    such handler, another Prefect version): unchanged."""
+    if not getattr(signal.getsignal(signal.SIGTERM), STOPS_THE_PROCESS, False):
+        yield
+        return
+    import prefect.flow_engine as engine
+
+    original = getattr(engine, "capture_sigterm", None)
+    if original is None:
+        yield
+        return
+    engine.capture_sigterm = contextlib.nullcontext
+    try:
+        yield
+    finally:
+        engine.capture_sigterm = original

@@ -18,12 +18,13 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from featcal.flows.environment import configure
+from featcal.flows.environment import command_api, configure
 from featcal.flows.environment import project_root as working_project
 from featcal.flows.progress import run_progress
 from featcal.flows.run_tags import checkpoint_digest, lineage_tags, params_digest
 from featcal.flows.selection import check_candidates
 from featcal.flows.steps import Steps
+from featcal_core.io import failpoints
 from featcal_core.io.outputs import write_json
 from featcal_core.params import Params, load_params
 
@@ -59,11 +60,14 @@ def featcal_run(params_path: str = "params.yaml", overrides: list[str] | None = 
 
 def run_pipeline(params_path: str | Path, overrides: list[str] | None = None) -> dict:
     """Validate params.yaml (before any heavy work), take the run lock (a second run on the same
-    results stops in one line, before Prefect starts a flow run), then run `featcal_run`."""
+    results stops in one line, before Prefect starts a flow run or a server), then run
+    `featcal_run` (`FEATCAL_FAILPOINT=locked:run` stops it in between)."""
     params = load_params(params_path, overrides or [])
     check_candidates(params)
     with Steps(params).session():
-        return featcal_run(str(Path(params_path).resolve()), list(overrides or []))
+        failpoints.hit("locked", "run")
+        with command_api():  # Prefect's API for the flow (this command's own server by default)
+            return featcal_run(str(Path(params_path).resolve()), list(overrides or []))
 
 
 def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:

@@ -1,17 +1,22 @@
-"""A supervised local `prefect server start` (SQLite in its PREFECT_HOME) on a free loopback port.
+"""A supervised local Prefect server (SQLite in its PREFECT_HOME) on a free loopback port.
 
-Prefect's temporary per-process server never fires schedules and dies with its process, so
-`featcal serve` (and the tests, to share one server between many flow processes) run this one
-instead: stopped when the `with` block ends and, on Linux, also when the process that started it
-dies however it dies (the parent-death signal). Given an auth string (`api_auth_string`: a random
-token kept in a user-only file in PREFECT_HOME), the server refuses every API request without it
-(HTTP basic auth; only GET /health and /ready stay open). This module does not import Prefect.
+Two kinds: `prefect server start` (with Prefect's services: schedules fire; `featcal serve`, and
+the tests' server shared by many flow processes), and the API alone (`temporary=True`: what every
+featcal command that runs flows starts when PREFECT_API_URL is unset, `flows.environment.
+command_api`, in place of Prefect's own temporary server, at the same start-up cost). Either is
+stopped when the `with` block ends and, on Linux, also when the process that started it dies
+however it dies, SIGKILL included (the parent-death signal: the server gets SIGTERM; it starts no
+processes of its own). Given an auth string (`api_auth_string`: a random token kept in a user-only
+file in PREFECT_HOME), the server refuses every API request without it (HTTP basic auth; only
+GET /health and /ready stay open). Its environment carries `SERVER_OF`=<pid of the process that
+started it>, so that it can be found. This module does not import Prefect.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.util
 import logging
 import os
 import secrets
@@ -35,6 +40,8 @@ log = logging.getLogger(__name__)
 AUTH_USER = "featcal"
 #: the file in PREFECT_HOME holding the local server's API token (mode 0600)
 TOKEN_FILE = "featcal-api-token"
+#: in the server's environment: the pid of the process that started it
+SERVER_OF = "FEATCAL_PREFECT_SERVER_OF"
 
 
 def api_auth_string(home: str | Path) -> str:
@@ -43,17 +50,25 @@ def api_auth_string(home: str | Path) -> str:
     if the file is a symlink, empty, or not private to this user (owner or mode)."""
     path = Path(home) / TOKEN_FILE
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        return f"{AUTH_USER}:{_read_token(path)}"
+    # written in full under a private name, then linked into place: a command starting at the
+    # same moment never reads a half-written token; the loser of the race reads the winner's
     token = secrets.token_urlsafe(32)
+    draft = path.with_name(f".{TOKEN_FILE}.{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as file:
+            file.write(token + "\n")
+        os.link(draft, path)
     except FileExistsError:
         token = _read_token(path)
     except OSError as err:
         raise FeatCalError(f"cannot create the Prefect API token file {path}: {err}") from err
     else:
-        with os.fdopen(fd, "w") as file:
-            file.write(token + "\n")
         log.info("generated the local Prefect server's API token in %s", path)
+    finally:
+        draft.unlink(missing_ok=True)
     return f"{AUTH_USER}:{token}"
 
 
@@ -113,14 +128,24 @@ _PR_SET_PDEATHSIG = 1
 def _parent_death_signal():
     """A function for Popen's preexec_fn that makes Linux send the child SIGTERM when this
     process dies, however it dies (SIGKILL included); None where prctl is unavailable. The libc
-    function is looked up here, in the parent, so the child only calls it."""
+    function is looked up here, in the parent, so the child only calls it. The signal is tied to
+    the *thread* that forks (Linux sends it when that thread ends), so start servers from the
+    main thread, or from a thread that outlives the server. A parent that died before prctl
+    took effect is caught by comparing the parent pid."""
     if not sys.platform.startswith("linux"):
         return None
     try:
         prctl = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).prctl
     except (OSError, AttributeError):
         return None
-    return lambda: prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # died between the fork and prctl
+            os._exit(1)
+
+    return arm
 
 
 def wait_healthy(api_url: str, timeout_s: float, server: subprocess.Popen | None = None) -> None:
@@ -135,7 +160,26 @@ def wait_healthy(api_url: str, timeout_s: float, server: subprocess.Popen | None
             )
         if time.monotonic() > deadline:
             raise FeatCalError(f"the local Prefect server did not answer at {api_url}")
-        time.sleep(0.5)
+        time.sleep(0.1)
+
+
+def _temporary_command(port: int) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of Prefect's own temporary server (the API alone, no UI, the
+    services an ephemeral server runs), as `prefect.server.api.server.SubprocessASGIServer`
+    starts it."""
+    spec = importlib.util.find_spec("prefect")
+    if spec is None or not spec.submodule_search_locations:
+        raise FeatCalError("prefect is not installed; pip install prefect, or set PREFECT_API_URL")
+    app_dir = Path(next(iter(spec.submodule_search_locations))).parent
+    command = [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
+               "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+               "--log-level", "error", "--lifespan", "on"]  # fmt: skip
+    env = {
+        "PREFECT_UI_ENABLED": "0",
+        "PREFECT__SERVER_EPHEMERAL": "1",
+        "PREFECT__SERVER_FINAL": "1",
+    }
+    return command, env
 
 
 def start_server(
@@ -144,36 +188,51 @@ def start_server(
     home: str | Path | None = None,
     auth: str | None = None,
     ui: bool = False,
+    temporary: bool = False,
 ) -> tuple[subprocess.Popen, str]:
-    """Start `prefect server start` on 127.0.0.1 and return at once (not waiting for it to
-    answer: see `wait_healthy`) with the process and its API URL; stop it with `stop_server`.
+    """Start a Prefect server on 127.0.0.1 and return at once (not waiting for it to answer: see
+    `wait_healthy`) with the process and its API URL; stop it with `stop_server`.
 
     port: None picks a free one. home: the server's PREFECT_HOME (its SQLite database); None keeps
     this process's. auth: a basic-auth string `user:password` (`api_auth_string`) that every API
     request must carry, passed in the server's environment (never its command line); None leaves
-    the API open. ui: also serve Prefect's web UI (at the API URL without `/api`). On Linux the server gets SIGTERM when the calling thread's process dies."""
+    the API open. ui: also serve Prefect's web UI (at the API URL without `/api`). temporary: the
+    API alone as Prefect's temporary server runs it (no schedules, no UI) instead of
+    `prefect server start`. On Linux the server gets SIGTERM when the thread that called this
+    ends, as it does when the process dies (SIGKILL included): call it from the main thread or
+    from a thread that outlives the server."""
     port = _free_port() if port is None else port
-    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-               "--port", str(port), "--ui" if ui else "--no-ui", "--analytics-off"]  # fmt: skip
     env = dict(os.environ)
+    if temporary:
+        command, extra = _temporary_command(port)
+        env.update(extra)
+    else:
+        command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                   "--port", str(port), "--ui" if ui else "--no-ui", "--analytics-off"]  # fmt: skip
+    env[SERVER_OF] = str(os.getpid())
     if home is not None:
         env["PREFECT_HOME"] = str(home)
     if auth is not None:
         env["PREFECT_SERVER_API_AUTH_STRING"] = auth  # the server checks requests against it
         env["PREFECT_API_AUTH_STRING"] = auth  # and its own clients, if any, send it
-    server = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, env=env,
+    server = subprocess.Popen(command, start_new_session=True, stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                               preexec_fn=_parent_death_signal())  # fmt: skip
     return server, f"http://127.0.0.1:{port}/api"
 
 
-def stop_server(server: subprocess.Popen) -> None:
-    """SIGTERM the server's process group; SIGKILL it if it has not exited after 30 s."""
-    os.killpg(server.pid, signal.SIGTERM)
+def stop_server(server: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """SIGTERM the server's process group; SIGKILL it if it has not exited after `timeout_s`."""
     try:
-        server.wait(timeout=30)
+        os.killpg(server.pid, signal.SIGTERM)
+    except ProcessLookupError:  # already gone
+        server.wait()
+        return
+    try:
+        server.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 @contextmanager
@@ -184,9 +243,10 @@ def local_server(
     home: str | Path | None = None,
     auth: str | None = None,
     ui: bool = False,
+    temporary: bool = False,
 ) -> Iterator[str]:
     """A supervised `start_server`; yields its API URL once it answers, stops it on exit."""
-    server, api_url = start_server(port=port, home=home, auth=auth, ui=ui)
+    server, api_url = start_server(port=port, home=home, auth=auth, ui=ui, temporary=temporary)
     try:
         wait_healthy(api_url, timeout_s, server)
         log.info("local Prefect server at %s (pid %d, %s)", api_url, server.pid,

@@ -105,6 +105,7 @@ def score_held_out(steps: Steps, variants: dict[str, Params], merges: dict, cost
 def select(steps: Steps, step_run) -> dict:
     """The select step for `steps` (its params' select:); writes and returns the record."""
     from featcal_core.evaluation.selection import choose
+    from featcal_core.report.selection import held_out_text
 
     params = steps.params
     settings = params.select
@@ -127,16 +128,24 @@ def select(steps: Steps, step_run) -> dict:
                                   settings.score)  # fmt: skip
     choice = choose(scores, settings.score)
     by_name = {c.name: c for c in settings.candidates}
+    # what the scores were computed on: a task with fewer rows left than requested holds them all
+    held_out = {t: r["n_rows"] for t, r in sets.items()}
+    why = choice["why"]
+    if settings.score != "validation" and any(
+        n != settings.holdout_per_task for n in held_out.values()
+    ):
+        why += f"; scored on {held_out_text(held_out, settings.holdout_per_task)}"
     record = {
         "format": FORMAT,
         "key": selection_key(params),
         "score": settings.score,
         "higher_is_better": choice["higher_is_better"],
-        "holdout_per_task": settings.holdout_per_task,
+        "holdout_per_task": settings.holdout_per_task,  # requested; `held_out`: what was used
+        "held_out": held_out,
         "selection_sets": {t: r["digest"] for t, r in sets.items()},
         "winner": choice["winner"],
         "set": list(by_name[choice["winner"]].set),
-        "why": choice["why"],
+        "why": why,
         "ranking": choice["ranking"],
         "candidates": [
             {

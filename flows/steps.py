@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from featcal_core.io.outputs import (
     check_target,
     prepare_root,
     sweep_tree,
+    verify_file,
     verify_output,
     write_json,
 )
@@ -26,11 +28,12 @@ from featcal_core.provenance.records import (
     FEATCAL_RECORD,
     MERGE_RECORD,
     REPORTS_ROOT,
-    RESULTS_LAYOUT,
     results_layout,
 )
 
 __all__ = ["Steps", "layout", "write_json"]
+
+log = logging.getLogger(__name__)
 
 
 def in_dvc_stage() -> bool:
@@ -78,7 +81,13 @@ class Steps:
         from featcal.flows.selection import chosen
 
         path = self.paths["selection"]
-        record = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        record = None
+        if path.is_file():
+            wrong = verify_file(path)
+            if wrong is None:
+                record = json.loads(path.read_text(encoding="utf-8"))
+            else:  # an edited record chooses nothing: the select step runs again
+                log.warning("ignoring %s: %s", path, wrong)
         found = chosen(self.params, record)
         if found is not None:
             self.params, self.selection = found, record
@@ -125,7 +134,7 @@ class Steps:
         runs left behind swept; all before the first write."""
         inputs = self.inputs()
         check_target(self.paths["report"], inputs=inputs, root=REPORTS_ROOT, flag="report folder")
-        root = prepare_root(self.paths["root"], inputs=inputs, layout=RESULTS_LAYOUT.values())
+        root = prepare_root(self.paths["root"], inputs=inputs)
         with run_lock(root, what):
             sweep_tree(root, depth=3)
             yield
@@ -442,8 +451,6 @@ class Steps:
         card's new sha256 in the folder's marker, so the checkpoint still verifies. Not as a DVC
         stage (DVC_STAGE set): the calibrated folder is the calibrate stage's output, and
         rewriting it there would make every `dvc repro` run again."""
-        import logging
-
         from featcal.tasks.evaluate import evaluate_models
         from featcal_core.provenance.lineage import trace
         from featcal_core.provenance.model_card import model_card_fields, write_model_card
@@ -476,7 +483,16 @@ class Steps:
         from featcal_core.report.plot_data import write_plot_data
 
         def load(path: Path) -> dict | None:
-            return json.loads(path.read_text()) if path.is_file() else None
+            """A record featcal wrote, as written (its marker's sha256), or None when missing."""
+            if not path.is_file():
+                return None
+            wrong = verify_file(path)
+            if wrong is not None:
+                raise FeatCalError(
+                    f"{wrong}; the report shows only what featcal recorded: run the step that "
+                    "writes it again (`featcal run`, or `dvc repro`)"
+                )
+            return json.loads(path.read_text())
 
         evaluation = load(self.paths["evaluation"])
         if evaluation is None:

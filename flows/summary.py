@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_core.report import gap_closed
+from featcal_core.report.tables import evaluated_rows
 
 #: columns in display order: (evaluation row name, header)
 COLUMNS = (
@@ -41,7 +42,9 @@ def accuracy_table(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
     if rows:
         mean = {k: (sum(v) / len(v) if v and None not in v else None) for k, v in sums.items()}
         rows.append(_cells("average", mean, present, normalized))
-    return "accuracy (%) on the evaluation split\n" + plain_table(headers, rows)
+    counted = evaluated_rows(evaluation)  # the rows behind the numbers (max_examples_per_task)
+    where = f"the evaluation split ({counted})" if counted else "the evaluation split"
+    return f"accuracy (%) on {where}\n" + plain_table(headers, rows)
 
 
 def plain_table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:

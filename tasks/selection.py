@@ -23,6 +23,7 @@ from featcal.tasks.evaluate import _evaluation_data, task_head
 from featcal_core.data.calibration_sets import RECORD_NAME, draw_calibration_set
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.input_batches import InputBatches
+from featcal_core.report.selection import held_out_text
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +33,18 @@ def build_selection_sets(
     params: Any, modality: str, calibration_root: str, out_root: str, holdout: int
 ) -> dict[str, dict]:
     """{task: record} of the held-out sets, `holdout` rows each, disjoint from the calibration
-    sets under `calibration_root`."""
+    sets under `calibration_root`; a task with fewer rows left holds them all (`n_rows` in its
+    record, and a WARNING naming the task and both counts)."""
     records = {}
     for name, spec in params.tasks.items():
         record = Path(calibration_root) / name / RECORD_NAME
         drawn = json.loads(record.read_text(encoding="utf-8"))["row_ids"]
         records[name] = draw_calibration_set(
             name, spec.calibration, spec.evaluation, Path(out_root) / name, holdout,
-            params.run.seed, modality, exclude=drawn,
+            params.run.seed, modality, exclude=drawn, count_key="select.holdout_per_task",
         )  # fmt: skip
-    log.info("selection sets: %d held-out inputs per task under %s", holdout, out_root)
+    counts = {task: record["n_rows"] for task, record in records.items()}
+    log.info("selection sets: %s under %s", held_out_text(counts, holdout), out_root)
     return records
 
 

@@ -30,6 +30,7 @@ SERVER_FILES = {
     "test_dvc.py",
     "test_open_clip_pipeline.py",
     "test_faults.py",
+    "test_process_lifecycle.py",
 }
 
 

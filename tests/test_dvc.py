@@ -87,6 +87,27 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api):
     # evaluation stages run again, and `dvc params diff` / `dvc metrics diff` show the change
     _sh(["git", "add", "-A"], repo, env)
     _sh(["git", "commit", "-qm", "first run"], repo, env)
+
+    # a colleague's clone: the DVC outputs only (from git the uncached ones, then `dvc pull`),
+    # without featcal's root marker and run lock (no DVC output holds them): the results folder
+    # is adopted because every entry matches dvc.lock; every stage then runs on it, and so does
+    # `featcal run`
+    _sh(["dvc", "push"], repo, env)
+    clone = tmp_path / "clone"
+    _sh(["git", "clone", "-q", str(repo), str(clone)], tmp_path, env)
+    lock = yaml.safe_load((clone / "dvc.lock").read_text())
+    outs = {clone / out["path"] for stage in lock["stages"].values() for out in stage["outs"]}
+    for entry in (clone / "data" / "results").iterdir():  # what git holds of the DVC outs only
+        if entry not in outs and entry.name != ".gitignore":
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+    _sh(["dvc", "pull"], clone, env)
+    assert (clone / "data" / "results" / "merged" / "model.safetensors").read_bytes() == merged
+    forced = _sh(["dvc", "repro", "-f"], clone, env)
+    for stage in STAGES:
+        assert f"Running stage '{stage}'" in forced, forced[-3000:]
+    _sh(["featcal", "run", "--params", "params.yaml"], clone, env)
+    pulled = json.loads((clone / "data" / "results" / "evaluation.json").read_text())
+    assert pulled == json.loads((results / "evaluation.json").read_text())
     text = (repo / "params.yaml").read_text()
     assert "max_examples_per_task: null" in text
     (repo / "params.yaml").write_text(

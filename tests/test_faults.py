@@ -101,7 +101,7 @@ def _fresh(project, tmp_path: Path, **changes) -> Path:
     data["run"]["results_dir"] = str(tmp_path / "results")
     for key, value in changes.items():
         section, _, name = key.partition(".")
-        data[section][name] = value
+        data.setdefault(section, {})[name] = value
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -411,7 +411,8 @@ def test_a_swap_cut_between_its_renames_restores_the_old_output(tmp_path):
     "flag,value,needle",
     [("--alpha", "5", "less than or equal to 1"), ("--alpha", "-1", "greater than or equal to 0"),
      ("--lam", "-1", "greater than or equal to 0"), ("--rho", "-1", "greater than or equal to 0"),
-     ("--rho", "nan", "--rho nan:"), ("--eps", "-1", "greater than or equal to 0")],
+     ("--rho", "nan", "--rho: 'nan' is not a number"),
+     ("--eps", "-1", "greater than or equal to 0")],
 )  # fmt: skip
 def test_calibrate_flags_have_the_params_bounds(zoo, tmp_path, flag, value, needle, capsys):
     args = zoo.cli_args(tmp_path / "out") + [flag, value]
@@ -431,7 +432,7 @@ def test_library_params_have_the_same_bounds(values):
     "override,needle",
     [("featcal.num_per_task=true", "valid integer"), ("featcal.lam=.inf", "finite"),
      ("merge.hyperparameters.scale=.nan", "finite"),
-     ("merge.hyperparameters.top_k=20", "'top_k' (--top-k) is not used by merge method"),
+     ("merge.hyperparameters.top_k=20", "top_k: hyperparameter 'top_k' is not used by"),
      ("featcal.heads=1", "valid boolean")],
 )  # fmt: skip
 def test_params_are_strict(project, tmp_path, override, needle, capsys):
@@ -530,3 +531,163 @@ def test_shared_leftovers_of_live_processes_are_kept(tmp_path):
     mine.mkdir()
     sweep(out)
     assert mine.is_dir()  # a live writer's temporary folder is never swept
+
+
+# ------------------------------------------ round three: ownership, symlinks, records (#29)
+
+
+def _tree(folder: Path) -> dict[str, str]:
+    """Every entry below `folder`: files by sha256, links by target, folders as such."""
+    import hashlib
+
+    found = {}
+    for path in sorted(folder.rglob("*")):
+        name = str(path.relative_to(folder))
+        if path.is_symlink():
+            found[name] = f"link:{os.readlink(path)}"
+        elif path.is_file():
+            found[name] = hashlib.sha256(path.read_bytes()).hexdigest()
+        else:
+            found[name] = "dir"
+    return found
+
+
+def _copy_run(project, reference, tmp_path: Path, monkeypatch) -> Path:
+    """The reference run's results (and its report) copied below tmp_path, which becomes the
+    working directory; returns params naming that copy, tracking off."""
+    root, _ = project
+    shutil.copytree(root / "results", tmp_path / "results", symlinks=True)
+    shutil.copytree(root / "reports", tmp_path / "reports", symlinks=True)
+    monkeypatch.chdir(tmp_path)
+    return _fresh(project, tmp_path, **{"tracking.enabled": False})
+
+
+_refused = factories.cli_fails
+
+
+def test_a_users_folder_with_the_layouts_names_is_refused_whole(project, zoo, tmp_path, capsys):
+    """Case 1 and 3c: a folder holding only entries named like the results layout (plots/,
+    calibration/work/, work/) is the user's: every command refuses it before writing a byte (no
+    marker, no lock added); the calibration flow's --results-dir too, before Prefect starts."""
+    mine = tmp_path / "mine"
+    for name, text in (("plots/accuracy.csv", "task,mine\n"),
+                       ("calibration/work/thesis.tex", "\\section{mine}"),
+                       ("work/thesis.tex", "\\section{mine}"), ("merged/notes.md", "mine")):  # fmt: skip
+        (mine / name).parent.mkdir(parents=True, exist_ok=True)
+        (mine / name).write_text(text)
+    before = _tree(mine)
+    params = _fresh(project, tmp_path)
+    for command in (["run"], ["download"], ["report"], ["evaluate"]):
+        _refused([*command, "--params", str(params), "--set", f"run.results_dir={mine}"], capsys,
+                 "did not create", str(mine))  # fmt: skip
+    args = zoo.cli_args(tmp_path / "calibrated") + ["--results-dir", str(mine)]
+    _refused(args, capsys, "--results-dir", "did not create")
+    _refused(zoo.cli_args(tmp_path / "calibrated") + ["--results-dir", str(mine / "work")],
+             capsys, "--results-dir", "did not create")  # fmt: skip
+    assert _tree(mine) == before
+    assert not (tmp_path / "calibrated").exists()
+
+
+def test_symlinks_in_a_results_folder_are_never_written_through(
+    project, reference, tmp_path, capsys, monkeypatch
+):
+    """Cases 2 and 3: results/plots replaced by a link to the user's folder, and the run lock by
+    a link to a user's file: the rerun refuses in one line and the user's files are unchanged."""
+    params = _copy_run(project, reference, tmp_path, monkeypatch)
+    results, user = tmp_path / "results", tmp_path / "user"
+    (user / "plots").mkdir(parents=True)
+    (user / "plots" / "accuracy.csv").write_text("the user's numbers\n")
+    (user / "notes.txt").write_text("the user's notes\n")
+    before = _tree(user)
+    shutil.rmtree(results / "plots")
+    (results / "plots").symlink_to(user / "plots")
+    _refused(["report", "--params", str(params)], capsys, "symlink", "plots")
+    assert _tree(user) == before
+    (results / "plots").unlink()
+
+    (results / ".featcal.lock").unlink()
+    (results / ".featcal.lock").symlink_to(user / "notes.txt")
+    _refused(["report", "--params", str(params)], capsys, "run lock", "symlink")
+    assert _tree(user) == before
+    (results / ".featcal.lock").unlink()
+    capsys.readouterr()
+    assert main(["report", "--params", str(params)]) == 0  # the links gone, the rerun works
+    assert (results / "plots" / MARKER).is_file()
+
+
+def test_edited_records_are_named_by_lineage_and_refused_by_report(
+    project, reference, tmp_path, capsys, monkeypatch
+):
+    """Case 4: an accuracy edited in evaluation.json, or a number in report.md: `featcal lineage`
+    names the file that changed (exit 2); `featcal report` refuses the edited evaluation."""
+    params = _copy_run(project, reference, tmp_path, monkeypatch)
+    results, report = tmp_path / "results", tmp_path / "reports" / "e2e"
+    capsys.readouterr()
+    assert main(["lineage", str(results / "calibrated")]) == 0  # as written: verifies
+    evaluation = results / "evaluation.json"
+    table = json.loads(evaluation.read_text())
+    table["alpha"]["calibrated"]["accuracy"] = 0.99
+    evaluation.write_text(json.dumps(table, indent=2) + "\n")
+    _refused(["lineage", str(results / "calibrated")], capsys, "evaluation.json", "changed")
+    _refused(["report", "--params", str(params)], capsys, "evaluation.json", "changed")
+    markdown = report / "report.md"
+    assert "99.0" not in markdown.read_text()
+    shutil.copy(root_evaluation := project[0] / "results" / "evaluation.json", evaluation)
+    assert json.loads(evaluation.read_text()) == json.loads(root_evaluation.read_text())
+    capsys.readouterr()
+    assert main(["lineage", str(report)]) == 0
+    markdown.write_text(markdown.read_text().replace("| alpha", "| alpha (99.0 %)", 1))
+    _refused(["lineage", str(report)], capsys, "report.md", "changed")
+
+
+def test_code_digests_out_is_checked(zoo, tmp_path, capsys, monkeypatch):
+    """Case 3b: `featcal code-digests --out` never writes into /, the home folder, a model folder
+    featcal wrote (an input) or a user's folder (its merge.sha256 kept); a new folder works,
+    and again."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "merge.sha256").write_text("the user's digest\n")
+    written = tmp_path / "written"  # a model folder featcal wrote (marked, as zoo experts are)
+    with guarded_directory(written, overwrite=False) as tmp:
+        (tmp / "config.json").write_text("{}")
+    watched = {p: _tree(p) for p in (tmp_path / "home", user, zoo.experts["alpha"], written)}
+    for out, needle in (("/", "filesystem root"), (str(tmp_path / "home"), "home folder"),
+                        (str(zoo.experts["alpha"]), "did not create"),
+                        (str(written), "not as code-digests"),
+                        (str(user), "did not create")):  # fmt: skip
+        _refused(["code-digests", "--out", out], capsys, "--out", needle)
+    assert {p: _tree(p) for p in watched} == watched
+    for _ in range(2):
+        capsys.readouterr()
+        assert main(["code-digests", "--out", str(tmp_path / "code")]) == 0
+    assert (tmp_path / "code" / "merge.sha256").is_file() and (tmp_path / "code" / MARKER).is_file()
+
+
+def test_spill_dir_inside_an_input_is_refused(zoo, tmp_path, capsys):
+    """Case 3c: `calibrate --spill-dir` inside an expert folder is refused before any work."""
+    expert = zoo.experts["alpha"]
+    before = _tree(expert)
+    args = zoo.cli_args(tmp_path / "calibrated") + ["--spill-dir", str(expert / "spill")]
+    _refused(args, capsys, "--spill-dir", "lies inside the input")
+    assert _tree(expert) == before and not (tmp_path / "calibrated").exists()
+
+
+def test_a_full_disk_at_the_run_lock_is_one_line(project, tmp_path, capsys):
+    """Case 7c: the lock file cannot be written (disk full): one line naming it, no traceback."""
+    from featcal_core.io.outputs import prepare_root
+
+    mount = tmp_path / "disk"
+    if not _mount_tmpfs(mount, "size=64k"):
+        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
+    try:
+        results = prepare_root(mount / "results")
+        filler = mount / "filler"
+        with pytest.raises(OSError):
+            filler.write_bytes(b"x" * (1 << 20))  # now full
+        params = _fresh(project, tmp_path)
+        _refused(["download", "--params", str(params), "--set", f"run.results_dir={results}"],
+                 capsys, "run lock", str(results / ".featcal.lock"), "No space left")  # fmt: skip
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from featcal_core.errors import FeatCalError
+
+log = logging.getLogger(__name__)
 
 COLUMNS = {"image": "image", "text": "text"}
 #: optional column of text sets: the teacher-forced decoder input of encoder-decoder models (T5)
@@ -90,6 +93,10 @@ def load_calibration_set(
         indices = sorted(int(i) for i in rng.choice(len(data), size=num_per_task, replace=False))
     else:
         indices = list(range(len(data)))
+        if len(data) < num_per_task and not _drawn_short(path, num_per_task, len(data)):
+            log.warning("task %r: num_per_task is %d but the calibration set %s holds only %d "
+                        "rows; all %d are used (the record's calibration inputs list them)",
+                        task, num_per_task, path, len(data), len(data))  # fmt: skip
     chosen = data.select(indices)
     where = f"--calib {task}={path}"
     source_rows = chosen[SOURCE_ROW] if SOURCE_ROW in data.column_names else None
@@ -115,6 +122,19 @@ def load_calibration_set(
             for i, t in enumerate(chosen[TARGET])
         ]
     return CalibrationSet(task, path, rows, indices, len(data), targets)
+
+
+def _drawn_short(path: Path, num_per_task: int, rows: int) -> bool:
+    """True when the set's own record says it was drawn for `num_per_task` rows and holds
+    `rows`: its draw warned already (featcal_core.data.calibration_sets), once per task."""
+    from featcal_core.provenance.records import SET_RECORD
+
+    try:
+        record = json.loads((path / SET_RECORD).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (isinstance(record, dict) and record.get("n_requested") == num_per_task
+            and record.get("n_rows") == rows)  # fmt: skip
 
 
 def checked_input(value: Any, modality: str, *, where: str, row: str, column: str, fix: str) -> Any:

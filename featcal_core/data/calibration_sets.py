@@ -146,11 +146,15 @@ def draw_calibration_set(
     label_column: str | None = None,
     trust_remote_code: bool = False,
     exclude: Sequence[int] = (),
+    count_key: str = "featcal.num_per_task",
 ) -> dict[str, Any]:
     """Sample `n` rows of the task's calibration source and save them at `out_dir`.
 
     `exclude`: row ids never drawn (a held-out set: the calibration set's `row_ids`); none left
-    is an error.
+    is an error. Fewer rows than `n` (the source, less `exclude`, is smaller) is not: the set
+    holds every row there is, the record says so (`n_requested`, `n_rows`) and a WARNING names
+    the task, `count_key` (the setting that asked for `n`: featcal.num_per_task, or
+    select.holdout_per_task for a held-out set) and both counts.
     Column overrides take precedence over the source's `image_column` / `text_column` /
     `label_column`. Returns the record written to `out_dir/calibration_set.json`, plus `path`.
     Refuses (FeatCalError, nothing written): calibration data that is the evaluation data (by
@@ -193,6 +197,11 @@ def draw_calibration_set(
             f"{key}: all {total} rows of {source.describe()} are in the calibration set, so none "
             "is left to hold out; lower featcal.num_per_task or use a larger calibration source"
         )
+    if len(ids) < n:
+        left = (f"only {len(ids)} of its {total} rows are left besides the calibration set"
+                if exclude else f"it has only {total} rows")  # fmt: skip
+        log.warning("task %r: %s is %d but %s (%s), so the set holds %d rows, not %d", task,
+                    count_key, n, left, source.describe(), len(ids), n)  # fmt: skip
 
     kept = [column] + ([label] if label else [])
     names = [CANONICAL_COLUMNS[modality]] + ([LABEL] if label else [])

@@ -15,7 +15,15 @@ Guarantees, each kept here and nowhere else:
   `.<name>.featcal-old-<pid>-<random>`; `sweep` removes those of dead processes (an orphaned
   `-old-` whose target is missing is renamed back first) at the start of the next write of the
   same target.
-- **Reuse only what verifies**: `verify_output` re-hashes a marked directory against its marker.
+- **Ownership by marker, never by name**: a results folder (`prepare_root`) is featcal's when its
+  own marker says so (`"kind": "results"`); any other non-empty folder is refused whole, whatever
+  its entries are called, except one restored by `dvc pull`, whose every entry must match what the
+  DVC project's `dvc.lock` records for it (`featcal_core/io/restored.py`).
+- **No writes through symlinks**: every write below a marked folder resolves its path and refuses
+  one whose folder, resolved, leaves that marked folder (a symlinked subfolder pointing at the
+  user's files).
+- **Reuse only what verifies**: `verify_output` re-hashes a marked directory against its marker;
+  `verify_file` a record against its folder's marker.
 - **OSError becomes one line**: a failed write (disk full, read-only, permission) raises
   FeatCalError naming the target and what is needed.
 """
@@ -28,6 +36,7 @@ import errno
 import glob
 import hashlib
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -37,6 +46,8 @@ from pathlib import Path
 from featcal_core.errors import FeatCalError
 from featcal_core.io import digests, failpoints
 from featcal_core.io.run_lock import LOCK_NAME
+
+log = logging.getLogger(__name__)
 
 #: the marker file of every directory this tool writes
 MARKER = ".featcal-output.json"
@@ -73,10 +84,16 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
 # ------------------------------------------------------------------------------ temporary names
 
 
+#: every temporary name this process handed out (what `remove_own_temporaries` looks at)
+_OWN: set[Path] = set()
+
+
 def temp_path(target: Path, tag: str = TEMP_TAG) -> Path:
     """A fresh name beside `target`: `.<name><tag><pid>-<random>` (not created)."""
     target = Path(target)
-    return target.with_name(f".{target.name}{tag}{os.getpid()}-{secrets.token_hex(4)}")
+    path = target.with_name(f".{target.name}{tag}{os.getpid()}-{secrets.token_hex(4)}")
+    _OWN.add(Path(os.path.abspath(path)))
+    return path
 
 
 def _owner_alive(name: str, tag: str) -> bool:
@@ -120,6 +137,24 @@ def sweep(target: Path) -> list[Path]:
                 continue
             _remove(path)
             removed.append(path)
+    return removed
+
+
+def remove_own_temporaries() -> list[Path]:
+    """Remove what this process's unfinished writes left (a stop that cannot unwind, e.g.
+    featcal_cli's SIGTERM handling, which then exits at once): as `sweep` would after its death,
+    an `-old-` whose target is missing is renamed back first. Returns what was removed."""
+    removed: list[Path] = []
+    for path in sorted(_OWN, key=lambda p: OLD_TAG not in p.name):  # the `-old-` ones first
+        if not (path.exists() or path.is_symlink()):
+            continue  # renamed into place, or removed by its writer
+        if OLD_TAG in path.name:
+            target = path.with_name(path.name[1:].rsplit(OLD_TAG, 1)[0])
+            if not target.exists() and not target.is_symlink():
+                os.replace(path, target)  # the swap was cut between its two renames
+                continue
+        _remove(path)
+        removed.append(path)
     return removed
 
 
@@ -265,13 +300,81 @@ def verify_output(directory: Path) -> str | None:
     return None
 
 
+def verify_file(path: str | Path) -> str | None:
+    """None when `path` is a file its folder's marker lists with this sha256; otherwise one line
+    saying what is wrong (missing, not written by featcal, changed since written)."""
+    path = Path(path)
+    if not path.is_file():
+        return f"{path} is missing"
+    marker = read_marker(path.parent)
+    if marker is None or path.name not in marker["files"]:
+        return f"{path} was not written by featcal (its folder's {MARKER} does not list it)"
+    if path.is_symlink() or sha256_file(path) != marker["files"][path.name]:
+        return f"{path} changed since featcal wrote it (sha256 differs from {MARKER})"
+    return None
+
+
+def _absolute(path: Path) -> Path:
+    """`path` made absolute without resolving symlinks (`..` folded lexically)."""
+    return Path(os.path.abspath(Path(path).expanduser()))
+
+
+def _owned(folder: Path) -> bool:
+    """`folder` carries a marker, or is a temporary output featcal is writing
+    (`.<name>.featcal-tmp-...`, marked when it is swapped in)."""
+    if folder.name.startswith(".") and TEMP_TAG in folder.name and folder.is_dir():
+        return True
+    return read_marker(folder) is not None
+
+
+def _owners(path: Path) -> list[Path]:
+    """Every folder featcal owns at or above `path`, nearest first (lexically)."""
+    folder = _absolute(path)
+    return [candidate for candidate in (folder, *folder.parents) if _owned(candidate)]
+
+
+def owner_of(path: str | Path) -> Path | None:
+    """The nearest folder at or above `path` that featcal owns (a marked folder or a temporary
+    output being written; lexically, symlinks not followed), or None."""
+    owners = _owners(Path(path))
+    return owners[0] if owners else None
+
+
+def check_within_owner(target: str | Path, flag: str = "output") -> Path | None:
+    """The nearest folder featcal owns that holds `target` (`owner_of`), after checking that
+    `target`'s folder, resolved, lies inside the outermost such folder, resolved: a symlink below
+    an output (a subfolder replaced by a link to the user's files) is refused, never written
+    through. None when no featcal folder holds `target` (a new output of the user's choosing)."""
+    target = _absolute(Path(target))
+    owners = _owners(target.parent)
+    if not owners:
+        return None
+    outer = owners[-1]
+    existing = target.parent
+    while not existing.exists() and existing != outer:
+        existing = existing.parent
+    resolved, root = existing.resolve(), outer.resolve()
+    if resolved != root and root not in resolved.parents:
+        link = next((p for p in (existing, *existing.parents) if p.is_symlink()), existing)
+        raise FeatCalError(
+            f"cannot write {flag} {target}: {link} is a symlink leading out of the featcal "
+            f"folder {outer} (to {resolved}); featcal never writes through one; replace the link "
+            "with a real folder or remove it (left untouched)"
+        )
+    return owners[0]
+
+
 # ------------------------------------------------------------------------------------- writers
 
 
-def _write_marker(directory: Path, files: dict[str, str]) -> None:
+def _write_marker(directory: Path, files: dict[str, str], kind: str | None = None) -> None:
+    """Write `directory`'s marker: {"tool", ["kind",] "files"}; `kind` names a root's role."""
+    marker: dict = {"tool": "featcal"}
+    if kind is not None:
+        marker["kind"] = kind
+    marker["files"] = dict(sorted(files.items()))
     tmp = temp_path(directory / MARKER)
-    tmp.write_text(json.dumps({"tool": "featcal", "files": dict(sorted(files.items()))},
-                              indent=1) + "\n")  # fmt: skip
+    tmp.write_text(json.dumps(marker, indent=1) + "\n")
     os.replace(tmp, directory / MARKER)
 
 
@@ -292,7 +395,8 @@ def mark_directory(directory: Path) -> None:
     _write_marker(directory, files)
 
 
-def _oserror(exc: OSError, target: Path, flag: str) -> FeatCalError:
+def oserror(exc: OSError, target: Path, flag: str) -> FeatCalError:
+    """The one line for a failed write of `target`: what failed and what is needed."""
     need = {
         errno.ENOSPC: "free space on that filesystem",
         errno.EDQUOT: "free space on that filesystem (quota)",
@@ -341,13 +445,14 @@ def guarded_directory(
     """
     out = Path(out)
     check_output(out, overwrite=overwrite, inputs=inputs, root=root, flag=flag)
+    check_within_owner(out, flag)
     sweep(out)
     tmp = temp_path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
     except OSError as exc:
-        raise _oserror(exc, out, flag) from exc
+        raise oserror(exc, out, flag) from exc
     try:
         yield tmp
         mark_directory(tmp)
@@ -355,10 +460,32 @@ def guarded_directory(
         swap_in(tmp, out)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise _oserror(exc, out, flag) from exc
+        raise oserror(exc, out, flag) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def scratch_directory(
+    parent: str | Path, name: str, *, inputs: Iterable[str | Path | None] = (), flag: str
+) -> Iterator[Path]:
+    """A temporary folder `.<name>.featcal-tmp-...` in `parent` (created if missing) for
+    the `with` body, removed after it; `parent` is checked as an output first (`check_target`:
+    never an input or inside one) and what a killed run left there is swept."""
+    parent = check_target(parent, inputs=inputs, flag=flag)
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        check_within_owner(parent / name, flag)
+        sweep(parent / name)
+        work = temp_path(parent / name)
+        work.mkdir()
+    except OSError as exc:
+        raise oserror(exc, parent, flag) from exc
+    try:
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def exchange(first: Path, second: Path) -> bool:
@@ -405,6 +532,9 @@ def atomic_file(path: str | Path, flag: str = "output file") -> Iterator[Path]:
     error the temporary file is removed and `path` is left as it was.
     """
     path = Path(path)
+    # below a featcal folder: never through a symlink leading out of it (outside one, the path is
+    # the library caller's own choice; every command writes below a root it checked and marked)
+    check_within_owner(path, flag)
     marker = read_marker(path.parent) if path.parent.is_dir() else None
     if marker is not None and path.exists() and path.name not in marker["files"]:
         raise FeatCalError(
@@ -423,10 +553,11 @@ def atomic_file(path: str | Path, flag: str = "output file") -> Iterator[Path]:
             os.replace(tmp, path)
         if marker is not None and path.is_file():
             marker = read_marker(path.parent) or marker
-            _write_marker(path.parent, dict(marker["files"], **{path.name: sha256_file(path)}))
+            files = dict(marker["files"], **{path.name: sha256_file(path)})
+            _write_marker(path.parent, files, marker.get("kind"))
     except OSError as exc:
         _remove(tmp)
-        raise _oserror(exc, path, flag) from exc
+        raise oserror(exc, path, flag) from exc
     except BaseException:
         _remove(tmp)
         raise
@@ -447,30 +578,80 @@ def write_json(path: str | Path, data: object, flag: str = "output file") -> Pat
     return write_file(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n", flag)
 
 
-def prepare_root(root: str | Path, *, inputs: Iterable[str | Path | None] = (),
-                 layout: Iterable[str] = (), flag: str = "run.results_dir") -> Path:  # fmt: skip
-    """Create or adopt a results folder: missing or empty, already marked, or holding only the
-    `layout` names (e.g. folders restored by `dvc pull`; every later write into it is guarded
-    on its own: a file there that no marker lists is never replaced). Marks it. Returns it."""
+#: the `kind` of a results folder's root marker (`featcal run`, the steps, the calibration flow)
+RESULTS = "results"
+
+
+def _leftover(name: str) -> bool:
+    """A name featcal leaves in a folder it writes: the run lock, a temporary or an old output."""
+    return name == LOCK_NAME or (name.startswith(".") and (TEMP_TAG in name or OLD_TAG in name))
+
+
+def check_root(root: str | Path, *, inputs: Iterable[str | Path | None] = (),
+               kind: str = RESULTS, flag: str = "run.results_dir") -> dict[str, str] | None:  # fmt: skip
+    """Every check `prepare_root` makes, writing nothing (commands call it before any work).
+
+    `root` may be missing or empty, a folder whose marker names `kind` (or, for results, a folder
+    of an earlier featcal: a marker without a kind beside its run lock), or a results folder
+    restored by `dvc pull` whose every entry matches the DVC project's `dvc.lock`. Anything else is
+    refused whole, whatever its entries are called. Returns the files to list when adopting a
+    restored folder ({name: sha256}), else None.
+    """
     path = check_target(root, inputs=inputs, flag=flag)
     if path.exists() and not path.is_dir():
         raise FeatCalError(f"{flag} {root} is a file, not a folder; choose another {flag}")
-    if path.is_dir() and read_marker(path) is None:
-        names = set(layout)
-        for entry in sorted(path.iterdir()):
-            adoptable = entry.name in names  # each write below still guards its own target
-            leftover = entry.name.startswith(".") and (
-                TEMP_TAG in entry.name or OLD_TAG in entry.name or entry.name == LOCK_NAME
-            )
-            if not (adoptable or leftover):
-                raise FeatCalError(
-                    f"{flag} {root} is a folder featcal did not create (it holds {entry}); "
-                    f"choose a new or empty folder for {flag} (left untouched)"
-                )
+    if not path.is_dir():
+        return None
+    marker = read_marker(path)
+    if marker is not None:
+        if marker.get("kind") == kind:
+            return None
+        if marker.get("kind") is None and kind == RESULTS and (path / LOCK_NAME).is_file():
+            return None  # a results folder of featcal before root markers had a kind
+        what = marker.get("kind") or "a model or data folder"
+        raise FeatCalError(
+            f"{flag} {root} is a folder featcal wrote as {what}, not as {kind}; choose a new or "
+            f"empty folder for {flag} (left untouched)"
+        )
+    entries = sorted(e for e in path.iterdir() if not _leftover(e.name))
+    if not entries:
+        return None
+    if kind == RESULTS:
+        from featcal_core.io.restored import restored_files
+
+        return restored_files(path, entries, flag)
+    raise FeatCalError(
+        f"{flag} {root} is a folder featcal did not create (it holds {entries[0]}); choose a new "
+        f"or empty folder for {flag} (left untouched)"
+    )
+
+
+def prepare_root(root: str | Path, *, inputs: Iterable[str | Path | None] = (),
+                 kind: str = RESULTS, flag: str = "run.results_dir") -> Path:  # fmt: skip
+    """Create or adopt an output root after `check_root` and mark it as `kind`. Returns it."""
+    adopted = check_root(root, inputs=inputs, kind=kind, flag=flag)
+    path = Path(root).expanduser().resolve()
     try:
         path.mkdir(parents=True, exist_ok=True)
-        if read_marker(path) is None:
-            _write_marker(path, {})
+        marker = read_marker(path)
+        if marker is None:
+            _write_marker(path, adopted or {}, kind)
+            if adopted:
+                log.info("%s %s: adopted as restored by `dvc pull` (%d record(s) match dvc.lock)",
+                         flag, path, len(adopted))  # fmt: skip
+        elif marker.get("kind") is None:
+            _upgrade_root(path, marker, kind)
     except OSError as exc:
-        raise _oserror(exc, path, flag) from exc
+        raise oserror(exc, path, flag) from exc
     return path
+
+
+def _upgrade_root(path: Path, marker: dict, kind: str) -> None:
+    """A results folder of an earlier featcal: its marker gains its kind, and its `plots/` (then
+    written file by file into an unmarked folder, now a marked output) gets a marker of its own
+    when it holds plain files only."""
+    plots = path / "plots"
+    if plots.is_dir() and not plots.is_symlink() and read_marker(plots) is None:
+        if all(p.is_file() and not p.is_symlink() for p in plots.iterdir()):
+            mark_directory(plots)
+    _write_marker(path, marker["files"], kind)

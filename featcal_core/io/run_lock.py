@@ -11,6 +11,7 @@ take it again).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -22,16 +23,31 @@ from pathlib import Path
 from featcal_core.errors import FeatCalError
 
 LOCK_NAME = ".featcal.lock"
-_held: dict[Path, tuple[int, object]] = {}  # lock path -> (depth, open handle)
+_held: dict[Path, tuple[int, int]] = {}  # lock path -> (depth, open file descriptor)
 
 
 def holder(folder: str | Path) -> dict | None:
     """What the lock file says of its last holder ({"pid", "host", "started"}), or None."""
     try:
-        data = json.loads((Path(folder) / LOCK_NAME).read_text() or "null")
+        fd = os.open(Path(folder) / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        with os.fdopen(fd) as handle:
+            data = json.loads(handle.read() or "null")
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def _failed(exc: OSError, path: Path) -> FeatCalError:
+    """One line for a lock file that cannot be opened or written: a symlink (refused, never
+    followed), or the guarded writer's line for a full, read-only or forbidden place."""
+    if exc.errno == errno.ELOOP:
+        return FeatCalError(
+            f"the run lock {path} is a symlink; featcal never writes through one; remove the "
+            "link (its target is left untouched) and run again"
+        )
+    from featcal_core.io.outputs import oserror
+
+    return oserror(exc, path, "run lock")
 
 
 @contextlib.contextmanager
@@ -48,12 +64,16 @@ def run_lock(folder: str | Path, what: str = "featcal run") -> Iterator[None]:
             depth, handle = _held[path]
             _held[path] = (depth - 1, handle)
         return
-    folder.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a+")
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        folder.mkdir(parents=True, exist_ok=True)
+        # never through a symlink (O_NOFOLLOW): the lock's JSON must not land in a user's file
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        raise _failed(exc, path) from exc
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        handle.close()
+        os.close(fd)
         info = holder(folder) or {}
         started = info.get("started")
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if started else "?"
@@ -63,15 +83,16 @@ def run_lock(folder: str | Path, what: str = "featcal run") -> Iterator[None]:
             "wait for it to finish or use another results folder"
         ) from None
     try:
-        handle.seek(0)
-        handle.truncate()
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
                   "what": what}  # fmt: skip
-        handle.write(json.dumps(record))
-        handle.flush()
-        _held[path] = (1, handle)
+        try:  # unbuffered: a full disk fails here, once, not again when the lock is released
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+        except OSError as exc:
+            raise _failed(exc, path) from exc
+        _held[path] = (1, fd)
         yield
     finally:
         _held.pop(path, None)
-        fcntl.flock(handle, fcntl.LOCK_UN)
-        handle.close()
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

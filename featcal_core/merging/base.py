@@ -41,6 +41,22 @@ def flag(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+class HyperparameterError(FeatCalError):
+    """A bad merge hyperparameter `key`. The message names the key and, in parentheses, where it
+    was given: by default its flag (`flag(key)`); `named(where)` is the message naming `where`
+    instead (the CLI: the flag the user typed, `--hp drop_rate=2`; the params schema: nothing,
+    its error names the key path)."""
+
+    def __init__(self, key: str, text: str) -> None:
+        self.key, self.text = str(key), text
+        super().__init__(self.named(flag(self.key)))
+
+    def named(self, where: str | None) -> str:
+        """The message with `where` (None: no parenthesis) as what names the key."""
+        at = f" ({where})" if where else ""
+        return f"hyperparameter {self.key!r}{at} {self.text}"
+
+
 @dataclass(frozen=True)
 class Place:
     """Where the entries being merged sit: tensor `name` (the base checkpoint's), `offset` (the
@@ -85,9 +101,8 @@ class MergeMethod:
         for key in hp:
             if key not in self.defaults and key not in self.optional:
                 takes = ", ".join(sorted({*self.defaults, *self.optional})) or "no hyperparameters"
-                raise FeatCalError(
-                    f"hyperparameter {key!r} ({flag(str(key))}) is not used by merge method "
-                    f"{self.name!r}; it takes: {takes}"
+                raise HyperparameterError(
+                    key, f"is not used by merge method {self.name!r}; it takes: {takes}"
                 )
         filled = {**self.defaults, **hp}
         self.validate(filled)
@@ -176,8 +191,8 @@ class MergeMethod:
         return f"<merge method {self.name!r}>"
 
 
-def _where(key: str, method: str) -> str:
-    return f"hyperparameter {key!r} ({flag(key)}) of merge method {method!r}"
+def _bad(key: str, method: str, problem: str) -> HyperparameterError:
+    return HyperparameterError(key, f"of merge method {method!r} {problem}")
 
 
 def real(
@@ -196,12 +211,11 @@ def real(
     Raises FeatCalError naming the key, its flag, the bad value and the accepted range.
     """
     value = hp[key]
-    where = _where(key, method)
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise FeatCalError(f"{where} must be a number, got {value!r}")
+        raise _bad(key, method, f"must be a number, got {value!r}")
     number = float(value)
     if not math.isfinite(number):
-        raise FeatCalError(f"{where} must be finite, got {value!r}")
+        raise _bad(key, method, f"must be finite, got {value!r}")
     bounds = [
         (above, ">", lambda b: number > b),
         (at_least, ">=", lambda b: number >= b),
@@ -211,7 +225,7 @@ def real(
     given = [(bound, sign, ok) for bound, sign, ok in bounds if bound is not None]
     if not all(ok(bound) for bound, _, ok in given):
         wanted = " and ".join(f"{sign} {bound:g}" for bound, sign, _ in given)
-        raise FeatCalError(f"{where} must be {wanted}, got {value!r}")
+        raise _bad(key, method, f"must be {wanted}, got {value!r}")
     hp[key] = number
     return number
 
@@ -223,7 +237,7 @@ def integer(hp: dict[str, Any], key: str, method: str) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise FeatCalError(f"{_where(key, method)} must be a whole number, got {hp[key]!r}")
+        raise _bad(key, method, f"must be a whole number, got {hp[key]!r}")
     hp[key] = value
     return value
 
@@ -234,7 +248,7 @@ def choice(hp: dict[str, Any], key: str, method: str, options: tuple[str, ...]) 
     value = hp[key]
     if not isinstance(value, str) or value not in options:
         wanted = ", ".join(repr(option) for option in options)
-        raise FeatCalError(f"{_where(key, method)} must be one of {wanted}, got {value!r}")
+        raise _bad(key, method, f"must be one of {wanted}, got {value!r}")
     return value
 
 

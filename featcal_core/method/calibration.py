@@ -7,6 +7,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
 
@@ -18,7 +19,12 @@ from featcal_core.data.calibration_data import CalibrationSet, load_calibration_
 from featcal_core.errors import FeatCalError
 from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.io.export import export_checkpoint
-from featcal_core.io.outputs import check_output, guarded_directory, sweep, temp_path
+from featcal_core.io.outputs import (
+    check_output,
+    check_target,
+    guarded_directory,
+    scratch_directory,
+)
 from featcal_core.io.safetensors_io import save_tensors
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.method.block import BlockResult, BlockRunner
@@ -271,6 +277,8 @@ def calibrate(
     check_names([*experts, *calib], "task name")
     inputs = calibration_inputs(base, merged, experts, calib)
     check_output(out, overwrite=overwrite, inputs=inputs)
+    if spill_dir is not None:
+        check_target(spill_dir, inputs=(*inputs, out), flag="--spill-dir")
     settings = Settings(
         num_per_task, batch_size, seed, device, max_length, pooling, token_weighting, precision
     )
@@ -278,12 +286,10 @@ def calibrate(
     log.info(
         "%s, %d blocks, %d tasks, dtype %s", run.arch.name, run.num_blocks, len(run.sets), run.dtype
     )
-    with guarded_directory(out, overwrite=overwrite, inputs=inputs) as tmp:
-        if spill_dir is not None:
-            Path(spill_dir).mkdir(parents=True, exist_ok=True)
-            sweep(Path(spill_dir) / "featcal-spill")  # what a killed run left there
-            work = temp_path(Path(spill_dir) / "featcal-spill")
-            work.mkdir()
+    with guarded_directory(out, overwrite=overwrite, inputs=inputs) as tmp, ExitStack() as stack:
+        if spill_dir is not None:  # a marked temporary folder there, swept if a killed run left one
+            work = stack.enter_context(scratch_directory(
+                spill_dir, "featcal-spill", inputs=(*inputs, out), flag="--spill-dir"))  # fmt: skip
         else:
             work = tmp / "_work"
             work.mkdir()

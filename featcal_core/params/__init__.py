@@ -13,7 +13,7 @@ not to the params file.
 """
 
 from featcal_core.params.export import dump, flatten
-from featcal_core.params.loading import featcal_from_flags, load_params
+from featcal_core.params.loading import featcal_from_flags, load_params, settings_from_flags
 from featcal_core.params.models import ModelRef, ModelsSpec
 from featcal_core.params.schema import Params
 from featcal_core.params.sections import (
@@ -42,4 +42,5 @@ __all__ = [
     "featcal_from_flags",
     "flatten",
     "load_params",
+    "settings_from_flags",
 ]

@@ -7,6 +7,7 @@ import typing
 from collections.abc import Mapping
 from typing import Annotated, Any
 
+import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -48,6 +49,7 @@ def _error(message: str, at: str = "") -> PydanticCustomError:
 #: strict types: no bool-as-number, no float-as-int, no string-as-number; floats finite
 StrictInt = Annotated[int, Strict()]
 StrictBool = Annotated[bool, Strict()]
+#: a number as YAML 1.2 and Python write it: 1e-3, 1E3, -2e-1, .5, +1.5 (no nan, no inf)
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
 
 
@@ -56,6 +58,16 @@ def _yaml_number(value: Any) -> Any:
     if isinstance(value, str) and _NUMBER_RE.match(value.strip()):
         return float(value)
     return value
+
+
+def read_value(text: str) -> Any:
+    """A VALUE given on the command line (`--hp KEY=VALUE`, a number flag) read by the one rule
+    params.yaml's values follow: YAML (`0.3`, `20`, `true`, `global`), and a number that PyYAML's
+    YAML 1.1 leaves a string (`1e-3`, `1E3`, `-2e-1`) read as a number, as YAML 1.2 and Python
+    do (`_yaml_number`, also the params schema's `FiniteFloat`). `nan` and `inf` stay text;
+    `.nan` / `.inf` are YAML's non-finite floats, refused wherever a finite number is wanted.
+    An empty text is "". Raises yaml.YAMLError on a value that is not YAML."""
+    return _yaml_number(yaml.safe_load(text)) if text.strip() else ""
 
 
 FiniteFloat = Annotated[float, BeforeValidator(_yaml_number), Strict(), Field(allow_inf_nan=False)]

@@ -6,7 +6,7 @@ import types
 import typing
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, TypeVar, Union
 
 import yaml
 from pydantic import (
@@ -19,6 +19,8 @@ from featcal_core.params.models import ModelRef
 from featcal_core.params.schema import Params
 from featcal_core.params.sections import FeatCalSettings
 
+_M = TypeVar("_M", bound=BaseModel)
+
 # -------------------------------------------------------------------------- command-line flags
 
 
@@ -26,15 +28,23 @@ def featcal_from_flags(values: Mapping[str, Any]) -> FeatCalSettings:
     """`featcal calibrate`'s flags checked by the model params.yaml's `featcal:` goes through
     (same bounds, same strict types); `values` maps field names (alpha, num_per_task, ...) to the
     parsed flag values. A problem is one FeatCalError naming the flag (e.g. --num-per-task)."""
+    return settings_from_flags(FeatCalSettings, "featcal", values)
+
+
+def settings_from_flags(model: type[_M], section: str, values: Mapping[str, Any]) -> _M:
+    """Flags that are fields of a params section (`model`, e.g. RunSettings for --seed,
+    ZooSettings for --pretrain-steps) checked by that section's own model: same bounds, same
+    strict types as params.yaml. `values` maps field names to the parsed flag values (each
+    field's flag is `--` + its name with `-` for `_`, as `featcal_cli.arguments.setting_flags`
+    declares them). A problem is one FeatCalError naming the flag and the params key."""
     try:
-        return FeatCalSettings.model_validate(dict(values))
+        return model.model_validate(dict(values))
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         at = (first.get("ctx") or {}).get(KEY_SUFFIX) or ""  # a model-level check names its key
         key = str(first["loc"][0]) if first["loc"] else at.split(".")[0]
-        value = values.get(key)
-        _fail(f"--{key.replace('_', '-')} {_short(value)}: {first['msg']} "
-              f"(as featcal.{key} in params.yaml)")  # fmt: skip
+        _fail(f"--{key.replace('_', '-')} {_short(values.get(key))}: {first['msg']} "
+              f"(as {section}.{key} in params.yaml)")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- loading, errors

@@ -73,9 +73,12 @@ class MergeSettings(_Section):
         if "hyperparameters" not in self.model_fields_set and self.method == "task_arithmetic":
             self.hyperparameters = {"scale": 0.3}
         from featcal_core.merging import get  # the registry: its methods check their own values
+        from featcal_core.merging.base import HyperparameterError
 
         try:
             get(self.method).check(dict(self.hyperparameters))
+        except HyperparameterError as exc:  # named by its key path, merge.hyperparameters.<key>
+            raise _error(exc.named(None), f"hyperparameters.{exc.key}") from None
         except FeatCalError as exc:
             at = "method" if "unknown merge method" in str(exc) else "hyperparameters"
             raise _error(str(exc), at) from None

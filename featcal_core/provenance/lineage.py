@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_core.errors import FeatCalError
-from featcal_core.io.outputs import MARKER, read_marker, verify_output
+from featcal_core.io.outputs import MARKER, read_marker, verify_file, verify_output
 from featcal_core.provenance.lineage_checks import (
     _RERUN,
     _check_lock,
@@ -65,6 +65,7 @@ from featcal_core.provenance.records import (
     LOCK,
     MERGE_RECORD,
     PROVENANCE,
+    SELECTION,
     SET_RECORD,
 )
 from featcal_core.provenance.text import as_dict
@@ -298,6 +299,17 @@ def trace(path: str | Path) -> dict[str, Any]:
         if wrong is not None:
             tracer.problem(directory, "changed", f"{wrong}; {_RERUN}", directory / MARKER)
 
+    # the run's own records (and the traced folder itself, e.g. a report) as featcal wrote them:
+    # each against the sha256 its folder's marker holds
+    for record in _run_records(root):
+        wrong = verify_file(record)
+        if wrong is not None:
+            tracer.problem(record, "changed", f"{wrong}; {_RECORD_RERUN}", record.parent / MARKER)
+    if start != target and read_marker(start) is not None:
+        wrong = verify_output(start)
+        if wrong is not None:
+            tracer.problem(start, "changed", f"{wrong}; {_RECORD_RERUN}", start / MARKER)
+
     # evaluation and provenance
     if root is not None and (root / EVALUATION_NAME).is_file():
         chain["evaluation"] = tracer.read_json(root / EVALUATION_NAME, "evaluation table")
@@ -320,6 +332,18 @@ def trace(path: str | Path) -> dict[str, Any]:
             "calibration_sets": tracer.sets_checked,
         },
     }
+
+
+#: what to do when one of the run's own records was edited
+_RECORD_RERUN = "the record no longer says what the run wrote; rerun the step that writes it"
+
+
+def _run_records(root: Path | None) -> list[Path]:
+    """The records a run writes directly in its results folder (those that are there)."""
+    if root is None or read_marker(root) is None:
+        return []
+    names = (LOCK_NAME, EVALUATION_NAME, PROVENANCE_NAME, SELECTION)
+    return [root / name for name in names if (root / name).is_file()]
 
 
 def _classify(start: Path, tracer: _Tracer) -> tuple[Path, str]:

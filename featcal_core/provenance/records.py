@@ -26,6 +26,7 @@ EVALUATION = "evaluation.json"
 PROVENANCE = "provenance.json"
 FITTED_ON = "fitted_on.json"
 ZOO_MANIFEST = "zoo.json"
+SELECTION = "selection.json"
 
 #: every report goes below this folder (of the working directory)
 REPORTS_ROOT = Path("reports")
@@ -47,7 +48,7 @@ RESULTS_LAYOUT = {
     "variants": "variants",  # featcal compare: one results folder per variant
     "candidates": "candidates",  # select: one results folder per candidate
     "selection_sets": "selection_sets",  # held-out unlabeled inputs that score candidates
-    "selection": "selection.json",  # select: the candidates' scores and the choice
+    "selection": SELECTION,  # select: the candidates' scores and the choice
 }
 
 

@@ -70,8 +70,9 @@ OBJECTIVE = "sum over tasks of the mean Shannon entropy (nats) of the task head'
 def check_hyperparameters(
     steps: int, lr: float, init: float, batch_size: int, log_every: int
 ) -> None:
-    """FeatCalError naming the first bad value."""
-    check_positive_integers({"--steps": steps, "--batch-size": batch_size,
+    """FeatCalError naming the first bad value by its `featcal adamerging` flag (the batch of
+    rows per Adam step is --adamerging-batch-size; --batch-size is the calibration batch)."""
+    check_positive_integers({"--steps": steps, "--adamerging-batch-size": batch_size,
                              "--log-every": log_every})  # fmt: skip
     check_learning_rate(lr)
     if isinstance(init, bool) or not isinstance(init, int | float) or not 0 <= init <= 1:

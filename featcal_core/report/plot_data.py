@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from featcal_core.io.outputs import write_file
+from featcal_core.io.outputs import guarded_directory
 from featcal_core.report.plots import accuracy_series, drift_series
 
 __all__ = ["PLOT_FILES", "accuracy_csv", "drift_csv", "write_plot_data"]
@@ -62,11 +62,13 @@ def write_plot_data(
     evaluation: Mapping[str, Any],
     calibration: Mapping[str, Any] | None,
 ) -> dict[str, Path]:
-    """Write accuracy.csv (and drift.csv when there is a calibration record) into `folder`, each
-    atomically; returns {file name: path}."""
+    """Write `folder` (a marked output, replaced as a whole): accuracy.csv, and drift.csv when
+    there is a calibration record; returns {file name: path}."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    written = {"accuracy.csv": write_file(folder / "accuracy.csv", accuracy_csv(evaluation))}
+    texts = {"accuracy.csv": accuracy_csv(evaluation)}
     if calibration is not None:
-        written["drift.csv"] = write_file(folder / "drift.csv", drift_csv(calibration))
-    return written
+        texts["drift.csv"] = drift_csv(calibration)
+    with guarded_directory(folder, overwrite=True, flag="plots folder") as tmp:
+        for name, text in texts.items():
+            (tmp / name).write_text(text, encoding="utf-8")
+    return {name: folder / name for name in texts}

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DASH", "MODEL_ORDER", "gap_closed"]
+__all__ = ["DASH", "MODEL_ORDER", "evaluated_rows", "gap_closed"]
 
 #: models of the evaluation table, in display order
 MODEL_ORDER = ("base", "expert", "merged", "calibrated")
@@ -116,6 +116,23 @@ def _cells(row: _Row) -> list[str]:
         _pct(row.normalized["calibrated"]),
         _gap_text(row.gap),
     ]
+
+
+def evaluated_rows(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str | None:
+    """How many rows of each task's evaluation split the table's numbers are on (evaluation.json's
+    `examples`; fewer than the split holds when evaluation.max_examples_per_task cuts it): "200
+    rows per task", or "mnist 200, digits 150 rows"; None when no row records it."""
+    counts = {}
+    for task, models in evaluation.items():
+        found = sorted({int(r["examples"]) for r in (models or {}).values()
+                        if isinstance(r, Mapping) and isinstance(r.get("examples"), int)})  # fmt: skip
+        if found:
+            counts[str(task)] = "/".join(map(str, found))
+    if not counts:
+        return None
+    if len(set(counts.values())) == 1:
+        return f"{next(iter(counts.values()))} rows per task"
+    return ", ".join(f"{task} {count}" for task, count in counts.items()) + " rows"
 
 
 def _average_notes(rows: list[_Row]) -> list[str]:

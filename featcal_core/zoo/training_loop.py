@@ -16,6 +16,7 @@ import torch
 from torch.nn import functional as F
 
 from featcal_core.errors import FeatCalError
+from featcal_core.io import failpoints
 
 EVAL_BATCH = 256
 _WARMUP = 0.1  # fraction of the steps with a linear learning-rate warmup
@@ -46,7 +47,8 @@ def train_steps(
     cosine: bool = True,
 ) -> list[float]:
     """`steps` AdamW steps on step_loss(step) with 10% linear warmup then cosine (or linear)
-    decay to 0 and gradient-norm clipping at 1; returns the loss of every step."""
+    decay to 0 and gradient-norm clipping at 1; returns the loss of every step.
+    `FEATCAL_FAILPOINT=train:<desc>` stops it after its first step (featcal_core.io.failpoints)."""
     from tqdm.auto import tqdm
 
     decay = [p for p in parameters if p.ndim >= 2]
@@ -82,6 +84,7 @@ def train_steps(
             optimizer.step()
             schedule.step()
             losses.append(loss.item())
+            failpoints.hit("train", desc)  # the fault tests stop a training here
             bar.update()
             if step % 10 == 0 or step == steps - 1:
                 bar.set_postfix(loss=f"{losses[-1]:.4f}")

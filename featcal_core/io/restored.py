@@ -1,0 +1,133 @@
+"""Adopting a results folder restored by `dvc pull`: ownership proven by `dvc.lock`, not by names.
+
+A colleague's clone gets a results folder from DVC (the cached outs: calibration sets, merged and
+calibrated checkpoints) and from git (the uncached outs: the lock, `selection.json`,
+`evaluation.json`, the plots), without the root marker that says featcal wrote it. Such a folder
+is adopted only when **every** entry in it is one of:
+
+- a file that the DVC project's `dvc.lock` records as a stage output, with the same md5;
+- a folder every file of which a featcal marker inside it lists with its sha256
+  (`outputs.verify_output` on each marked folder: the calibration sets, the checkpoints, the
+  plots), or whose own marker says it is a results folder (the calibration flow's
+  `calibration/`, checked when it is used).
+
+DVC's own `.gitignore` there (each line naming one of those outputs) is left as it is. Anything
+else (a folder of the user's whose entries happen to be called `plots` or `calibration`)
+is refused whole, naming the first entry that is not accounted for. Reads YAML only; never imports
+DVC.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import yaml
+
+from featcal_core.errors import FeatCalError
+from featcal_core.io import outputs
+
+LOCK_FILE = "dvc.lock"
+
+
+def find_dvc_lock(folder: Path) -> Path | None:
+    """The `dvc.lock` of the DVC project holding `folder`: the nearest one above it, not looking
+    past the project's root (the folder holding `.dvc/` or `.git/`)."""
+    for candidate in (folder, *folder.parents):
+        if (candidate / LOCK_FILE).is_file():
+            return candidate / LOCK_FILE
+        if (candidate / ".dvc").is_dir() or (candidate / ".git").exists():
+            return None
+    return None
+
+
+def recorded_outs(lock_file: Path) -> dict[Path, str]:
+    """{absolute output path: md5} of every stage's outs in `lock_file` (a folder's md5 ends in
+    `.dir`); {} when the file is not a readable lock."""
+    try:
+        data = yaml.safe_load(lock_file.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return {}
+    stages = data.get("stages") if isinstance(data, dict) else None
+    outs: dict[Path, str] = {}
+    for stage in (stages or {}).values():
+        for out in (stage or {}).get("outs") or []:
+            if isinstance(out, dict) and isinstance(out.get("path"), str):
+                path = Path(os.path.abspath(lock_file.parent / out["path"]))
+                outs[path] = str(out.get("md5") or "")
+    return outs
+
+
+def _md5(path: Path) -> str:
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _marked_tree_problem(folder: Path) -> str | None:
+    """None when every file below `folder` is listed, with its sha256, by a featcal marker inside
+    it; else what is wrong."""
+    marker = outputs.read_marker(folder)
+    if marker is not None and marker.get("kind") == outputs.RESULTS:
+        return None  # a results folder of its own (the calibration flow's): checked when used
+    if marker is not None:
+        return outputs.verify_output(folder)
+    for entry in sorted(folder.iterdir()):
+        if entry.is_symlink() or not entry.is_dir():
+            return f"{entry} is not inside a folder featcal marked"
+        wrong = _marked_tree_problem(entry)
+        if wrong is not None:
+            return wrong
+    return None
+
+
+def _dvc_gitignore(path: Path, outs: dict[Path, str]) -> bool:
+    """`path` is the `.gitignore` DVC writes beside its cached outs: each line `/<name>` names a
+    DVC output in that folder (comments and blank lines aside)."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return False
+    names = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    return all(
+        name.startswith("/") and Path(os.path.abspath(path.parent / name[1:])) in outs
+        for name in names
+    )
+
+
+def restored_files(root: Path, entries: list[Path], flag: str) -> dict[str, str]:
+    """{file name: sha256} of the files directly in `root` when every entry of it (`entries`, the
+    run lock and temporaries left out) is a DVC output `dvc.lock` records as it is; FeatCalError
+    naming the first entry that is not."""
+    lock_file = find_dvc_lock(root.parent)
+    outs = recorded_outs(lock_file) if lock_file is not None else {}
+    where = f"{lock_file} does not record it as it is" if lock_file else "no dvc.lock above it"
+    files: dict[str, str] = {}
+    for entry in entries:
+        md5 = outs.get(Path(os.path.abspath(entry)))
+        problem = None
+        if entry.name == ".gitignore" and _dvc_gitignore(entry, outs):
+            continue  # DVC's own: it keeps the cached outs out of git (left as it is)
+        if entry.is_dir() and not entry.is_symlink():
+            wrong = _marked_tree_problem(entry)  # a folder is featcal's by its markers
+            if wrong is not None and md5 is not None:
+                problem = f"it holds {entry}, restored by DVC but not as featcal wrote it ({wrong})"
+            elif wrong is not None:
+                problem = f"it holds {entry}, which no featcal marker lists and {where}"
+        elif md5 is None or entry.is_symlink():
+            problem = f"it holds {entry}, which no featcal marker lists and {where}"
+        elif not entry.is_file() or _md5(entry) != md5:
+            problem = f"it holds {entry}, which differs from what {lock_file} records"
+        else:
+            files[entry.name] = outputs.sha256_file(entry)
+        if problem is not None:
+            raise FeatCalError(
+                f"{flag} {root} is a folder featcal did not create ({problem}); choose a new or "
+                f"empty folder for {flag} (left untouched)"
+            )
+    return files

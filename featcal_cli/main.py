@@ -135,10 +135,10 @@ def split_verbosity(argv: list[str]) -> tuple[list[str], int]:
     """argv without its -v / -vv / --verbose flags (accepted anywhere), and their count."""
     rest, count = [], 0
     for arg in argv:
-        if arg in ("-v", "--verbose"):
+        if arg == "--verbose":
             count += 1
-        elif arg == "-vv":
-            count += 2
+        elif re.fullmatch(r"-v+", arg):  # -v, -vv, -vvv ...
+            count += len(arg) - 1
         else:
             rest.append(arg)
     return rest, count

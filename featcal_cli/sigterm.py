@@ -104,14 +104,14 @@ class _Stopper:
             self.resting.wait(REST_S)
         children = descendants(os.getpid())
         _signal(children, signal.SIGTERM)
-        with contextlib.suppress(Exception):  # the process ends now, whatever is left
-            self.remove_temporaries()
         deadline = time.monotonic() + CHILDREN_S
         while (alive := [pid for pid in children if _running(pid)]) and (
             time.monotonic() < deadline
         ):
             time.sleep(0.02)
         _signal(alive, signal.SIGKILL)
+        with contextlib.suppress(Exception):  # once the children are gone; the process ends now
+            self.remove_temporaries()
         line = STOPPED.encode() + b"\n"
         if os.isatty(2):  # over a progress bar's partial line
             line = b"\r\x1b[K" + line

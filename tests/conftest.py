@@ -155,6 +155,11 @@ def _restore_logger_levels():
     names = ["", "featcal", "featcal.tasks", "featcal_core", "featcal_core.method.calibration",
              "httpx", "urllib3", "datasets", "transformers", "huggingface_hub"]  # fmt: skip
     levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:  # Prefect's console handlers (PREFECT_LOGGING_EXTRA_LOGGERS) hold the
+        logger = logging.getLogger(name)  # stderr of the test that imported Prefect: capsys's,
+        for handler in list(logger.handlers):  # closed since; a real process has one stderr
+            if getattr(getattr(handler, "stream", None), "closed", False):
+                logger.removeHandler(handler)
     yield
     for name, level in levels.items():
         logging.getLogger(name).setLevel(level)

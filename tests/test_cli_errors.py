@@ -248,3 +248,19 @@ def test_set_overrides_keep_the_strict_types_and_name_the_key(override, needle, 
     message = str(info.value)
     assert needle in message and "\n" not in message, message
     assert not _FLAG.findall(message), message
+
+
+@pytest.mark.parametrize("text,value", [("010", 10), ("1:30", "1:30"), ("1_000", "1_000"),
+                                        ("0x10", 16), ("1e3", 1000.0), ("-.5", -0.5)])  # fmt: skip
+def test_flag_values_follow_yaml_1_2(text, value):
+    """What YAML 1.1 alone reads as a number (`1:30` = 90, `1_000`, `010` = 8) is read as YAML
+    1.2 and Python read it."""
+    from featcal_core.params.base import read_value
+
+    assert read_value(text) == value and type(read_value(text)) is type(value)
+
+
+def test_verbosity_anywhere_any_count():
+    from featcal_cli.main import split_verbosity
+
+    assert split_verbosity(["merge", "-vvv", "--out", "x", "-v"]) == (["merge", "--out", "x"], 4)

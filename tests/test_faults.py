@@ -691,3 +691,56 @@ def test_a_full_disk_at_the_run_lock_is_one_line(project, tmp_path, capsys):
                  capsys, "run lock", str(results / ".featcal.lock"), "No space left")  # fmt: skip
     finally:
         subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_ownership_edge_cases_of_the_review(tmp_path, monkeypatch):
+    """DVC's cache.type symlink (records are links into the cache: they verify by content); a
+    folder of featcal outputs without a dvc.lock is not adopted as a results folder; an old
+    results folder's plots/ is marked only when it holds the plot files alone."""
+    from featcal_core.io.outputs import check_root, prepare_root, verify_file, write_json
+    from featcal_core.report.plot_data import write_plot_data
+
+    monkeypatch.chdir(tmp_path)
+    results = prepare_root(tmp_path / "results")
+    record = write_json(results / "evaluation.json", {"alpha": {}})
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copy(record, cache / "md5")
+    record.unlink()
+    record.symlink_to(cache / "md5")  # as `dvc checkout` leaves it with cache.type symlink
+    assert verify_file(record) is None
+    (cache / "md5").write_text('{"alpha": {"calibrated": {"accuracy": 0.99}}}\n')
+    assert "changed" in verify_file(record)
+
+    ckpts = tmp_path / "ckpts"  # `featcal merge --out ckpts/merged`, then ckpts as results_dir
+    with guarded_directory(ckpts / "merged", overwrite=False) as tmp:
+        (tmp / "model.safetensors").write_bytes(b"weights")
+    with pytest.raises(FeatCalError, match="did not create"):
+        check_root(ckpts)
+
+    for extra, marked in (((), True), (("mine.txt",), False)):
+        old = tmp_path / f"old-{marked}"  # an earlier featcal's results folder
+        (old / "plots").mkdir(parents=True)
+        (old / MARKER).write_text(json.dumps({"tool": "featcal", "files": {}}))
+        (old / ".featcal.lock").write_text("{}")
+        for name in ("accuracy.csv", *extra):
+            (old / "plots" / name).write_text("task,x\n")
+        prepare_root(old)
+        assert ((old / "plots" / MARKER).is_file()) == marked
+        if not marked:
+            with pytest.raises(FeatCalError, match="not written by featcal"):
+                write_plot_data(old / "plots", {"alpha": {}}, None)
+            assert (old / "plots" / "mine.txt").read_text() == "task,x\n"
+
+
+def test_a_spill_dir_above_the_inputs_is_taken(zoo, tmp_path):
+    """--spill-dir may hold the inputs (only a new hidden subfolder is made there, then
+    removed); inside an input it is refused (test above)."""
+    from featcal_core import calibrate
+
+    before = _tree(zoo.base.parent)
+    out = tmp_path / "calibrated"
+    calibrate(zoo.base, zoo.merged, zoo.experts, zoo.calib, out, num_per_task=4,
+              spill_dir=zoo.base.parent, progress=False)  # fmt: skip
+    assert (out / "featcal.json").is_file()
+    assert _tree(zoo.base.parent) == before  # nothing left in the spill folder

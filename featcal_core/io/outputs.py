@@ -186,11 +186,13 @@ def check_target(
     inputs: Iterable[str | Path | None] = (),
     root: str | Path | None = None,
     flag: str = "--out",
+    may_hold_inputs: bool = False,
 ) -> Path:
     """`out` resolved, after checking it is a place this tool may write (see the module doc).
 
     inputs: files or folders the command reads (never written, never inside `out`, never holding
-    `out`). root: the folder `out` must lie in (e.g. reports/). Raises FeatCalError naming `flag`.
+    `out`, unless `may_hold_inputs`: a folder featcal only adds a new subfolder to). root: the
+    folder `out` must lie in (e.g. reports/). Raises FeatCalError naming `flag`.
     """
     path = Path(out).expanduser().resolve()
     fix = f"choose another {flag}"
@@ -207,7 +209,7 @@ def check_target(
             raise FeatCalError(f"{flag} {out} is an input of this command ({item}); {fix}")
         if source in path.parents:
             raise FeatCalError(f"{flag} {out} lies inside the input {item}; {fix}")
-        if path in source.parents:
+        if path in source.parents and not may_hold_inputs:
             raise FeatCalError(
                 f"{flag} {out} holds the input {item}; replacing it would delete that input; {fix}"
             )
@@ -309,14 +311,22 @@ def verify_file(path: str | Path) -> str | None:
     marker = read_marker(path.parent)
     if marker is None or path.name not in marker["files"]:
         return f"{path} was not written by featcal (its folder's {MARKER} does not list it)"
-    if path.is_symlink() or sha256_file(path) != marker["files"][path.name]:
+    if sha256_file(path) != marker["files"][path.name]:  # through a DVC cache link too
         return f"{path} changed since featcal wrote it (sha256 differs from {MARKER})"
     return None
 
 
 def _absolute(path: Path) -> Path:
-    """`path` made absolute without resolving symlinks (`..` folded lexically)."""
-    return Path(os.path.abspath(Path(path).expanduser()))
+    """`path` made absolute without resolving its symlinks, but for the part up to its last
+    `..`, which is resolved as the kernel does (a link followed by `..` leaves the link's
+    target, not the folder the link is in)."""
+    path = Path(path).expanduser()
+    path = path if path.is_absolute() else Path.cwd() / path
+    parts = path.parts
+    if ".." in parts:
+        last = len(parts) - 1 - parts[::-1].index("..")
+        path = Path(os.path.realpath(Path(*parts[: last + 1]))).joinpath(*parts[last + 1 :])
+    return Path(os.path.abspath(path))
 
 
 def _owned(folder: Path) -> bool:
@@ -342,14 +352,15 @@ def owner_of(path: str | Path) -> Path | None:
 
 def check_within_owner(target: str | Path, flag: str = "output") -> Path | None:
     """The nearest folder featcal owns that holds `target` (`owner_of`), after checking that
-    `target`'s folder, resolved, lies inside the outermost such folder, resolved: a symlink below
-    an output (a subfolder replaced by a link to the user's files) is refused, never written
+    `target`'s folder, resolved, lies inside the nearest root featcal prepared (a marker with a
+    kind: a results folder), else the outermost featcal folder, resolved: a symlink below an output (a subfolder replaced by a link to the user's files) is refused, never written
     through. None when no featcal folder holds `target` (a new output of the user's choosing)."""
     target = _absolute(Path(target))
     owners = _owners(target.parent)
     if not owners:
         return None
-    outer = owners[-1]
+    roots = [owner for owner in owners if (read_marker(owner) or {}).get("kind")]
+    outer = roots[0] if roots else owners[-1]  # the prepared root (it may be a link the user set)
     existing = target.parent
     while not existing.exists() and existing != outer:
         existing = existing.parent
@@ -473,7 +484,7 @@ def scratch_directory(
     """A temporary folder `.<name>.featcal-tmp-...` in `parent` (created if missing) for
     the `with` body, removed after it; `parent` is checked as an output first (`check_target`:
     never an input or inside one) and what a killed run left there is swept."""
-    parent = check_target(parent, inputs=inputs, flag=flag)
+    parent = check_target(parent, inputs=inputs, flag=flag, may_hold_inputs=True)
     try:
         parent.mkdir(parents=True, exist_ok=True)
         check_within_owner(parent / name, flag)
@@ -646,12 +657,17 @@ def prepare_root(root: str | Path, *, inputs: Iterable[str | Path | None] = (),
     return path
 
 
+#: what an earlier featcal wrote into a results folder's unmarked plots/
+PLOT_FILES = ("accuracy.csv", "drift.csv")
+
+
 def _upgrade_root(path: Path, marker: dict, kind: str) -> None:
     """A results folder of an earlier featcal: its marker gains its kind, and its `plots/` (then
     written file by file into an unmarked folder, now a marked output) gets a marker of its own
     when it holds plain files only."""
     plots = path / "plots"
     if plots.is_dir() and not plots.is_symlink() and read_marker(plots) is None:
-        if all(p.is_file() and not p.is_symlink() for p in plots.iterdir()):
-            mark_directory(plots)
+        entries = list(plots.iterdir())
+        if all(p.name in PLOT_FILES and p.is_file() and not p.is_symlink() for p in entries):
+            mark_directory(plots)  # anything else there: the report refuses and names it
     _write_marker(path, marker["files"], kind)

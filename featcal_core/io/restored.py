@@ -6,10 +6,10 @@ calibrated checkpoints) and from git (the uncached outs: the lock, `selection.js
 is adopted only when **every** entry in it is one of:
 
 - a file that the DVC project's `dvc.lock` records as a stage output, with the same md5;
-- a folder every file of which a featcal marker inside it lists with its sha256
-  (`outputs.verify_output` on each marked folder: the calibration sets, the checkpoints, the
-  plots), or whose own marker says it is a results folder (the calibration flow's
-  `calibration/`, checked when it is used).
+- a folder that `dvc.lock` records as a stage output, every file of which a featcal marker inside
+  it lists with its sha256 (`outputs.verify_output` on each marked folder: the calibration sets,
+  the checkpoints, the plots), or whose own marker says it is a results folder (the calibration
+  flow's `calibration/`, checked when it is used).
 
 DVC's own `.gitignore` there (each line naming one of those outputs) is left as it is. Anything
 else (a folder of the user's whose entries happen to be called `plots` or `calibration`)
@@ -113,15 +113,13 @@ def restored_files(root: Path, entries: list[Path], flag: str) -> dict[str, str]
         problem = None
         if entry.name == ".gitignore" and _dvc_gitignore(entry, outs):
             continue  # DVC's own: it keeps the cached outs out of git (left as it is)
-        if entry.is_dir() and not entry.is_symlink():
-            wrong = _marked_tree_problem(entry)  # a folder is featcal's by its markers
-            if wrong is not None and md5 is not None:
-                problem = f"it holds {entry}, restored by DVC but not as featcal wrote it ({wrong})"
-            elif wrong is not None:
-                problem = f"it holds {entry}, which no featcal marker lists and {where}"
-        elif md5 is None or entry.is_symlink():
+        if md5 is None:
             problem = f"it holds {entry}, which no featcal marker lists and {where}"
-        elif not entry.is_file() or _md5(entry) != md5:
+        elif entry.is_dir() and not entry.is_symlink():
+            wrong = _marked_tree_problem(entry)  # a folder is featcal's by its markers
+            if wrong is not None:
+                problem = f"it holds {entry}, restored by DVC but not as featcal wrote it ({wrong})"
+        elif not entry.is_file() or _md5(entry) != md5:  # a file: by content (a cache link too)
             problem = f"it holds {entry}, which differs from what {lock_file} records"
         else:
             files[entry.name] = outputs.sha256_file(entry)

@@ -278,7 +278,7 @@ def calibrate(
     inputs = calibration_inputs(base, merged, experts, calib)
     check_output(out, overwrite=overwrite, inputs=inputs)
     if spill_dir is not None:
-        check_target(spill_dir, inputs=(*inputs, out), flag="--spill-dir")
+        check_target(spill_dir, inputs=(*inputs, out), flag="--spill-dir", may_hold_inputs=True)
     settings = Settings(
         num_per_task, batch_size, seed, device, max_length, pooling, token_weighting, precision
     )

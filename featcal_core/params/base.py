@@ -51,6 +51,11 @@ StrictInt = Annotated[int, Strict()]
 StrictBool = Annotated[bool, Strict()]
 #: a number as YAML 1.2 and Python write it: 1e-3, 1E3, -2e-1, .5, +1.5 (no nan, no inf)
 _NUMBER_RE = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+_INTEGER_RE = re.compile(r"^[+-]?\d+$")
+#: the other numbers YAML 1.2's core schema reads: hexadecimal, octal, infinity and not-a-number
+_YAML12_OTHER_RE = re.compile(
+    r"^([+-]?(0x[0-9a-fA-F]+|0o[0-7]+)|[+-]?\.(inf|Inf|INF)|\.(nan|NaN|NAN))$"
+)
 
 
 def _yaml_number(value: Any) -> Any:
@@ -67,7 +72,16 @@ def read_value(text: str) -> Any:
     do (`_yaml_number`, also the params schema's `FiniteFloat`). `nan` and `inf` stay text;
     `.nan` / `.inf` are YAML's non-finite floats, refused wherever a finite number is wanted.
     An empty text is "". Raises yaml.YAMLError on a value that is not YAML."""
-    return _yaml_number(yaml.safe_load(text)) if text.strip() else ""
+    stripped = text.strip()
+    if not stripped:
+        return ""
+    if _NUMBER_RE.match(stripped):  # as YAML 1.2 and Python read it (`010` is 10, not 8)
+        return int(stripped) if _INTEGER_RE.match(stripped) else float(stripped)
+    value = yaml.safe_load(text)
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not _YAML12_OTHER_RE.match(stripped):
+            return stripped  # YAML 1.1 alone reads `1:30` or `1_000` as a number: text here
+    return _yaml_number(value)
 
 
 FiniteFloat = Annotated[float, BeforeValidator(_yaml_number), Strict(), Field(allow_inf_nan=False)]

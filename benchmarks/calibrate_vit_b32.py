@@ -5,11 +5,13 @@ For each expert count T (default 2, 4, 8): a synthetic pool with `CLIPVisionConf
 base + N(0, δ²) deltas, Task Arithmetic merge (s = 0.3), 32 random images per task, all saved as
 HF directories; then `featcal calibrate` runs in its own process on CPU. Prints per T: wall time,
 peak RSS, the seconds per phase (from the record: read, forward, statistics, solve), the counted
-FLOPs per phase (benchmarks/flops.py), the machine's measured fp32 / fp64 GEMM rates and the
-fraction of the floor achieved (floor = counted FLOPs at the measured rates).
+FLOPs per phase (benchmarks/flops.py), the machine's measured bf16 / fp32 / fp64 GEMM rates and
+the fraction of the floor achieved (floor = counted FLOPs at the measured rates). With several
+precisions (default float32 then bfloat16, each T run in both back to back) it prints each one's
+wall time as a fraction of the float32 run's.
 
-    .venv/bin/python benchmarks/calibrate_vit_b32.py [--experts 2 4 8] [--precision float32]
-        [--threads N] [--work DIR]
+    .venv/bin/python benchmarks/calibrate_vit_b32.py [--experts 2 4 8]
+        [--precision float32 bfloat16] [--work DIR]
 """
 
 from __future__ import annotations
@@ -32,21 +34,26 @@ D, F, SEQ, BLOCKS = 768, 3072, 50, 12
 PHASES = ("read", "forward", "statistics", "solve")
 
 
-def run_one(num_experts: int, work: Path, args) -> dict:
+def run_one(num_experts: int, work: Path, args) -> list[dict]:
     root = work / f"pool_{num_experts}"
     tasks = tuple(f"task{i}" for i in range(num_experts))
     started = time.perf_counter()
     pool = build_pool(root, "clip", {}, tasks, delta=args.delta, rows=args.images, seed=0)
     built = time.perf_counter() - started
+    rows = [_calibrate(pool, num_experts, work, args, p, built) for p in args.precision]
+    shutil.rmtree(root)
+    return rows
+
+
+def _calibrate(pool, num_experts: int, work: Path, args, precision: str, built: float) -> dict:
     out = work / f"out_{num_experts}"
     cmd = [sys.executable, "-m", "featcal_cli.main", *pool.cli_args(out), "--device", "cpu",
-           "--num-per-task", str(args.images), "--precision", args.precision, "--overwrite",
+           "--num-per-task", str(args.images), "--precision", precision, "--overwrite",
            "--no-progress"]  # fmt: skip
     started = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - started
     record = json.loads((out / "featcal.json").read_text())
-    shutil.rmtree(root)
     shutil.rmtree(out)
     phases = {p: sum(b.get("phases", {}).get(p, 0.0) for b in record["blocks"]) for p in PHASES}
     return {
@@ -66,37 +73,43 @@ def main() -> None:
     parser.add_argument("--experts", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--images", type=int, default=32, help="calibration images per task")
     parser.add_argument("--delta", type=float, default=0.002, help="std of the expert deltas")
-    parser.add_argument("--precision", choices=["float32", "float64"], default="float32")
+    parser.add_argument(
+        "--precision",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        choices=["float64", "float32", "bfloat16", "auto"],
+    )
     parser.add_argument("--work", type=Path, default=None, help="scratch directory")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="featcal-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    rate32, rate64 = gemm_rate(torch.float32), gemm_rate(torch.float64)
-    rows = [run_one(n, work, args) for n in args.experts]
-    print(f"\nGEMM rate on this machine ({torch.get_num_threads()} threads): "
-          f"fp32 {rate32 / 1e9:.0f} GFLOP/s, fp64 {rate64 / 1e9:.0f} GFLOP/s")  # fmt: skip
-    print("\n| experts | precision | featcal wall (s) | process wall (s) | read / forward / "
-          "statistics / solve (s) | peak RSS (MiB) |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    rates = {name: gemm_rate(dtype) for name, dtype in
+             (("bfloat16", torch.bfloat16), ("float32", torch.float32), ("float64", torch.float64))}  # fmt: skip
+    rows = [row for n in args.experts for row in run_one(n, work, args)]
+    shown = ", ".join(f"{name} {rate / 1e9:.0f}" for name, rate in rates.items())
+    print(f"\nGEMM rates on this machine ({torch.get_num_threads()} threads), GFLOP/s: {shown}")
+    print("\n| experts | precision | featcal wall (s) | vs float32 | process wall (s) | read / "
+          "forward / statistics / solve (s) | peak RSS (MiB) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    reference = {r["experts"]: r["calibrate_wall_s"] for r in rows if r["precision"] == "float32"}
     for r in rows:
         split = " / ".join(f"{r['phases'][p]:.1f}" for p in PHASES)
+        ratio = (f"×{r['calibrate_wall_s'] / reference[r['experts']]:.2f}"
+                 if r["experts"] in reference else "—")  # fmt: skip
         print(
-            f"| {r['experts']} | {r['precision']} | {r['calibrate_wall_s']:.1f} "
+            f"| {r['experts']} | {r['precision']} | {r['calibrate_wall_s']:.1f} | {ratio} "
             f"| {r['process_wall_s']:.1f} | {split} | {r['peak_rss_mb']} |"
         )
-    print("\n| experts | counted TFLOP forward / statistics / solve | floor (s) at the measured "
-          "rates | floor / featcal wall |")  # fmt: skip
-    print("|---|---|---|---|")
+    print("\n| experts | precision | counted TFLOP forward / statistics / solve | floor (s) at the "
+          "measured rates | floor / featcal wall |")  # fmt: skip
+    print("|---|---|---|---|---|")
     for r in rows:
         flops = counted_flops(D, F, SEQ, BLOCKS, r["experts"], args.images)
-        floor = floor_seconds(flops, rate32, rate64, r["precision"])
+        floor = floor_seconds(flops, rates, r["precision"])
         counted = " / ".join(f"{flops[p] / 1e12:.2f}" for p in ("forward", "statistics", "solve"))
         total = sum(floor.values())
-        print(f"| {r['experts']} | {counted} | {total:.1f} "
+        print(f"| {r['experts']} | {r['precision']} | {counted} | {total:.1f} "
               f"| {100 * total / r['calibrate_wall_s']:.0f} % |")  # fmt: skip
-    for a, b in zip(rows, rows[1:], strict=False):
-        per = (b["peak_rss_mb"] - a["peak_rss_mb"]) / (b["experts"] - a["experts"])
-        print(f"peak RSS growth {a['experts']}→{b['experts']} experts: {per:.1f} MiB per expert")
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -52,12 +52,13 @@ def gemm_rate(dtype: torch.dtype, size: int = 2048, seconds: float = 2.0) -> flo
     return done * 2 * size**3 / (time.perf_counter() - start)
 
 
-def floor_seconds(flops: dict, rate32: float, rate64: float, precision: str) -> dict:
-    """Seconds each phase would take at the measured GEMM rates: forward in float32, statistics
-    in the products' precision, solves in float64."""
-    stats_rate = rate32 if precision == "float32" else rate64
+def floor_seconds(flops: dict, rates: dict[str, float], precision: str) -> dict:
+    """Seconds each phase would take at the measured GEMM rates (`rates`: dtype name → FLOP/s):
+    forward in the precision's pass dtype (float32 for float64 products: the models' own),
+    statistics in the products' precision, solves in float64."""
+    forward = rates["bfloat16"] if precision == "bfloat16" else rates["float32"]
     return {
-        "forward": flops["forward"] / rate32,
-        "statistics": flops["statistics"] / stats_rate,
-        "solve": flops["solve"] / rate64,
+        "forward": flops["forward"] / forward,
+        "statistics": flops["statistics"] / rates[precision],
+        "solve": flops["solve"] / rates["float64"],
     }

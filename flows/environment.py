@@ -106,6 +106,7 @@ def _local_api() -> tuple[str, str]:
     global _kept
     from featcal.flows.prefect_server import (
         api_auth_string,
+        start_lock,
         start_server,
         stop_server,
         wait_healthy,
@@ -115,12 +116,13 @@ def _local_api() -> tuple[str, str]:
         return _kept[1], _kept[2]
     home = os.environ["PREFECT_HOME"]  # set by configure()
     auth = api_auth_string(home)
-    server, api_url = start_server(home=home, auth=auth, temporary=True)
-    try:
-        wait_healthy(api_url, 180, server)
-    except BaseException:
-        stop_server(server)
-        raise
+    with start_lock(home):  # one start-up at a time on one database (its migrations)
+        server, api_url = start_server(home=home, auth=auth, temporary=True)
+        try:
+            wait_healthy(api_url, 180, server)
+        except BaseException:
+            stop_server(server)
+            raise
     log.debug("local Prefect server at %s (pid %d, basic auth)", api_url, server.pid)
     _kept = (server, api_url, auth)
     return api_url, auth

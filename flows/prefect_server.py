@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import importlib.util
 import logging
 import os
@@ -106,6 +107,30 @@ def _read_token(path: Path) -> str:
             "at the next start"
         )
     return token
+
+
+#: the file in PREFECT_HOME whose lock serialises the start-up of local servers on that home
+START_LOCK = ".featcal-server-start.lock"
+
+
+@contextmanager
+def start_lock(home: str | Path) -> Iterator[None]:
+    """Hold, across processes, the start-up lock of servers on `home`'s database: two commands
+    starting at once would run the database's migrations together, and one server would exit
+    (SQLite "database is locked"). The lock file is opened without following links."""
+    path = Path(home) / START_LOCK
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as err:
+        raise FeatCalError(
+            f"cannot open the Prefect start-up lock {path}: {err}; remove it"
+        ) from err
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        yield
+    finally:
+        os.close(fd)
 
 
 def _free_port() -> int:

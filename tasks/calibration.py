@@ -90,6 +90,7 @@ def inputs_digest(spec: dict, code: dict[str, Path] | None = None) -> str:
         "calibration": {t: sha256_tree(Path(s.path)) for t, s in cal.sets.items()},
         "params": spec["params"],
         "settings": spec["settings"],
+        "precision": cal.precision,  # what "auto" resolved to on this device
         "code": code_version(code),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()

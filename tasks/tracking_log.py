@@ -47,8 +47,9 @@ def log_calibration_record(record: Mapping[str, Any], *, run_id: str | None = No
     means over tasks `drift_before_mean`, `drift_after_mean`, and `block_seconds`; once
     `calibrated_blocks`, `calibrated_blocks_restored`, `calibration_wall_s`, `peak_rss_mb` (and
     `peak_device_mb` when recorded). No params: the hyperparameters are the run's `featcal.*`
-    params already (one value per param). Tags `calibration.precision` (the products' dtype
-    that ran),
+    params already (one value per param). Tags `calibration.precision` (the passes' dtype that
+    ran, `featcal.precision: auto` resolved), `calibration.precision_reason`,
+    `calibration.products_precision`,
     `calibration.architecture`, `calibration.record_version`, `calibration.inputs_sha256` (digest
     of the inputs section: weight and data digests, row indices). Artifact: `featcal.json`.
     """
@@ -88,8 +89,11 @@ def log_calibration_record(record: Mapping[str, Any], *, run_id: str | None = No
     metrics += [(key, float(value), 0) for key, value in totals.items()]
     batch_metric_steps(client, run, metrics, now)
 
+    ran = record.get("hyperparameters") or {}
     tags = {
-        "calibration.precision": (record.get("hyperparameters") or {}).get("precision"),
+        "calibration.precision": ran.get("precision"),
+        "calibration.precision_reason": ran.get("precision_reason"),
+        "calibration.products_precision": ran.get("products_precision"),
         "calibration.architecture": record.get("architecture"),
         "calibration.record_version": record.get("featcal_record_version"),
     }

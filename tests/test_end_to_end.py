@@ -199,9 +199,10 @@ def test_bf16_runs_without_nan_and_matches_fp32(tmp_path):
 def test_spill_dir_gives_identical_output(tmp_path):
     zoo = factories.bert_zoo(tmp_path / "zoo")
     a, b = tmp_path / "a", tmp_path / "b"
-    assert main(zoo.cli_args(a)) == 0
+    exact = ["--precision", "float32"]  # another batch size regroups bfloat16's roundings
+    assert main(zoo.cli_args(a) + exact) == 0
     spill = tmp_path / "spill"
-    assert main(zoo.cli_args(b) + ["--spill-dir", str(spill), "--batch-size", "5"]) == 0
+    assert main(zoo.cli_args(b) + exact + ["--spill-dir", str(spill), "--batch-size", "5"]) == 0
     assert (
         load_file(str(a / "model.safetensors")).keys()
         == load_file(str(b / "model.safetensors")).keys()

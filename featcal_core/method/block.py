@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from featcal_core import precision as precisions
 from featcal_core.errors import FeatCalError
 from featcal_core.method.block_solve import fold, fold_and_solve, solve
 from featcal_core.method.block_statistics import (
@@ -71,10 +72,16 @@ class BlockRunner:
     """Reusable block modules (merged and expert) with capture hooks, for one architecture."""
 
     def __init__(
-        self, models: ModelSet, dtype: torch.dtype, device: torch.device, precision: str = "float64"
+        self,
+        models: ModelSet,
+        dtype: torch.dtype,
+        device: torch.device,
+        precision: str = "float64",
+        products: str | None = None,
     ):
         self.models = models
-        self.precision = precision  # of the statistics' token products (statistics.py)
+        self.precision = precision  # of the block passes (precision.py)
+        self.products = products or precision  # of the statistics' token products
         self.phases: dict[str, float] = {}  # seconds per phase since the last block's result
         self.arch = models.arch
         self.dtype = dtype
@@ -136,9 +143,14 @@ class BlockRunner:
         tensors = self.models.read(checkpoint, list(keys.values()))
         return {name: tensors[key] for name, key in keys.items()}
 
+    def passes(self):
+        """The context every block pass runs in: bfloat16 autocast for precision bfloat16."""
+        return precisions.autocast(self.precision, self.device)
+
     def forward(self, module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor, context=None):
-        with torch.no_grad():
-            return run_block(self.arch, module, hidden, mask, context)
+        """The block's output (B, S, d) in the models' dtype, computed in `self.precision`."""
+        with torch.no_grad(), self.passes():
+            return run_block(self.arch, module, hidden, mask, context).to(self.dtype)
 
     # ----- the streams a block reads (one stack; or T5's encoder, bridge, decoder) --------------
     def _phase(self, index: int) -> str:
@@ -252,17 +264,18 @@ class BlockRunner:
             student = student.to(self.device)
             expert_hidden = expert_hidden.to(self.device)
             mask, weighted = mask.to(self.device), weighted.to(self.device)
-            with self.timed("forward"):
+            with self.timed("forward"), self.passes():
                 out_m, x_s = self.merged_capture.run(self.merged_block, student, mask, context_s)
                 out_e, x_e = self.expert_capture.run(self.expert_block, expert_hidden, mask,
                                                      context_e)  # fmt: skip
+            out_m, out_e = out_m.to(self.dtype), out_e.to(self.dtype)
             check_finite(out_e, f"expert {task!r} output of block {index}")
             check_finite(out_m, f"merged output of block {index} on task {task!r}")
             if linear_stats is None:
                 tokens = min(int(m.sum()) for m in masks.values())  # a hint for the cost
                 linear_stats, groups = linear_groups(self.arch, self.merged_block, self.linears,
                                                      x_s, last, tokens, self.device,
-                                                     self.precision)  # fmt: skip
+                                                     self.products)  # fmt: skip
                 norm_stats = self._norm_stats()
             context_mask = None if context_s is None else context_s[1]
             with self.timed("statistics"):

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from featcal_core import precision
 from featcal_core.architectures.base import WEIGHT_MASK
 from featcal_core.data.calibration_data import CalibrationSet, load_calibration_set
 from featcal_core.errors import FeatCalError
@@ -32,7 +33,6 @@ from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.model_set import ModelSet
 from featcal_core.method.settings import SETTING_DEFAULTS as _DEFAULT
 from featcal_core.method.settings import Settings
-from featcal_core.method.statistics import PRECISIONS
 from featcal_core.method.streams import (
     EXPERT,
     EXPERT_DECODER,
@@ -102,9 +102,9 @@ class Calibration:
         check_tasks(experts, calib)
         if settings.batch_size < 1:
             raise FeatCalError(f"--batch-size must be at least 1 (got {settings.batch_size})")
-        if settings.precision not in PRECISIONS:
+        if settings.precision not in precision.CHOICES:
             raise FeatCalError(
-                f"--precision must be one of {', '.join(sorted(PRECISIONS))} "
+                f"--precision must be one of {', '.join(precision.CHOICES)} "
                 f"(got {settings.precision!r})"
             )
         self.params = params
@@ -128,9 +128,15 @@ class Calibration:
                         "as a 'target' column or use --token-weighting all"
                     )
         self.dtype = self.models.compute_dtype()
-        # the token products run in float32 only for models computing in a narrower dtype
-        wide = self.dtype == torch.float64
-        self.precision = "float64" if wide else settings.precision
+        # what runs the block passes and the token products (auto: by device and checkpoints)
+        self.chosen = precision.resolve(settings.precision, self.device, self.dtype)
+        self.precision = self.chosen.name
+        self.products = precision.products_for(self.chosen, params.lam)  # the token products'
+        if self.products != self.precision:
+            log.info("λ = %g < %g: the token products run in %s, the passes in %s (an "
+                     "unregularised solve amplifies bfloat16 rounding)", params.lam,
+                     precision.BF16_MIN_LAM, self.products, self.precision)  # fmt: skip
+        precision.allow_tf32(self.chosen, self.device)
         self._runner: BlockRunner | None = None
 
     @property
@@ -146,8 +152,8 @@ class Calibration:
 
     def _block_runner(self) -> BlockRunner:
         if self._runner is None:
-            self._runner = BlockRunner(self.models, self.dtype, self.device,
-                                       self.precision)  # fmt: skip
+            self._runner = BlockRunner(self.models, self.dtype, self.device, self.precision,
+                                       self.products)  # fmt: skip
         return self._runner
 
     def task_statistics(
@@ -201,7 +207,10 @@ class Calibration:
     def record(self, blocks: list[dict], started: float) -> dict:
         settings = asdict(self.settings)
         settings["device"] = str(self.device)
-        settings["precision"] = self.precision  # the products' dtype that ran
+        settings["precision"] = self.precision  # the passes' and products' dtype that ran
+        settings["precision_requested"] = self.settings.precision
+        settings["precision_reason"] = self.chosen.reason
+        settings["products_precision"] = self.products
         settings["pooled_position"] = self.arch.pooled_position
         record = _record(self.models, self.sets, self.params, blocks, settings, started)
         found = [entry for block in blocks for entry in block.get("fallbacks", [])]

@@ -18,9 +18,10 @@ class Settings:
     max_length: int = 128  # token limit for text models
     pooling: str | None = None  # cls | mean | None (the architecture's default)
     token_weighting: str = "all"  # all | answer (causal LMs: only positions predicting targets)
-    # float32 | float64: the dtype of the token products feeding the float64 statistics
-    # (featcal_core/method/statistics.py); sums and solves are float64 either way
-    precision: str = "float32"
+    # auto | float64 | float32 | bfloat16: the dtype of the block passes and of the token
+    # products feeding the float64 statistics (featcal_core/precision.py); sums and solves are
+    # float64 whatever runs; auto: bfloat16 where the device has it natively, else float32
+    precision: str = "auto"
 
 
 #: the default of each setting

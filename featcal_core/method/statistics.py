@@ -14,8 +14,11 @@ token products (Gram, mixed and cross terms) run in float32, one chunk of at mos
 `TOKEN_CHUNK_FP32` tokens and `SYMMETRIC_BLOCK_FP32` rows at a time, each added to the float64 sums
 at once (so no float32 sum covers more than one chunk, and the float32 work memory is one such
 row block, not a second copy of the sums); token sums, the per-task scaling and every solve stay
-float64. `precision="float64"` runs everything in float64
-(the audit path; it is the code the float64 reference tests were written against).
+float64. `precision="bfloat16"` is the same with bfloat16 token inputs (featcal_core/precision.py:
+on CUDA each product returns float32; on CPU it is rounded to bfloat16 before the float64 add);
+products of the sums themselves (once per task) stay float32. `precision="float64"` runs
+everything in float64 (the audit path; it is the code the float64 reference tests were written
+against).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from featcal_core.method.solvers import (
     solve_linear_bias,
     solve_linear_weight,
 )
+from featcal_core.precision import PRODUCT_DTYPES, product
 
 #: Gram matrices at least twice this wide are accumulated by block rows, upper triangle only
 SYMMETRIC_BLOCK = 768
@@ -43,15 +47,21 @@ SYMMETRIC_BLOCK_FP32 = 384
 TOKEN_CHUNK = 512
 #: tokens per work chunk when the products run in float32 (longer GEMMs, same scratch bytes)
 TOKEN_CHUNK_FP32 = 1024
-#: the dtype of the token products for each `precision` setting
-PRECISIONS: dict[str, torch.dtype] = {"float64": torch.float64, "float32": torch.float32}
+#: the dtype of the token products for each resolved precision (featcal_core/precision.py)
+PRECISIONS: dict[str, torch.dtype] = PRODUCT_DTYPES
 
 
 def product_dtype(precision: str) -> torch.dtype:
-    """The dtype of the token products for `precision` ("float32" | "float64")."""
+    """The dtype of the token products for `precision` (float64 | float32 | bfloat16)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     return PRECISIONS[precision]
+
+
+def sums_dtype(product: torch.dtype) -> torch.dtype:
+    """The dtype of products of the sums themselves (once per task, not per token): the
+    products' dtype, but float32 for bfloat16 (the sums must not be rounded to 8 bits)."""
+    return torch.float32 if product == torch.bfloat16 else product
 
 
 def add_gram(
@@ -242,8 +252,9 @@ class LinearInputStats:
                 target.task_cross[:, start : start + rows.shape[0]].addmm_(xw.T, y)
 
     def _add_reduced(self, x_s, x_e, w, alpha, expert_params) -> None:
-        """`add` with the token products in `self.product` (float32), added row block by row
-        block to the float64 sums; token sums accumulate in float64."""
+        """`add` with the token products in `self.product` (float32 or bfloat16), added row
+        block by row block to the float64 sums; token sums accumulate in float64 (from float32
+        vector sums over ≤ one chunk of tokens)."""
         tokens = x_s.shape[0]
         dtype = self.product
         x_s = self.scratch.take("x_s32", tokens, self.d_in, dtype).copy_(x_s)
@@ -257,7 +268,8 @@ class LinearInputStats:
             w = w.to(dtype)
             xw = torch.mul(x_s, w[:, None], out=self.scratch.take("xw32", tokens, self.d_in, dtype))
             self._task_student += xw.sum(0, dtype=DTYPE)
-            self._task_expert += torch.mv(x_e.T, w)  # float32 over ≤ one chunk of tokens
+            wide = sums_dtype(dtype)  # float32 over ≤ one chunk of tokens
+            self._task_expert += torch.mv(x_e.T.to(wide), w.to(wide))
             self._task_weight += float(w.sum(dtype=DTYPE))
         self._add_product(self._task_gram, xw, x_s, symmetric=self.d_in >= 2 * self.block)
         if self.via_x:
@@ -274,17 +286,16 @@ class LinearInputStats:
                 self._add_product(target.task_cross[:, start : start + rows.shape[0]], xw, y)
 
     def _add_product(self, acc, left, right, symmetric: bool = False) -> None:
-        """acc (float64, r × c) += leftᵀ right for left (N, r), right (N, c) in float32, by
+        """acc (float64, r × c) += leftᵀ right for left (N, r), right (N, c) in self.product, by
         blocks of `self.block` rows; symmetric: only the upper block triangle (add_gram's
         layout)."""
         block = self.block
         for i in range(0, acc.shape[0], block):
             start = i if symmetric else 0
             part = left[:, i : i + block]
-            product = self.scratch.take("product32", part.shape[1], right.shape[1] - start,
-                                        self.product)  # fmt: skip
-            torch.mm(part.T, right[:, start:], out=product)
-            acc[i : i + block, start:].add_(product)
+            out = self.scratch.take("product32", part.shape[1], right.shape[1] - start,
+                                    self.product)  # fmt: skip
+            acc[i : i + block, start:].add_(product(part.T, right[:, start:], out=out))
 
     def task_contribution(
         self,
@@ -325,9 +336,10 @@ class LinearInputStats:
             weight_t, bias_t = expert_params[name]
             if self.via_x:  # X_t W_tᵀ, by blocks of W_t's rows (no float64 copy of all of W_t)
                 cross = torch.empty(self.d_in, target.d_out, dtype=DTYPE, device=self.device)
-                left = mixed if self.product == DTYPE else mixed.to(self.product)
+                wide = sums_dtype(self.product)
+                left = mixed if self.product == DTYPE else mixed.to(wide)
                 for start in range(0, target.d_out, SOLVE_COLUMNS):
-                    rows = weight_t[start : start + SOLVE_COLUMNS].to(self.product)
+                    rows = weight_t[start : start + SOLVE_COLUMNS].to(wide)
                     if self.product == DTYPE:
                         torch.mm(left, rows.T, out=cross[:, start : start + SOLVE_COLUMNS])
                     else:

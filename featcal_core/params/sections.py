@@ -126,11 +126,13 @@ class FeatCalSettings(_Section):
         "causal LMs: weigh every real token (all) or only the positions predicting the "
         "calibration set's `target` tokens (answer)",
     )
-    precision: Literal["float32", "float64"] = _setting_field(
+    precision: Literal["auto", "float64", "float32", "bfloat16"] = _setting_field(
         "precision",
-        "dtype of the token products feeding the statistics (float32: faster, each chunk's "
-        "product added to the float64 sums; float64: the audit path); sums and solves are "
-        "float64 either way",
+        "dtype of the block passes and of the token products feeding the statistics "
+        "(bfloat16: autocast passes and bfloat16 products, where the device has them natively; "
+        "float32: each chunk's product added to the float64 sums; float64: the audit path; "
+        "auto: bfloat16 on a CPU with avx512_bf16/AMX or a CUDA GPU of compute capability ≥ 8.0, "
+        "else float32); sums and solves are float64 whatever runs",
     )
     heads: StrictBool = Field(
         False,

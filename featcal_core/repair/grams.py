@@ -6,7 +6,7 @@ expert's hidden states, (n_t, S_t, d), in the model dtype) in a `HiddenStreams`;
 module (one expert's block at a time) is in memory. A Linear's tokens are the ones FeatCal uses:
 real tokens (padding out; with token weighting "answer" only the answer positions; T5's
 cross-attention keys/values the encoder's tokens), each weighing 1 (or FeatCal's ω with
-`pooled_weights`). Token products run in `precision`; sums are float64.
+`pooled_weights`). Passes and token products run in `precision` (featcal_core/precision.py); sums are float64.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from featcal_core.method.block_statistics import Capture
 from featcal_core.method.drift import check_finite
 from featcal_core.method.model_set import ModelSet
 from featcal_core.method.solvers import DTYPE
-from featcal_core.method.statistics import PRECISIONS
 from featcal_core.method.streams import (
     EXPERT,
     EXPERT_CONTEXT,
@@ -29,6 +28,7 @@ from featcal_core.method.streams import (
     decoder_mask_key,
     weight_mask_key,
 )
+from featcal_core.precision import PRODUCT_DTYPES, autocast, product
 
 #: tokens per work chunk of a Gram update (bounds the (chunk, d_in) product-dtype copies)
 TOKEN_CHUNK = 1024
@@ -42,7 +42,7 @@ class GramSum:
     def __init__(self, d_in: int, device: torch.device, precision: str):
         self.gram = torch.zeros(d_in, d_in, dtype=DTYPE, device=device)
         self.weight = 0.0
-        self.product = PRECISIONS[precision]
+        self.product = PRODUCT_DTYPES[precision]
 
     def add(self, x: torch.Tensor, w: torch.Tensor) -> None:
         """Add tokens x (N, d_in) with weights w (N,) (all > 0)."""
@@ -52,9 +52,9 @@ class GramSum:
             xw = xc if bool((wc == 1).all()) else xc * wc.to(self.product)[:, None]
             if self.product == DTYPE:
                 self.gram.addmm_(xw.T, xc)
-            else:  # each float32 product covers one chunk only, added to the float64 sum
+            else:  # each float32/bfloat16 product covers one chunk only, added in float64
                 for row in range(0, xc.shape[1], ROW_BLOCK):
-                    part = xw[:, row : row + ROW_BLOCK].T @ xc
+                    part = product(xw[:, row : row + ROW_BLOCK].T, xc)
                     self.gram[row : row + part.shape[0]].add_(part.to(DTYPE))
             self.weight += float(wc.sum(dtype=DTYPE))
 
@@ -181,7 +181,9 @@ class ExpertPasses:
             m, w = m.to(self.device), w.to(self.device)
             if context is not None:
                 context = (context.to(self.device), encoder_mask.to(self.device))
-            out, captured = capture.run(block, hidden.to(self.device), m, context)
+            with autocast(self.precision, self.device):  # bfloat16 passes for bfloat16
+                out, captured = capture.run(block, hidden.to(self.device), m, context)
+            out = out.to(self.dtype)
             check_finite(out, f"expert {task!r} output of block {index}")
             if not groups:
                 groups = self._groups(captured, linears, last)

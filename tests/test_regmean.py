@@ -260,3 +260,19 @@ def test_cli_writes_the_same_checkpoint_as_the_api(pools, tmp_path, capsys):
     )
     assert main([*args, "--out", str(tmp_path / "bad"), "--alpha", "-1"]) == 2
     assert "--alpha must be a number in [0, 1]" in capsys.readouterr().err
+
+
+def test_gram_sum_bfloat16_products_stay_near_float64(record_property):
+    """RegMean's Grams with bfloat16 products (`precision: bfloat16`): each chunk's product is
+    rounded to bfloat16 on the CPU before the float64 add; measured 1.2e-3 relative (Frobenius),
+    asserted ≤ 1e-2."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2500, 40, generator=gen, dtype=torch.float32)  # several token chunks
+    w = torch.rand(2500, generator=gen, dtype=F64) + 0.01
+    gram_sum = GramSum(40, torch.device("cpu"), "bfloat16")
+    gram_sum.add(x, w)
+    exact = (x.to(F64) * w[:, None]).T @ x.to(F64) / w.sum()
+    got = gram_sum.mean()
+    error = float(torch.linalg.matrix_norm(got - exact) / torch.linalg.matrix_norm(exact))
+    record_property("report: RegMean Gram, bfloat16 products vs float64", f"{error:.2e}")
+    assert got.dtype == F64 and 0 < error <= 1e-2

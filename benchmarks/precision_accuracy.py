@@ -13,14 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import yaml
-
-from featcal_core.io.outputs import write_file
+from zoo_results import run_compare
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out" / "precision_accuracy"
@@ -42,16 +37,7 @@ def compare(preset: str, n: int) -> tuple[dict, Path]:
                     "heads": False},
         "compare": {"variants": variants},
     }  # fmt: skip
-    path = write_file(OUT / f"{tag}.yaml", yaml.safe_dump(params, sort_keys=False))
-    started = time.perf_counter()
-    with (OUT / f"{tag}.log").open("w") as handle:
-        done = subprocess.run([sys.executable, "-m", "featcal_cli.main", "compare", "--params",
-                               str(path)], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)  # fmt: skip
-    if done.returncode != 0:
-        tail = (OUT / f"{tag}.log").read_text().strip().splitlines()[-15:]
-        raise SystemExit(f"featcal compare {tag} failed:\n" + "\n".join(tail))
-    print(f"{tag}: {time.perf_counter() - started:.0f} s", flush=True)
-    report = json.loads((ROOT / "reports" / f"{tag}-compare" / "compare.json").read_text())
+    report = run_compare(tag, params, OUT)
     return {row["name"]: row for row in report["variants"]}, ROOT / "data" / "results" / tag
 
 

@@ -57,6 +57,22 @@ def variant(setting: tuple) -> dict:
     return {"name": name, "set": sets}
 
 
+def run_compare(tag: str, params: dict, out: Path) -> dict:
+    """`featcal compare` on `params` (written to out/<tag>.yaml, its log to out/<tag>.log, run
+    from the checkout's root; run.name must be `tag`); returns its compare.json."""
+    path = write_file(out / f"{tag}.yaml", yaml.safe_dump(params, sort_keys=False))
+    started = time.perf_counter()
+    with (out / f"{tag}.log").open("w") as handle:
+        done = subprocess.run([sys.executable, "-m", "featcal_cli.main", "compare", "--params",
+                               str(path)], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)  # fmt: skip
+    if done.returncode != 0:
+        tail = (out / f"{tag}.log").read_text().strip().splitlines()[-15:]
+        raise SystemExit(f"featcal compare {tag} failed:\n" + "\n".join(tail))
+    log.info("%s: %d variants in %.0f s", tag, len(params["compare"]["variants"]),
+             time.perf_counter() - started)  # fmt: skip
+    return json.loads((ROOT / "reports" / f"{tag}-compare" / "compare.json").read_text())
+
+
 def compare(preset: str, n: int, split: str, settings: list, max_val: int | None):
     """`featcal compare` of `settings` on `split`: ({variant: compare's "mean"}, experts' mean)."""
     tag = f"zoo-results-{preset}-n{n}-{'val' if split == 'validation' else 'test'}"
@@ -68,16 +84,7 @@ def compare(preset: str, n: int, split: str, settings: list, max_val: int | None
         "evaluation": {"max_examples_per_task": max_val if split == "validation" else None},
         "compare": {"variants": [variant(s) for s in settings]},
     }  # fmt: skip
-    path = write_file(OUT / f"{tag}.yaml", yaml.safe_dump(params, sort_keys=False))
-    started = time.perf_counter()
-    with (OUT / f"{tag}.log").open("w") as handle:
-        done = subprocess.run([sys.executable, "-m", "featcal_cli.main", "compare", "--params",
-                               str(path)], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)  # fmt: skip
-    if done.returncode != 0:
-        tail = (OUT / f"{tag}.log").read_text().strip().splitlines()[-15:]
-        raise SystemExit(f"featcal compare {tag} failed:\n" + "\n".join(tail))
-    log.info("%s: %d variants in %.0f s", tag, len(settings), time.perf_counter() - started)
-    report = json.loads((ROOT / "reports" / f"{tag}-compare" / "compare.json").read_text())
+    report = run_compare(tag, params, OUT)
     experts = [models["expert"]["accuracy"] for models in report["evaluation"].values()]
     means = {v["name"]: {k: x if x is None else round(x, 2) for k, x in v["mean"].items()}
              for v in report["variants"]}  # fmt: skip

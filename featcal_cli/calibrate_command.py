@@ -124,13 +124,18 @@ def _refit_heads(args: argparse.Namespace, experts: dict[str, str], calib: dict[
     """With --heads: refit each expert's head for the calibrated model into OUT/heads/<task>/."""
     if not args.heads:
         return
+    from featcal_core.evaluation.accuracy import _device
+    from featcal_core.io.checkpoint import Checkpoint
     from featcal_core.method.head_calibration import refit_expert_heads
+    from featcal_core.precision import resolve_forwards
 
+    dtype = Checkpoint(args.out, role="calibrated model").float_dtype()
+    chosen = resolve_forwards(args.precision, _device(args.device), dtype)
     heads = refit_expert_heads(
         args.out, experts, calib,
         Path(args.out) / "heads", num_per_task=args.num_per_task, seed=args.seed,
         lam=args.head_lam, batch_size=args.batch_size, device=args.device,
-        tokenizer_dir=args.base,
+        tokenizer_dir=args.base, precision=chosen.name,
     )  # fmt: skip
     logging.getLogger("featcal").info("refit heads: %s", ", ".join(heads.values()))
 

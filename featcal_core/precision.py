@@ -106,6 +106,23 @@ def resolve(requested: str, device: torch.device, model_dtype: torch.dtype) -> P
     return Precision(requested, "asked for")
 
 
+#: what `evaluation.precision` may be set to (null there: featcal.precision's)
+FORWARD_CHOICES = ("auto", "float32", "bfloat16")
+
+
+def resolve_forwards(
+    requested: str, device: torch.device, model_dtype: torch.dtype = torch.float32
+) -> Precision:
+    """The precision of the forwards that only read features (evaluation, held-out scoring for
+    `select:`, head calibration's feature pass) for `requested` on `device` with checkpoints of
+    `model_dtype`: resolved as `resolve` does, then float64 runs as float32 (the heads' towers
+    hold float32 weights), and the reason says so."""
+    chosen = resolve(requested, device, model_dtype)
+    if chosen.name == "float64":
+        return Precision("float32", f"{chosen.reason}; the heads' towers run in float32")
+    return chosen
+
+
 def products_for(chosen: Precision, lam: float) -> str:
     """The precision of the statistics' token products for passes in `chosen` and ridge `lam`:
     float32 for bfloat16 below BF16_MIN_LAM, else the same."""

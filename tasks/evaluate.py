@@ -9,7 +9,9 @@ results' models.lock.json), also for tasks without class_names/templates (class 
 feature's; open_clip experts are bare vision towers without a head). Causal LMs (hf-llama) are
 scored by the likeliest label continuation (`label_words` after `prompt`,
 featcal_core.evaluation.language_model), with the base as a row too, plus the perplexity of the evaluation
-texts. Evaluation data never feeds calibration: the params refuse a task whose evaluation source
+texts. Classification towers run in `evaluation.precision` (null: `featcal.precision`'s choice;
+`forward_precision`), recorded as each row's `precision`; causal LMs are scored in float32.
+Evaluation data never feeds calibration: the params refuse a task whose evaluation source
 is its calibration source.
 """
 
@@ -36,7 +38,9 @@ from featcal_core.evaluation.language_model import (
 )
 from featcal_core.evaluation.linear_head import load_linear_head
 from featcal_core.evaluation.zero_shot_head import ZeroShotHead
+from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.io.outputs import guarded_directory, verify_output
+from featcal_core.precision import Precision, resolve_forwards
 from featcal_core.provenance.records import LOCK
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,18 @@ def _evaluation_data(task_name: str, source: Any, data_root: Path) -> tuple[Path
         ) as tmp:
             open_source(source, key=f"tasks.{task_name}.evaluation").save_to_disk(str(tmp))
     return target, None
+
+
+def forward_precision(params: Any, base: str, requested: str | None = None) -> Precision:
+    """The precision of the forwards that only read a head's features (evaluation, held-out
+    scoring; head calibration passes `featcal.precision` as `requested`) on `featcal.device`
+    for checkpoints like `base`: `evaluation.precision`, else `featcal.precision`, resolved."""
+    from featcal_core.evaluation.accuracy import _device
+
+    if requested is None:
+        requested = params.evaluation.precision or params.featcal.precision
+    dtype = Checkpoint(base, role="base model").float_dtype()
+    return resolve_forwards(requested, _device(params.featcal.device), dtype)
 
 
 def task_head(
@@ -168,6 +184,9 @@ def evaluate_models(
     root = Path(results_dir)
     table: dict[str, dict[str, dict[str, float]]] = {}
     language_model = generation_kind(base) is not None
+    chosen = None if language_model else forward_precision(params, base)
+    if chosen is not None:
+        log.info("evaluation forwards in %s (%s)", chosen.name, chosen.reason)
     for task_name, spec in params.tasks.items():
         source = spec.evaluation
         data, split = _evaluation_data(task_name, source, root / "evaluation_data")
@@ -202,9 +221,10 @@ def evaluate_models(
                 batch_size=settings.batch_size, max_examples=settings.max_examples_per_task,
                 image_column=source.image_column, text_column=source.text_column,
                 label_column=source.label_column, device=params.featcal.device, progress=False,
-                batches=batches,
+                batches=batches, precision=chosen.name,
             ))  # fmt: skip
-        table[task_name] = _normalize(task_name, {name: found[name] for name in order})
+        row = {name: {**found[name], "precision": chosen.name} for name in order}
+        table[task_name] = _normalize(task_name, row)
     return table
 
 
@@ -246,4 +266,5 @@ def _evaluate_lm(params, task_name, spec, data: Path, split, base: str, models: 
             max_examples=params.evaluation.max_examples_per_task,
             batch_size=params.evaluation.batch_size, device=params.featcal.device,
         )  # fmt: skip
+        row[name]["precision"] = "float32"
     return _normalize(task_name, row)

@@ -17,7 +17,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from featcal.tasks.evaluate import task_head
+from featcal.tasks.evaluate import forward_precision, task_head
 from featcal_core.data.calibration_data import load_calibration_set
 from featcal_core.evaluation.linear_head import save_linear_head
 from featcal_core.io.outputs import guarded_directory
@@ -40,6 +40,8 @@ def calibrate_heads(
     root = Path(results_dir)
     featcal = params.featcal
     out: dict[str, dict[str, str]] = {name: {} for name in models}
+    chosen = forward_precision(params, base, featcal.precision)  # the feature pass's dtype
+    log.info("head calibration forwards in %s (%s)", chosen.name, chosen.reason)
     inputs = (base, *experts.values(), *models.values(), *calibration_sets.values())
     with ExitStack() as stack:  # one guarded folder per model: refit_heads/<model>/<task>/
         folders = {
@@ -59,13 +61,14 @@ def calibrate_heads(
             for name, directory in models.items():
                 weight, bias = calibrate_head(
                     head, experts[task_name], directory, rows, lam=featcal.head_lam,
-                    batch_size=featcal.batch_size, device=featcal.device,
+                    batch_size=featcal.batch_size, device=featcal.device, precision=chosen.name,
                 )  # fmt: skip
                 save_linear_head(folders[name] / task_name, weight, bias, labels, features=features)
                 out[name][task_name] = str(root / "refit_heads" / name / task_name)
             log.info("calibrate-heads %s: %d inputs, models %s", task_name, len(rows), list(models))
         for name, directory in models.items():  # what the heads were fit on (stale-head check)
-            record = {"model": directory, "weights": weight_digests(directory)}
+            record = {"model": directory, "weights": weight_digests(directory),
+                      "precision": chosen.name}  # fmt: skip
             (folders[name] / FITTED_ON).write_text(json.dumps(record, indent=2) + "\n")
     return out
 

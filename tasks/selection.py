@@ -19,7 +19,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from featcal.tasks.evaluate import _evaluation_data, task_head
+from featcal.tasks.evaluate import _evaluation_data, forward_precision, task_head
 from featcal_core.data.calibration_sets import RECORD_NAME, draw_calibration_set
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.input_batches import InputBatches
@@ -72,6 +72,8 @@ def score_candidates(
         )
     root = Path(results_dir)
     device, batch = params.featcal.device, params.evaluation.batch_size
+    chosen = forward_precision(params, base)  # evaluation.precision, else featcal.precision
+    log.info("scoring forwards in %s (%s)", chosen.name, chosen.reason)
     found: dict[str, dict[str, dict[str, float]]] = {name: {} for name in candidates}
     for task_name, spec in params.tasks.items():
         head, _ = task_head(task_name, spec, Path(base), Path(experts[task_name]), root)
@@ -79,25 +81,26 @@ def score_candidates(
         expert = None
         if score != "validation":
             expert = head_outputs(experts[task_name], head, selection_sets[task_name],
-                                  batch_size=batch, device=device, batches=batches)  # fmt: skip
+                                  batch_size=batch, device=device, batches=batches,
+                                  precision=chosen.name)  # fmt: skip
         for name, (checkpoint, surgery) in candidates.items():
             model_head = head
             if surgery is not None:
                 model_head = SurgeryHead(head, load_surgery(Path(surgery) / task_name))
             if score == "validation":
                 found[name][task_name] = _validation(params, task_name, spec, checkpoint,
-                                                     model_head, root)  # fmt: skip
+                                                     model_head, root, chosen.name)  # fmt: skip
             else:
                 outputs = head_outputs(checkpoint, model_head, selection_sets[task_name],
-                                       batch_size=batch, device=device,
-                                       batches=batches)  # fmt: skip
+                                       batch_size=batch, device=device, batches=batches,
+                                       precision=chosen.name)  # fmt: skip
                 found[name][task_name] = agreement_scores(outputs, expert)
         log.info("score %s: %s", task_name, ", ".join(
             f"{n} {_brief(s[task_name])}" for n, s in found.items()))  # fmt: skip
     return found
 
 
-def _validation(params, task_name, spec, checkpoint, head, root: Path) -> dict[str, float]:
+def _validation(params, task_name, spec, checkpoint, head, root: Path, precision: str):
     from featcal_core.evaluation.accuracy import evaluate
 
     source = spec.validation
@@ -106,7 +109,7 @@ def _validation(params, task_name, spec, checkpoint, head, root: Path) -> dict[s
         checkpoint, head, data, split, batch_size=params.evaluation.batch_size,
         max_examples=params.evaluation.max_examples_per_task, image_column=source.image_column,
         text_column=source.text_column, label_column=source.label_column,
-        device=params.featcal.device, progress=False,
+        device=params.featcal.device, progress=False, precision=precision,
     )  # fmt: skip
     return {"validation": 100.0 * result["accuracy"], "examples": result["examples"]}
 

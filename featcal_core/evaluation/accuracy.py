@@ -3,7 +3,8 @@
 `evaluate(model_dir, head, dataset_dir, ...)` runs the model in eval mode without gradients over a
 `datasets.save_to_disk` directory (`featcal_core.evaluation.dataset`) under a head
 (`featcal_core.evaluation.head`) and returns {"accuracy", "loss", "examples"}; inputs are
-preprocessed by the head. All computation is in float32. `normalized_accuracy` relates a model's
+preprocessed by the head. The tower runs in `precision` (float32, or bfloat16 under autocast:
+featcal_core.precision.resolve_forwards); logits, losses and counts are float32. `normalized_accuracy` relates a model's
 accuracy to its task's expert's.
 """
 
@@ -21,6 +22,7 @@ from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.dataset import _check_labels, _load_split
 from featcal_core.evaluation.head import Head
 from featcal_core.evaluation.input_batches import InputBatches
+from featcal_core.precision import autocast
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ def evaluate(
     label_column: str | None = "label",
     device: str | torch.device = "cpu",
     progress: bool = True,
+    precision: str = "float32",
 ) -> dict[str, float | int]:
     """Evaluate the tower in `model_dir` under `head` on a labelled `save_to_disk` set.
     split: the DatasetDict split (None: the only split, or a plain Dataset); max_examples: the
@@ -59,7 +62,7 @@ def evaluate(
     return evaluate_linears(
         model_dir, head, dataset_dir, split, {"head": None}, batch_size=batch_size,
         max_examples=max_examples, image_column=image_column, text_column=text_column,
-        label_column=label_column, device=device, progress=progress,
+        label_column=label_column, device=device, progress=progress, precision=precision,
     )["head"]  # fmt: skip
 
 
@@ -79,13 +82,15 @@ def evaluate_linears(
     device: str | torch.device = "cpu",
     progress: bool = True,
     batches: InputBatches | None = None,
+    precision: str = "float32",
 ) -> dict[str, dict[str, float | int]]:
     """`evaluate` under several final Linears that read the same features: one pass of the tower
     per batch, each Linear applied to its features. `linears` maps a name to (weight (classes,
     d), bias (classes)), or to None for `head`'s own Linear; {name: result} as `evaluate` gives
     (the same numbers as evaluating `head.with_linear(weight, bias)` alone). `batches`: the
     preprocessed batches shared with the other models evaluated on this set under heads with the
-    same preprocessing (input_batches.py)."""
+    same preprocessing (input_batches.py). `precision`: "float32", or "bfloat16" for the tower's
+    forward under autocast (the Linears read its features in float32)."""
     from tqdm.auto import tqdm
 
     if not linears:
@@ -132,7 +137,8 @@ def evaluate_linears(
         key = (str(dataset_dir), split, total, input_column, start, batch_size)
         prepared = batches.get(key, lambda start=start: head.preprocess(
             data[start : start + batch_size][input_column]))  # fmt: skip
-        found = features(**{k: v.to(target) for k, v in prepared.items()}).float()
+        with autocast(precision, target):
+            found = features(**{k: v.to(target) for k, v in prepared.items()}).float()
         batch_labels = labels[start : start + batch_size].to(target)
         for name, linear in heads.items():
             logits = found if linear is None else linear(found).float()

@@ -28,6 +28,7 @@ from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.dataset import _load_split
 from featcal_core.evaluation.head import Head
 from featcal_core.evaluation.input_batches import InputBatches
+from featcal_core.precision import autocast
 
 __all__ = ["HeadOutputs", "agreement_scores", "head_outputs"]
 
@@ -55,10 +56,12 @@ def head_outputs(
     batch_size: int = 64,
     device: str | torch.device = "cpu",
     batches: InputBatches | None = None,
+    precision: str = "float32",
 ) -> HeadOutputs:
     """The head's input features and logits of the tower in `model_dir` on every row
     of the unlabeled set `inputs_dir` (a save_to_disk Dataset with an `image` or `text` column).
-    `batches`: the preprocessed batches shared with the other models scored on this set."""
+    `batches`: the preprocessed batches shared with the other models scored on this set;
+    `precision`: the tower's forward in "float32" or "bfloat16" (autocast), features float32."""
     data = _load_split(inputs_dir, None)
     column = head.modality
     if column not in data.column_names:
@@ -76,7 +79,8 @@ def head_outputs(
         key = (str(inputs_dir), len(data), column, start, batch_size)
         prepared = batches.get(key, lambda start=start: head.preprocess(
             data[start : start + batch_size][column]))  # fmt: skip
-        found = features_of(**{k: v.to(target) for k, v in prepared.items()}).float()
+        with autocast(precision, target):
+            found = features_of(**{k: v.to(target) for k, v in prepared.items()}).float()
         features.append(found.cpu())
         logits.append(linear(found).float().cpu())
     return HeadOutputs(torch.cat(features), torch.cat(logits))

@@ -17,7 +17,13 @@ import torch
 
 from featcal_core.errors import FeatCalError
 from featcal_core.io.outputs import sha256_file
-from featcal_core.io.safetensors_io import Entry, Reader, SafetensorsFormatError, read_header
+from featcal_core.io.safetensors_io import (
+    DTYPES,
+    Entry,
+    Reader,
+    SafetensorsFormatError,
+    read_header,
+)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -135,6 +141,12 @@ class Checkpoint:
                         "fix or re-create that checkpoint"
                     )
         return out
+
+    def float_dtype(self) -> torch.dtype:
+        """The widest floating dtype stored (float32 when none is): what the weights compute in."""
+        found = {DTYPES[info.dtype] for info in self.tensors.values() if info.dtype in DTYPES}
+        floats = [dtype for dtype in found if dtype.is_floating_point]
+        return max(floats, key=lambda dtype: dtype.itemsize, default=torch.float32)
 
     def numel(self, name: str) -> int:
         return math.prod(self.tensors[name].shape)

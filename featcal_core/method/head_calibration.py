@@ -27,6 +27,7 @@ from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.accuracy import _device
 from featcal_core.evaluation.head import Head
 from featcal_core.method.solvers import DTYPE, ridge_system, solve_linear_bias, solve_linear_weight
+from featcal_core.precision import autocast
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +98,11 @@ def head_statistics(
     *,
     batch_size: int = 32,
     device: str | torch.device = "cpu",
+    precision: str = "float32",
 ) -> tuple[HeadStatistics, torch.nn.Linear]:
     """One pass over `rows`: the statistics of the student's and the expert's head inputs, and
-    the expert's own head Linear (target and anchor of `fit_linear_head`)."""
+    the expert's own head Linear (target and anchor of `fit_linear_head`). `precision`: the
+    towers' forwards in "float32" or "bfloat16" (autocast); the statistics sum in float64."""
     if not rows:
         raise FeatCalError("head calibration: no calibration inputs; give at least one row")
     target = _device(device)
@@ -110,7 +113,9 @@ def head_statistics(
         inputs = {
             k: v.to(target) for k, v in head.preprocess(rows[start : start + batch_size]).items()
         }
-        stats.add(student_features(**inputs), expert_features(**inputs))
+        with autocast(precision, target):
+            student, expert = student_features(**inputs), expert_features(**inputs)
+        stats.add(student.float(), expert.float())
     return stats, expert_linear
 
 
@@ -125,6 +130,7 @@ def calibrate_head(
     eps: float = 1e-8,
     batch_size: int = 32,
     device: str | torch.device = "cpu",
+    precision: str = "float32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Refit `head`'s final Linear for the tower in `student_dir` on calibration `rows` (PIL
     images or strings) so that it reproduces the head on the expert's own tower (`expert_dir`).
@@ -132,8 +138,9 @@ def calibrate_head(
     Returns (weight (classes, d), bias (classes)) in float32, ready for `head.with_linear`.
     """
     stats, expert_linear = head_statistics(
-        head, expert_dir, student_dir, rows, batch_size=batch_size, device=device
-    )
+        head, expert_dir, student_dir, rows, batch_size=batch_size, device=device,
+        precision=precision,
+    )  # fmt: skip
     bias = expert_linear.bias.detach().cpu() if expert_linear.bias is not None else None
     weight, new_bias = fit_linear_head(stats, expert_linear.weight.detach().cpu(), bias, lam, eps)
     logger.info(
@@ -169,6 +176,7 @@ def refit_expert_heads(
     batch_size: int = 32,
     device: str = "cpu",
     tokenizer_dir: str | Path | None = None,
+    precision: str = "float32",
 ) -> dict[str, str]:
     """Head calibration of every expert's own head for the tower in `student_dir`, on the same
     seeded calibration sample FeatCal draws; writes `<out_dir>/<task>/classifier.{safetensors,json}`
@@ -193,8 +201,9 @@ def refit_expert_heads(
             head.require_head()
             rows = load_calibration_set(task, calib[task], head.modality, num_per_task, seed).rows
             weight, bias = calibrate_head(
-                head, expert, student_dir, rows, lam=lam, batch_size=batch_size, device=device
-            )
+                head, expert, student_dir, rows, lam=lam, batch_size=batch_size, device=device,
+                precision=precision,
+            )  # fmt: skip
             save_linear_head(tmp / task, weight, bias, [str(i) for i in range(weight.shape[0])])
             written[task] = str(Path(out_dir) / task)
     return written

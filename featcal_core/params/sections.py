@@ -178,6 +178,12 @@ class EvaluationSettings(_Section):
     max_examples_per_task: StrictInt | None = Field(
         None, ge=1, description="evaluate on the first N examples per task; null: all"
     )
+    precision: Literal["auto", "float32", "bfloat16"] | None = Field(
+        None,
+        description="dtype of the evaluation forwards and of select:'s held-out scoring (float32, "
+        "or bfloat16 under autocast; auto: bfloat16 where the device has it natively); null: "
+        "featcal.precision's choice (float64 there evaluates in float32)",
+    )
 
 
 class TrackingSettings(_Section):

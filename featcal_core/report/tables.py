@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DASH", "MODEL_ORDER", "evaluated_rows", "gap_closed"]
+__all__ = ["DASH", "MODEL_ORDER", "evaluated_precision", "evaluated_rows", "gap_closed"]
 
 #: models of the evaluation table, in display order
 MODEL_ORDER = ("base", "expert", "merged", "calibrated")
@@ -133,6 +133,15 @@ def evaluated_rows(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
     if len(set(counts.values())) == 1:
         return f"{next(iter(counts.values()))} rows per task"
     return ", ".join(f"{task} {count}" for task, count in counts.items()) + " rows"
+
+
+def evaluated_precision(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str | None:
+    """The dtype(s) the evaluation forwards ran in (evaluation.json's `precision`), e.g.
+    "bfloat16"; None when no row records it."""
+    found = sorted({str(r["precision"]) for models in evaluation.values()
+                    for r in (models or {}).values()
+                    if isinstance(r, Mapping) and r.get("precision")})  # fmt: skip
+    return "/".join(found) or None
 
 
 def _average_notes(rows: list[_Row]) -> list[str]:

@@ -18,7 +18,13 @@ from featcal_core.report.sections import (
     _Section,
 )
 from featcal_core.report.selection import selection_lines, selection_table
-from featcal_core.report.tables import _average_notes, _rows, _summary, evaluated_rows
+from featcal_core.report.tables import (
+    _average_notes,
+    _rows,
+    _summary,
+    evaluated_precision,
+    evaluated_rows,
+)
 
 __all__ = ["REPORT_FILES", "write_report"]
 
@@ -53,6 +59,8 @@ def write_report(
     notes = _average_notes(rows)
     if (counted := evaluated_rows(evaluation)) is not None:  # e.g. evaluation.max_examples_per_task
         notes.insert(0, f"evaluated on {counted} of the evaluation split")
+    if (dtype := evaluated_precision(evaluation)) is not None:  # evaluation.precision
+        notes.append(f"evaluation forwards in {dtype}")
     summary = _summary(rows, calibration is not None)
     has_drift = bool(calibration and calibration.get("blocks"))
     plots = [("accuracy.png", "accuracy per task")]

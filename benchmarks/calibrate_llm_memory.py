@@ -15,8 +15,9 @@ from a `LlamaForCausalLM` built on the `meta` device. Per task a `save_to_disk` 
 
 What it measures, per step, each in its own process: building (this script with --build-only),
 `featcal merge` (Task Arithmetic) and `featcal calibrate` on CPU (`--num-per-task 16
---max-length 128 --spill-dir`). For each: wall time; peak RSS of the process tree (summed, psutil
-sampled every --poll s) and of the process itself (VmHWM as recorded in build.json, merge.json,
+--max-length 128 --spill-dir`, once per --precision: float32 and bfloat16 by default, with the
+time per block of each against the first). For each: wall time; peak RSS of the process tree
+(summed, psutil sampled every --poll s) and of the process itself (VmHWM as recorded in build.json, merge.json,
 featcal.json); ru_maxrss of the child from wait4 and of all children (RUSAGE_CHILDREN) (caveat:
 Linux carries the parent's RSS across fork+exec into it, which is why this parent imports neither
 torch nor featcal); bytes read from storage
@@ -111,7 +112,11 @@ def _featcal(*args: str) -> list[str]:
     return [sys.executable, "-m", "featcal_cli.main", *args]
 
 
-def _calibrate_args(pool: Path, tasks: list[str], merged: Path, out: Path, args) -> list[str]:
+def _calibrate_args(
+    pool: Path, tasks: list[str], merged: Path, out: Path, args, precision: str | None = None
+) -> list[str]:
+    """`featcal calibrate`'s arguments; `precision`: --precision (None: the first of
+    --precision's list)."""
     cmd = ["calibrate", "--base", str(pool / "base"), "--merged", str(merged)]
     for task in tasks:
         cmd += ["--expert", f"{task}={pool / f'expert_{task}'}"]
@@ -119,6 +124,7 @@ def _calibrate_args(pool: Path, tasks: list[str], merged: Path, out: Path, args)
     return cmd + [
         "--out", str(out), "--device", args.device, "--num-per-task", str(args.rows),
         "--max-length", str(args.tokens), "--no-progress", "--overwrite",
+        "--precision", precision or args.precision[0],
     ]  # fmt: skip
 
 
@@ -177,22 +183,36 @@ def resume_check(args, pool, tasks, merged, work, env, plain_out) -> tuple[list[
 
 
 def plain_calibrate(args, pool, tasks, merged, out, work, env, logs, steps) -> list[str]:
-    """`featcal calibrate --spill-dir` (no flow): the memory figure; appends its Step."""
-    if not args.warm_cache:
-        evict([pool, merged])
-    cmd = _calibrate_args(pool, tasks, merged, out, args)
-    cmd += ["--spill-dir", str(work / "spill")]
-    step = measure("calibrate", _featcal(*cmd), env, logs, args.poll)
-    step.vmhwm = _record_peak(out / "featcal.json")
-    steps.append(step)
-    record = json.loads((out / "featcal.json").read_text())
-    block_s = [b["seconds"] for b in record["blocks"]]
-    lines = [
-        f"calibrate: {len(block_s)} blocks, {sum(block_s):.1f} s in blocks "
-        f"(mean {sum(block_s) / len(block_s):.2f} s), record wall {record['wall_seconds']} s",
-    ]
-    spill_left = _dir_bytes(work / "spill") if (work / "spill").exists() else 0
-    lines.append(f"spill directory after the run: {spill_left} bytes")
+    """`featcal calibrate --spill-dir` (no flow) once per --precision: the memory figure and the
+    time per block of each; appends their Steps (`out` is the first precision's output)."""
+    lines, per_block = [], {}
+    for precision in args.precision:
+        target = out if precision == args.precision[0] else out.with_name(f"{out.name}_{precision}")
+        if not args.warm_cache:
+            evict([pool, merged])
+        cmd = _calibrate_args(pool, tasks, merged, target, args, precision)
+        cmd += ["--spill-dir", str(work / "spill")]
+        step = measure(f"calibrate {precision}", _featcal(*cmd), env, logs, args.poll)
+        step.vmhwm = _record_peak(target / "featcal.json")
+        steps.append(step)
+        record = json.loads((target / "featcal.json").read_text())
+        block_s = [b["seconds"] for b in record["blocks"]]
+        per_block[precision] = sum(block_s) / len(block_s)
+        ran = record["hyperparameters"]
+        lines.append(
+            f"calibrate {precision}: {len(block_s)} blocks, {sum(block_s):.1f} s in blocks "
+            f"(mean {per_block[precision]:.2f} s), record wall {record['wall_seconds']} s; ran "
+            f"{ran.get('precision')} ({ran.get('precision_reason')}), products "
+            f"{ran.get('products_precision')}"
+        )
+        spill_left = _dir_bytes(work / "spill") if (work / "spill").exists() else 0
+        lines.append(f"spill directory after the run: {spill_left} bytes")
+        if target != out:
+            shutil.rmtree(target, ignore_errors=True)
+    first = args.precision[0]
+    for precision in args.precision[1:]:
+        lines.append(f"time per block, {precision} / {first}: "
+                     f"{per_block[precision] / per_block[first]:.2f}")  # fmt: skip
     return lines
 
 
@@ -269,12 +289,11 @@ def report(info: dict, steps: list[Step], extra_lines: list[str]) -> None:
     )
     for line in extra_lines:
         print(line)
-    calib = next((s for s in steps if s.label == "calibrate"), None)
-    if calib is not None:
+    for calib in (s for s in steps if s.label.startswith("calibrate ")):
         met = calib.peak_rss < expert
         print(
-            f"\ntarget: peak RSS of featcal calibrate {calib.peak_rss / 1e9:.3f} GB < one expert "
-            f"checkpoint {expert / 1e9:.3f} GB: {'MET' if met else 'NOT MET'}"
+            f"\ntarget: peak RSS of featcal {calib.label} {calib.peak_rss / 1e9:.3f} GB < one "
+            f"expert checkpoint {expert / 1e9:.3f} GB: {'MET' if met else 'NOT MET'}"
         )
 
 
@@ -321,6 +340,14 @@ def main() -> None:
         choices=["cpu", "cuda"],
         default="cpu",
         help="where `featcal calibrate` runs (peak RSS is the target on cpu)",
+    )
+    parser.add_argument(
+        "--precision",
+        nargs="+",
+        default=["float32", "bfloat16"],
+        choices=["auto", "float64", "float32", "bfloat16"],
+        help="one plain `featcal calibrate` per precision, side by side (time per block against "
+        "the first); the resume check and the flow-traffic runs use the first",
     )
     parser.add_argument(
         "--skip-plain",

@@ -26,7 +26,9 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=3)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--images", type=int, default=32)
-    parser.add_argument("--precision", choices=["float32", "float64"], default="float32")
+    parser.add_argument(
+        "--precision", choices=["float32", "float64", "bfloat16"], default="float32"
+    )
     parser.add_argument("--work", type=Path, default=None)
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="featcal-profile-"))

@@ -121,6 +121,8 @@ def test_gap_closed():
     assert gap_closed(0.6, 0.8, 0.8) == pytest.approx(100.0)
     assert gap_closed(0.5, 0.4, 0.9) == pytest.approx(-25.0)
     assert gap_closed(0.6, 0.65, 0.6) is None
+    # the merged model already beats the expert: no gap, not "-100 %" or "600 %"
+    assert gap_closed(0.9, 0.8, 0.85) is None and gap_closed(0.9, 0.95, 0.85) is None
     assert gap_closed(0.5, None, 0.9) is None
     assert gap_closed(0.5, float("nan"), 0.9) is None
 

@@ -41,13 +41,14 @@ def gap_closed(
 
     (calibrated − merged) / (expert − merged) × 100: 0 when calibration changed nothing, 100 when
     it reached the expert, negative when it made things worse, above 100 when it beat the expert.
-    None when a value is missing or non-finite, or when expert == merged (no gap to close).
+    None (shown "—") when a value is missing or non-finite, or when the merged model already
+    matches or beats the expert (no gap to close: a ratio there would read as "600 %").
     """
     values = (merged, calibrated, expert)
     if any(v is None or not math.isfinite(v) for v in values):
         return None
     gap = expert - merged
-    if abs(gap) <= _GAP_EPS:
+    if gap <= _GAP_EPS:
         return None
     return (calibrated - merged) / gap * 100.0
 

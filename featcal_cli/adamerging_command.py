@@ -25,12 +25,7 @@ SETTINGS = ["num_per_task", "batch_size", "device"]
 
 
 def add_arguments(cmd: argparse.ArgumentParser) -> None:
-    from featcal_core.repair.adamerging import (
-        DEFAULT_ADAMERGING_BATCH,
-        DEFAULT_INIT,
-        DEFAULT_LR,
-        DEFAULT_STEPS,
-    )
+    from featcal_core.repair import defaults
 
     repair_arguments(
         cmd, merged="merged model directory (the template of the tensors not learnt)",
@@ -40,14 +35,14 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     cmd.add_argument("--base", required=True,
                      help="base model directory (task vectors are expert − base)")  # fmt: skip
-    cmd.add_argument("--steps", type=integer(), default=DEFAULT_STEPS,
+    cmd.add_argument("--steps", type=integer(), default=defaults.ADAMERGING_STEPS,
                      help="Adam steps, all tasks per step (default: %(default)s, the paper's)")  # fmt: skip
-    cmd.add_argument("--lr", type=number(), default=DEFAULT_LR,
+    cmd.add_argument("--lr", type=number(), default=defaults.ADAMERGING_LR,
                      help="Adam learning rate (default: %(default)s, the paper's)")  # fmt: skip
-    cmd.add_argument("--init", type=number(), default=DEFAULT_INIT,
+    cmd.add_argument("--init", type=number(), default=defaults.ADAMERGING_INIT,
                      help="initial coefficient λ of every task and tensor (default: %(default)s, "
                      "the paper's)")  # fmt: skip
-    cmd.add_argument("--adamerging-batch-size", type=integer(), default=DEFAULT_ADAMERGING_BATCH,
+    cmd.add_argument("--adamerging-batch-size", type=integer(), default=defaults.ADAMERGING_BATCH,
                      help="calibration rows per task per Adam step (default: %(default)s)")  # fmt: skip
     repair_run_flags(cmd, SETTINGS)
 

@@ -23,12 +23,7 @@ SETTINGS = ["num_per_task", "batch_size", "device"]
 
 
 def add_arguments(cmd: argparse.ArgumentParser) -> None:
-    from featcal_core.repair.surgery import (
-        DEFAULT_LR,
-        DEFAULT_RANK,
-        DEFAULT_STEPS,
-        DEFAULT_SURGERY_BATCH,
-    )
+    from featcal_core.repair import defaults
 
     repair_arguments(
         cmd, merged="merged model directory (its tower is read)",
@@ -38,13 +33,13 @@ def add_arguments(cmd: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     cmd.add_argument("--base", default=None,
                      help="base model directory: the tokenizer of experts saved without one")  # fmt: skip
-    cmd.add_argument("--rank", type=integer(), default=DEFAULT_RANK,
+    cmd.add_argument("--rank", type=integer(), default=defaults.SURGERY_RANK,
                      help="rank r of each module (default: %(default)s, the paper's)")  # fmt: skip
-    cmd.add_argument("--steps", type=integer(), default=DEFAULT_STEPS,
+    cmd.add_argument("--steps", type=integer(), default=defaults.SURGERY_STEPS,
                      help="Adam steps per task (default: %(default)s, FusionBench's)")  # fmt: skip
-    cmd.add_argument("--lr", type=number(), default=DEFAULT_LR,
+    cmd.add_argument("--lr", type=number(), default=defaults.SURGERY_LR,
                      help="Adam learning rate (default: %(default)s, the paper's)")  # fmt: skip
-    cmd.add_argument("--surgery-batch-size", type=integer(), default=DEFAULT_SURGERY_BATCH,
+    cmd.add_argument("--surgery-batch-size", type=integer(), default=defaults.SURGERY_BATCH,
                      help="calibration rows per Adam step (default: %(default)s)")  # fmt: skip
     repair_run_flags(cmd, SETTINGS)
 

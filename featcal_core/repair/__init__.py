@@ -17,6 +17,8 @@ from __future__ import annotations
 
 __all__ = ["DEFAULT_ALPHA", "REGMEAN_RECORD", "regmean_checkpoint"]
 
+from featcal_core.repair.defaults import REGMEAN_ALPHA as DEFAULT_ALPHA  # noqa: E402
+
 #: Representation Surgery's names, and the module each loads from
 _SURGERY = {
     "SURGERY_RECORD": "surgery",

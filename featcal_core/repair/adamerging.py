@@ -46,6 +46,7 @@ from featcal_core.io.outputs import guarded_directory, write_json
 from featcal_core.io.safetensors_io import DTYPES, save_tensors
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.method.settings import Settings
+from featcal_core.repair import defaults
 from featcal_core.repair.trained_inputs import (
     check_learning_rate,
     check_positive_integers,
@@ -59,10 +60,10 @@ __all__ = ["ADAMERGING_RECORD", "DEFAULT_ADAMERGING_BATCH", "DEFAULT_INIT", "DEF
 
 ADAMERGING_RECORD = "adamerging.json"
 RECORD_VERSION = 1
-DEFAULT_STEPS = 500
-DEFAULT_LR = 1e-3
-DEFAULT_INIT = 0.3
-DEFAULT_ADAMERGING_BATCH = 16
+DEFAULT_STEPS = defaults.ADAMERGING_STEPS
+DEFAULT_LR = defaults.ADAMERGING_LR
+DEFAULT_INIT = defaults.ADAMERGING_INIT
+DEFAULT_ADAMERGING_BATCH = defaults.ADAMERGING_BATCH
 BETAS = (0.9, 0.999)
 OBJECTIVE = "sum over tasks of the mean Shannon entropy (nats) of the task head's softmax"
 

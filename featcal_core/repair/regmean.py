@@ -30,6 +30,7 @@ from featcal_core.method.drift import check_finite
 from featcal_core.method.settings import Settings
 from featcal_core.method.solvers import Fallbacks
 from featcal_core.method.streams import HiddenStreams
+from featcal_core.repair import DEFAULT_ALPHA
 from featcal_core.repair.closed_form import RIDGE, RegMeanSums
 from featcal_core.repair.grams import ExpertPasses
 
@@ -40,7 +41,6 @@ RECORD_VERSION = 1
 #: α, the scale of the Grams' off-diagonal entries: FusionBench's RegMean for CLIP vision
 #: (config/method/regmean/clip_regmean.yaml: reduce_non_diagonal_ratio 0.6). The authors' code
 #: defaults to no reduction (α = 1, RoBERTa) and uses 0.1 in its T5 and DeBERTa configs.
-DEFAULT_ALPHA = 0.6
 
 
 def check_alpha(alpha: float) -> None:

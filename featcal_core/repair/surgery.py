@@ -40,6 +40,7 @@ from featcal_core.evaluation.head import Head
 from featcal_core.io.outputs import guarded_directory, write_json
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.method.settings import Settings
+from featcal_core.repair import defaults
 from featcal_core.repair.surgery_module import SurgeryModule, save_surgery
 from featcal_core.repair.trained_inputs import (
     check_learning_rate,
@@ -54,10 +55,10 @@ __all__ = ["DEFAULT_LR", "DEFAULT_RANK", "DEFAULT_STEPS", "DEFAULT_SURGERY_BATCH
 
 SURGERY_RECORD = "surgery.json"
 RECORD_VERSION = 1
-DEFAULT_RANK = 16
-DEFAULT_STEPS = 1000
-DEFAULT_LR = 1e-3
-DEFAULT_SURGERY_BATCH = 16
+DEFAULT_RANK = defaults.SURGERY_RANK
+DEFAULT_STEPS = defaults.SURGERY_STEPS
+DEFAULT_LR = defaults.SURGERY_LR
+DEFAULT_SURGERY_BATCH = defaults.SURGERY_BATCH
 BETAS = (0.9, 0.999)
 
 

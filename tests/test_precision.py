@@ -237,3 +237,20 @@ def test_bfloat16_without_a_ridge_keeps_float32_products(tmp_path):
     ridge = calibrate(zoo.base, zoo.merged, zoo.experts, zoo.calib, tmp_path / "ridge",
                       precision="bfloat16", progress=False)["hyperparameters"]  # fmt: skip
     assert ridge["products_precision"] == "bfloat16"  # the paper's λ 0.05: bfloat16 products
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_agrees_with_isfinite(dtype):
+    """The two-reduction check against `torch.isfinite(t).all()`, a bad value anywhere."""
+    from featcal_core.finite import all_finite
+
+    g = torch.Generator().manual_seed(3)
+    for shape in [(1,), (7, 5), (1600, 96), (3, 4, 1025)]:
+        clean = torch.randn(shape, generator=g).to(dtype)
+        assert all_finite(clean)
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            for position in (0, clean.numel() // 2, clean.numel() - 1):
+                dirty = clean.clone().reshape(-1)
+                dirty[position] = bad
+                assert all_finite(dirty) is False == bool(torch.isfinite(dirty).all())
+    assert all_finite(torch.empty(0)) and all_finite(torch.tensor([1, 2]))

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from featcal_core.errors import FeatCalError
+from featcal_core.finite import all_finite
 from featcal_core.io.outputs import sha256_file
 from featcal_core.io.safetensors_io import (
     DTYPES,
@@ -135,7 +136,7 @@ class Checkpoint:
                 ) from exc
         if check_finite:
             for key, tensor in out.items():
-                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                if not all_finite(tensor):
                     raise FeatCalError(
                         f"tensor {key!r} in {self.role} {self.directory} contains NaN or Inf; "
                         "fix or re-create that checkpoint"

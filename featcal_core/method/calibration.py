@@ -18,6 +18,7 @@ from featcal_core import precision
 from featcal_core.architectures.base import WEIGHT_MASK
 from featcal_core.data.calibration_data import CalibrationSet, load_calibration_set
 from featcal_core.errors import FeatCalError
+from featcal_core.finite import all_finite
 from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.io.export import export_checkpoint
 from featcal_core.io.outputs import (
@@ -343,7 +344,7 @@ def _run_stems(models, sets, streams, dtype, device, batch_size, max_length):
             for start in range(0, count, batch_size):
                 batch = {k: v[start : start + batch_size].to(device) for k, v in inputs.items()}
                 hidden = (arch.run_decoder_stem if decoder else arch.run_stem)(stem, batch)
-                if not bool(torch.isfinite(hidden).all()):
+                if not all_finite(hidden):
                     raise FeatCalError(f"NaN or Inf in the {what} stem output; check its weights")
                 outputs.append(hidden.to("cpu"))
         return torch.cat(outputs)

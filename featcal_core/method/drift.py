@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from featcal_core.errors import FeatCalError
+from featcal_core.finite import all_finite
 from featcal_core.method.solvers import Fallbacks
 
 
@@ -42,7 +43,7 @@ def mean_drift(sq_sum: float, tok_sum: float, task: str, when: str, found: Fallb
 
 def check_finite(tensor: torch.Tensor, what: str) -> None:
     """Refuse NaN or Inf in a block output or a solved parameter (`what` names it)."""
-    if not bool(torch.isfinite(tensor).all()):
+    if not all_finite(tensor):
         raise FeatCalError(
             f"NaN or Inf in the {what}; check that checkpoint's weights and its dtype's range "
             "(try float32 weights)"

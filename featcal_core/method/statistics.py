@@ -105,6 +105,13 @@ def symmetrize_(acc: torch.Tensor, block: int | None = None) -> torch.Tensor:
     return acc
 
 
+def _column_sums(x: torch.Tensor) -> torch.Tensor:
+    """Σ over the rows of one chunk (N, d) of float32 or bfloat16 tokens, summed in float32 (the
+    caller adds it to float64 sums). `x.sum(0, dtype=float64)` converts element by element:
+    72 ms against 1.3 ms for 1600 × 3072 bfloat16 tokens here."""
+    return (x if x.dtype == torch.float32 else x.float()).sum(0)
+
+
 class Scratch:
     """Reusable float64 work buffers, so batches do not allocate tens of MB each (shared by the
     accumulators of one block: they run one after another)."""
@@ -261,13 +268,13 @@ class LinearInputStats:
         x_e = self.scratch.take("x_e32", tokens, self.d_in, dtype).copy_(x_e)
         if w is None:
             xw = x_s
-            self._task_student += x_s.sum(0, dtype=DTYPE)
-            self._task_expert += x_e.sum(0, dtype=DTYPE)
+            self._task_student += _column_sums(x_s)
+            self._task_expert += _column_sums(x_e)
             self._task_weight += float(tokens)
         else:
             w = w.to(dtype)
             xw = torch.mul(x_s, w[:, None], out=self.scratch.take("xw32", tokens, self.d_in, dtype))
-            self._task_student += xw.sum(0, dtype=DTYPE)
+            self._task_student += _column_sums(xw)
             wide = sums_dtype(dtype)  # float32 over ≤ one chunk of tokens
             self._task_expert += torch.mv(x_e.T.to(wide), w.to(wide))
             self._task_weight += float(w.sum(dtype=DTYPE))

@@ -106,10 +106,6 @@ def resolve(requested: str, device: torch.device, model_dtype: torch.dtype) -> P
     return Precision(requested, "asked for")
 
 
-#: what `evaluation.precision` may be set to (null there: featcal.precision's)
-FORWARD_CHOICES = ("auto", "float32", "bfloat16")
-
-
 def resolve_forwards(
     requested: str, device: torch.device, model_dtype: torch.dtype = torch.float32
 ) -> Precision:

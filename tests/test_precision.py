@@ -252,5 +252,6 @@ def test_all_finite_agrees_with_isfinite(dtype):
             for position in (0, clean.numel() // 2, clean.numel() - 1):
                 dirty = clean.clone().reshape(-1)
                 dirty[position] = bad
-                assert all_finite(dirty) is False == bool(torch.isfinite(dirty).all())
+                assert all_finite(dirty) is False
+                assert not bool(torch.isfinite(dirty).all())
     assert all_finite(torch.empty(0)) and all_finite(torch.tensor([1, 2]))

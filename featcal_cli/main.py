@@ -24,6 +24,7 @@ from featcal_cli import (
     lineage_command,
     merge_command,
     open_clip_command,
+    params_command,
     pipeline_commands,
     regmean_command,
     surgery_command,
@@ -40,6 +41,7 @@ EXIT_BAD_INPUT = 2
 MODULES = (
     demo_command,
     pipeline_commands,
+    params_command,
     merge_command,
     calibrate_command,
     compare_command,

@@ -23,13 +23,14 @@ from featcal_core.errors import FeatCalError
 
 class _MethodNames:
     """The registered merge methods as argparse `choices`, looked up only when `--method` is
-    checked or the help is printed: the registry imports torch, which every other subcommand
-    (and `featcal --help`) would otherwise pay for at start-up."""
+    checked or the help is printed, and read from the method modules' source
+    (`featcal_core.merging.declared_names`): importing the registry imports torch, which
+    `featcal merge --help` would otherwise pay for."""
 
     def __iter__(self):
-        from featcal_core.merging import available
+        from featcal_core.merging import declared_names
 
-        return iter(available())
+        return iter(declared_names())
 
     def __contains__(self, name: object) -> bool:
         return name in list(self)

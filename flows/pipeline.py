@@ -160,7 +160,8 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
             log_artifacts(list(files.values()), artifact_path="report")
             summary["report"] = str(files["report.html"].resolve())
         if params.repair_method != "none":  # with its model card (rewritten after evaluation)
-            log_model(steps.paths["calibrated"], artifact_path=model_artifact(params))
+            log_model(steps.paths["calibrated"], artifact_path=model_artifact(params),
+                      weights=params.tracking.log_model)  # fmt: skip
     return summary
 
 

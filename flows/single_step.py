@@ -88,6 +88,7 @@ def _log_outputs(steps: Steps, step: str, result: Any) -> None:
         log_datasets(evaluation_inputs(steps.params, str(steps.paths["root"])))
         if steps.params.repair_method != "none" and steps.paths["calibrated"].is_dir():
             artifact = "surgery_modules" if steps.params.repair_method == "surgery" else None
-            log_model(steps.paths["calibrated"], artifact_path=artifact or "calibrated_model")
+            log_model(steps.paths["calibrated"], artifact_path=artifact or "calibrated_model",
+                      weights=steps.params.tracking.log_model)  # fmt: skip
     elif step == "report":
         log_artifacts(list(result.values()), artifact_path="report")

@@ -446,7 +446,7 @@ class Steps:
         return found
 
     def evaluate(self) -> dict:
-        """evaluation.json; then the calibrated checkpoint's model card again, now with the
+        """evaluation.json and metrics.json (its average row); then the calibrated checkpoint's model card again, now with the
         results (model-index, results table) and its refit heads. The guarded writer records the
         card's new sha256 in the folder's marker, so the checkpoint still verifies. Not as a DVC
         stage (DVC_STAGE set): the calibrated folder is the calibrate stage's output, and
@@ -454,6 +454,7 @@ class Steps:
         from featcal.tasks.evaluate import evaluate_models
         from featcal_core.provenance.lineage import trace
         from featcal_core.provenance.model_card import model_card_fields, write_model_card
+        from featcal_core.report.tables import headline
 
         self._require_selection()
         base, experts = self.models()
@@ -463,6 +464,7 @@ class Steps:
             str(self.paths["root"]), heads, self.surgeries(),
         )  # fmt: skip
         write_json(self.paths["evaluation"], table)
+        write_json(self.paths["metrics"], headline(table))  # the headline of `dvc metrics`
         calibrated = self.paths["calibrated"]
         if self.params.repair_method == "featcal" and (calibrated / FEATCAL_RECORD).is_file():
             if in_dvc_stage():

@@ -235,15 +235,27 @@ def log_datasets(datasets: Iterable[Mapping[str, Any]], *, run_id: str | None = 
         MlflowClient(session.uri).log_inputs(run, datasets=inputs)
 
 
-#: weight files larger than this (in all) are not copied into the MLflow store by `log_model`
-MODEL_ARTIFACT_LIMIT = 2 * 1024**3
+#: with `tracking.log_model: auto`, a checkpoint whose weight files total more than this is logged
+#: without its weights (the model card, config and records, and a reference to the folder)
+MODEL_ARTIFACT_LIMIT = 256 * _MIB
+#: weight files: left out of the MLflow copy when the weights are not logged
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
 
 
-def log_model(directory: str | Path, *, artifact_path: str = "model", run_id=None) -> bool:
-    """Log a checkpoint folder (weights, config, model card, records) as an artifact of the parent
-    run (or `run_id`) under `artifact_path`; returns False (and tags `model.logged: false` with
-    the reason) when its files add up to more than MODEL_ARTIFACT_LIMIT bytes, which would copy
-    gigabytes into the store — the run's lineage tags name the weights' digests either way."""
+def log_model(
+    directory: str | Path,
+    *,
+    artifact_path: str = "model",
+    weights: bool | str = "auto",
+    run_id=None,
+) -> bool:
+    """Log a checkpoint folder as an artifact of the parent run (or `run_id`) under
+    `artifact_path`. `weights` (params `tracking.log_model`): True copies every file into the
+    store; False only the files that are not weights (model card, config, records); "auto" the
+    whole folder when its weight files total at most MODEL_ARTIFACT_LIMIT bytes, else as False.
+    Without the weights, the tags `model.logged: false`, `model.not_logged_because` and
+    `model.reference` (the folder's absolute path) say where they are; the run's lineage tags
+    name their digests either way. Returns whether the weights were logged."""
     target = run_target(run_id)
     if target is None:
         return False
@@ -252,11 +264,24 @@ def log_model(directory: str | Path, *, artifact_path: str = "model", run_id=Non
     session, run = target
     client = MlflowClient(session.uri)
     directory = Path(directory)
-    size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
-    if size > MODEL_ARTIFACT_LIMIT:
-        batch_tags(client, run, {"model.logged": "false",
-                                 "model.not_logged_because": f"{size / _MIB:.0f} MiB > limit"})  # fmt: skip
-        return False
-    client.log_artifacts(run, str(directory), artifact_path)
-    batch_tags(client, run, {"model.logged": "true", "model.artifact_path": artifact_path})
-    return True
+    files = sorted(p for p in directory.rglob("*") if p.is_file())
+    heavy = [p for p in files if p.suffix in _WEIGHT_SUFFIXES]
+    size = sum(p.stat().st_size for p in heavy)
+    if weights == "auto":
+        weights = size <= MODEL_ARTIFACT_LIMIT
+        because = f"weights {size / _MIB:.0f} MiB > {MODEL_ARTIFACT_LIMIT / _MIB:.0f} MiB (auto)"
+    else:
+        because = "tracking.log_model: false"
+    if weights:
+        client.log_artifacts(run, str(directory), artifact_path)
+        batch_tags(client, run, {"model.logged": "true", "model.artifact_path": artifact_path})
+        return True
+    for path in files:
+        if path not in heavy:
+            where = path.parent.relative_to(directory).as_posix()
+            client.log_artifact(run, str(path),
+                                artifact_path if where == "." else f"{artifact_path}/{where}")  # fmt: skip
+    batch_tags(client, run, {"model.logged": "false", "model.not_logged_because": because,
+                             "model.artifact_path": artifact_path,
+                             "model.reference": str(directory.resolve())})  # fmt: skip
+    return False

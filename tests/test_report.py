@@ -177,6 +177,56 @@ def test_table_numbers(tmp_path):
     assert "# FeatCal report: demo run" in markdown
 
 
+def test_headline_is_the_average_row():
+    from featcal_core.report.tables import headline
+
+    evaluation = _evaluation()
+    evaluation["svhn"]["merged"]["examples"] = 40  # one row cut shorter
+    found = headline(evaluation)
+    expert, merged, calibrated = (
+        (0.9 + 0.8 + 0.6) / 3,
+        (0.5 + 0.6 + 0.6) / 3,
+        (0.7 + 0.8 + 0.65) / 3,
+    )
+    assert set(found) == {"tasks", "accuracy_mean/base", "accuracy_mean/expert",
+                          "accuracy_mean/merged", "accuracy_mean/calibrated",
+                          "normalized_mean/merged", "normalized_mean/calibrated",
+                          "gap_closed_mean", "examples_min"}  # fmt: skip
+    assert found["tasks"] == 3 and found["examples_min"] == 40
+    assert found["accuracy_mean/base"] == pytest.approx(0.3)  # over the tasks that have it
+    assert found["accuracy_mean/calibrated"] == pytest.approx(calibrated)
+    assert found["normalized_mean/merged"] == pytest.approx((0.5 / 0.9 + 0.6 / 0.8 + 1.0) / 3)
+    assert found["gap_closed_mean"] == pytest.approx(
+        (calibrated - merged) / (expert - merged) * 100
+    )
+    # no calibrated model, merged at the expert: no such keys, no gap
+    plain = headline({"a": _task(0.7, 0.7)})
+    assert "accuracy_mean/calibrated" not in plain and plain["gap_closed_mean"] is None
+    assert headline({}) == {"tasks": 0}
+
+
+def test_cut_evaluation_and_normalized_above_100_are_stated(tmp_path):
+    evaluation = _evaluation()
+    for task, rows in (("mnist", 10000), ("svhn", 100)):  # svhn ran on its whole split
+        for result in evaluation[task].values():
+            result["split_rows"] = rows
+    markdown = _write(tmp_path / "r", evaluation=evaluation)["report.md"].read_text("utf-8")
+    assert "Evaluation was cut short (evaluation.max_examples_per_task" in markdown
+    assert "evaluation cut short by evaluation.max_examples_per_task: mnist 100 of 10000 rows;" in (
+        markdown
+    )
+    assert "svhn 100 of" not in markdown
+    # "<b>x</b>": calibrated 65 % against the expert's 60 %
+    assert "normalized accuracy above 100 %" in markdown and "(calibrated) 108.3 %" in markdown
+    html = (tmp_path / "r" / "report.html").read_text("utf-8")
+    assert "cut short" in html and "&lt;b&gt;x&lt;/b&gt; (calibrated) 108.3 %" in html
+
+    whole = {t: {m: {**r, "split_rows": 100} for m, r in rows.items() if m != "calibrated"}
+             for t, rows in _evaluation().items()}  # fmt: skip
+    markdown = _write(tmp_path / "w", evaluation=whole)["report.md"].read_text("utf-8")
+    assert "cut short" not in markdown and "above 100 %" not in markdown
+
+
 def test_known_gap_case(tmp_path):
     evaluation = {"t": _task(0.9, 0.5, 0.7)}
     markdown = _write(tmp_path / "r", evaluation=evaluation)["report.md"].read_text("utf-8")

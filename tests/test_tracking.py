@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from featcal.tasks import tracking
+from featcal.tasks import tracking, tracking_log
 from featcal.tasks.tracking import parent_run, step_run
 from featcal.tasks.tracking_log import (
     log_artifacts,
@@ -309,7 +309,7 @@ def test_step_peak_memory_is_the_steps_own(tmp_path):
     assert big_peak - small_run.data.metrics["peak_rss_mb"] > 300
 
 
-def test_gap_closed_datasets_and_model_are_logged(tmp_path):
+def test_gap_closed_datasets_and_model_are_logged(tmp_path, monkeypatch):
     from mlflow import MlflowClient
 
     params = make_params(tmp_path)
@@ -346,6 +346,23 @@ def test_gap_closed_datasets_and_model_are_logged(tmp_path):
     files = {a.path for a in client.list_artifacts(run.info.run_id, "calibrated_model")}
     assert files == {"calibrated_model/model.safetensors", "calibrated_model/README.md"}
     assert logged.data.tags["model.logged"] == "true"
+
+    # tracking.log_model false (and auto above the limit): the card, a reference, no weights
+    (model / "sub").mkdir()
+    (model / "sub" / "config.json").write_text("{}")
+    for weights, because in ((False, "tracking.log_model: false"), ("auto", "MiB (auto)")):
+        if weights == "auto":
+            monkeypatch.setattr(tracking_log, "MODEL_ARTIFACT_LIMIT", 6)  # 7 bytes of weights
+        with parent_run(params, run_name=f"no-weights-{weights}", project_root=tmp_path) as run:
+            assert not log_model(model, artifact_path="m", weights=weights)
+        tags = client.get_run(run.info.run_id).data.tags
+        assert tags["model.logged"] == "false" and because in tags["model.not_logged_because"]
+        assert tags["model.reference"] == str(model.resolve())
+        listed = {a.path for a in client.list_artifacts(run.info.run_id, "m")}
+        assert listed == {"m/README.md", "m/sub"}, listed
+        assert [a.path for a in client.list_artifacts(run.info.run_id, "m/sub")] == [
+            "m/sub/config.json"
+        ]
 
 
 def _acc(accuracy, normalized):

@@ -57,7 +57,7 @@ def evaluate(
     """Evaluate the tower in `model_dir` under `head` on a labelled `save_to_disk` set.
     split: the DatasetDict split (None: the only split, or a plain Dataset); max_examples: the
     first N rows only. Returns {"accuracy": fraction correct, "loss": mean cross-entropy,
-    "examples": rows evaluated}.
+    "examples": rows evaluated, "split_rows": rows the split holds}.
     """
     return evaluate_linears(
         model_dir, head, dataset_dir, split, {"head": None}, batch_size=batch_size,
@@ -112,6 +112,7 @@ def evaluate_linears(
                 f"{where}: no {role} column {column!r} (has {data.column_names}); pass the "
                 f"{role.split()[-1]} column name"
             )
+    split_rows = len(data)
     if max_examples is not None and len(data) > max_examples:
         data = data.select(range(max_examples))
     if len(data) == 0:
@@ -147,7 +148,7 @@ def evaluate_linears(
     results = {}
     for name in heads:
         results[name] = {"accuracy": correct[name] / total, "loss": loss_sum[name] / total,
-                         "examples": total}  # fmt: skip
+                         "examples": total, "split_rows": split_rows}  # fmt: skip
         logger.info("%s (%s) on %s: accuracy %.4f, loss %.4f over %d examples", model_dir, name,
                     where, results[name]["accuracy"], results[name]["loss"], total)  # fmt: skip
     return results

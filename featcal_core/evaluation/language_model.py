@@ -210,6 +210,7 @@ def evaluate_lm_dataset(
             raise FeatCalError(
                 f"evaluation set {dataset_dir}: no column {column!r} (has {data.column_names})"
             )
+    split_rows = len(data)
     if max_examples is not None:
         data = data.select(range(min(max_examples, len(data))))
     texts, labels = [str(t) for t in data[text_column]], list(data[label_column])
@@ -218,4 +219,5 @@ def evaluate_lm_dataset(
     if generation_kind(model_dir) == "causal":  # the texts' perplexity (decoder-only models)
         result.update(perplexity(model_dir, tokenizer_dir, texts, batch_size=batch_size,
                                  device=device))  # fmt: skip
+    result["split_rows"] = split_rows
     return result

@@ -7,11 +7,16 @@ defines a `MergeMethod` subclass decorated with `@register`; it is imported auto
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
+import typing
+from pathlib import Path
 
 from featcal_core.errors import FeatCalError
-from featcal_core.merging.base import MergeMethod
+
+if typing.TYPE_CHECKING:
+    from featcal_core.merging.base import MergeMethod
 
 REGISTRY: dict[str, type[MergeMethod]] = {}
 
@@ -47,6 +52,39 @@ def available() -> list[str]:
     return sorted(REGISTRY)
 
 
+def __getattr__(name: str):
+    """`MergeMethod` on first use: its module imports torch, which `declared_names` (the command
+    line's help) must not pay for."""
+    if name == "MergeMethod":
+        from featcal_core.merging.base import MergeMethod
+
+        return MergeMethod
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def declared_names() -> list[str]:
+    """The names `available()` returns, read from the method modules' source without importing
+    them (no torch): each `@register` class's literal `name = "..."`. For the command line's
+    `--method` choices and help; `available()` stays the authority (a test keeps them equal)."""
+    names = set()
+    for info in pkgutil.iter_modules(__path__):
+        if info.name in _NOT_METHODS:
+            continue
+        tree = ast.parse(Path(__path__[0], f"{info.name}.py").read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(d, ast.Name) and d.id == "register" for d in node.decorator_list
+            ):
+                names.update(
+                    item.value.value
+                    for item in node.body
+                    if isinstance(item, ast.Assign)
+                    and any(isinstance(t, ast.Name) and t.id == "name" for t in item.targets)
+                    and isinstance(item.value, ast.Constant)
+                )
+    return sorted(names)
+
+
 def get(name: str) -> MergeMethod:
     """A new instance of the method registered as `name`; FeatCalError lists the known names."""
     _import_all()
@@ -58,4 +96,4 @@ def get(name: str) -> MergeMethod:
     return cls()
 
 
-__all__ = ["REGISTRY", "MergeMethod", "available", "get", "register"]
+__all__ = ["REGISTRY", "MergeMethod", "available", "declared_names", "get", "register"]

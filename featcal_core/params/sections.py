@@ -194,6 +194,12 @@ class TrackingSettings(_Section):
         None, description="MLflow tracking URI; null: the local sqlite store inside the project"
     )
     experiment: str = Field("featcal", min_length=1, description="MLflow experiment name")
+    log_model: Literal["auto"] | StrictBool = Field(
+        "auto",
+        description="copy the calibrated checkpoint's weights into MLflow: auto: when they total "
+        "at most 256 MiB (above that, and with false: its model card, config and records only, "
+        "and a tag with the folder's path); true: always",
+    )
 
 
 ZOO_PRESETS = ("vision", "text")

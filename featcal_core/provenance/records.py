@@ -8,6 +8,7 @@
     <results>/refit_heads/<model>/      head calibration (+ FITTED_ON)
     <results>/heads/, evaluation_data/  zero-shot class-embedding caches, saved Hub evaluation data
     <results>/evaluation.json           EVALUATION: per task and model, accuracy and loss
+    <results>/metrics.json              METRICS: the report's average row (a DVC metric)
     <results>/provenance.json           PROVENANCE: git commit, MLflow and Prefect run ids
     reports/<run name>/                 the report (REPORTS_ROOT)
 
@@ -23,6 +24,7 @@ MERGE_RECORD = "merge.json"
 SET_RECORD = "calibration_set.json"
 LOCK = "models.lock.json"
 EVALUATION = "evaluation.json"
+METRICS = "metrics.json"
 PROVENANCE = "provenance.json"
 FITTED_ON = "fitted_on.json"
 ZOO_MANIFEST = "zoo.json"
@@ -42,6 +44,7 @@ RESULTS_LAYOUT = {
     "heads": "heads",
     "evaluation_data": "evaluation_data",
     "evaluation": EVALUATION,
+    "metrics": METRICS,
     "provenance": PROVENANCE,
     "plots": "plots",
     "merges": "merges",  # featcal compare: one folder per distinct merge

@@ -10,7 +10,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DASH", "MODEL_ORDER", "evaluated_precision", "evaluated_rows", "gap_closed"]
+__all__ = [
+    "DASH",
+    "MODEL_ORDER",
+    "above_expert",
+    "evaluated_precision",
+    "evaluated_rows",
+    "evaluation_cut",
+    "gap_closed",
+    "headline",
+]
 
 #: models of the evaluation table, in display order
 MODEL_ORDER = ("base", "expert", "merged", "calibrated")
@@ -98,6 +107,29 @@ def _rows(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[_Ro
     return rows
 
 
+def headline(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """The report's average row as flat numbers (metrics.json, a DVC metric): `tasks` (count),
+    `accuracy_mean/<model>` and `normalized_mean/<merged|calibrated>` (fractions, means over the
+    tasks that have the value), `gap_closed_mean` (percent of the average merged→expert gap,
+    null where there is none) and `examples_min` (the fewest rows any task was evaluated on:
+    fewer than a split holds when evaluation.max_examples_per_task cut it). Keys of models not
+    evaluated are left out."""
+    rows = _rows(evaluation)
+    out: dict[str, Any] = {"tasks": max(len(rows) - 1, 0)}
+    if rows:
+        average = rows[-1]
+        out.update({f"accuracy_mean/{m}": v for m, v in average.accuracy.items() if v is not None})
+        out.update(
+            {f"normalized_mean/{m}": v for m, v in average.normalized.items() if v is not None}
+        )
+        out["gap_closed_mean"] = average.gap
+    examples = [r["examples"] for models in evaluation.values() for r in (models or {}).values()
+                if isinstance(r, Mapping) and isinstance(r.get("examples"), int)]  # fmt: skip
+    if examples:
+        out["examples_min"] = min(examples)
+    return out
+
+
 def _pct(value: float | None) -> str:
     if value is None:
         return DASH
@@ -134,6 +166,33 @@ def evaluated_rows(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
     if len(set(counts.values())) == 1:
         return f"{next(iter(counts.values()))} rows per task"
     return ", ".join(f"{task} {count}" for task, count in counts.items()) + " rows"
+
+
+def evaluation_cut(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str | None:
+    """The tasks whose evaluation used fewer rows than their split holds (evaluation.json's
+    `examples` below `split_rows`: evaluation.max_examples_per_task cut it), as "mnist 200 of
+    10000, svhn 200 of 26032 rows"; None when every task ran on its whole split (or no row
+    records the split's size)."""
+    cut = {}
+    for task, models in evaluation.items():
+        for r in (models or {}).values():
+            if (isinstance(r, Mapping) and isinstance(r.get("examples"), int)
+                    and isinstance(r.get("split_rows"), int) and r["examples"] < r["split_rows"]):  # fmt: skip
+                cut[str(task)] = f"{r['examples']} of {r['split_rows']}"
+                break
+    return ", ".join(f"{task} {text}" for task, text in cut.items()) + " rows" if cut else None
+
+
+def above_expert(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[str]:
+    """"task (model) 108.3 %" for each normalized accuracy above 100 % (a model beating the task's
+    expert), which lifts the normalized average where raw accuracy may not move."""
+    found = []
+    for task, models in evaluation.items():
+        for model, r in (models or {}).items():
+            value = _number(r.get("normalized")) if isinstance(r, Mapping) else None
+            if value is not None and value > 1.0 and model != "expert":
+                found.append(f"{task} ({model}) {_pct(value)} %")
+    return found
 
 
 def evaluated_precision(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str | None:

@@ -22,8 +22,10 @@ from featcal_core.report.tables import (
     _average_notes,
     _rows,
     _summary,
+    above_expert,
     evaluated_precision,
     evaluated_rows,
+    evaluation_cut,
 )
 
 __all__ = ["REPORT_FILES", "write_report"]
@@ -59,9 +61,17 @@ def write_report(
     notes = _average_notes(rows)
     if (counted := evaluated_rows(evaluation)) is not None:  # e.g. evaluation.max_examples_per_task
         notes.insert(0, f"evaluated on {counted} of the evaluation split")
+    if (cut := evaluation_cut(evaluation)) is not None:
+        notes.insert(0, f"evaluation cut short by evaluation.max_examples_per_task: {cut}; the "
+                        "numbers are on those first rows, not on the whole split")  # fmt: skip
+    if beyond := above_expert(evaluation):
+        notes.append("normalized accuracy above 100 % (the model beats the task's expert), "
+                     f"which lifts the normalized average: {', '.join(beyond)}")  # fmt: skip
     if (dtype := evaluated_precision(evaluation)) is not None:  # evaluation.precision
         notes.append(f"evaluation forwards in {dtype}")
     summary = _summary(rows, calibration is not None)
+    if cut is not None:
+        summary += " Evaluation was cut short (evaluation.max_examples_per_task; see the notes)."
     has_drift = bool(calibration and calibration.get("blocks"))
     plots = [("accuracy.png", "accuracy per task")]
     if has_drift:

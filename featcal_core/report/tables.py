@@ -184,7 +184,7 @@ def evaluation_cut(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
 
 
 def above_expert(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[str]:
-    """"task (model) 108.3 %" for each normalized accuracy above 100 % (a model beating the task's
+    """ "task (model) 108.3 %" for each normalized accuracy above 100 % (a model beating the task's
     expert), which lifts the normalized average where raw accuracy may not move."""
     found = []
     for task, models in evaluation.items():

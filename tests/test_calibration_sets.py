@@ -356,11 +356,11 @@ def test_hub_source_loaded_with_its_split(monkeypatch, tmp_path):
         return datasets.Dataset.from_dict({"text": [f"{split} {i}" for i in range(8)]}, split=split)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    source = DataSource(hub="glue", config="sst2", split="train")
+    source = DataSource(hub="nyu-mll/glue", config="sst2", split="train")
     record = draw_calibration_set(
         "sst2",
         source,
-        DataSource(hub="glue", config="sst2", split="validation"),
+        DataSource(hub="nyu-mll/glue", config="sst2", split="validation"),
         tmp_path / "o",
         3,
         0,
@@ -368,11 +368,11 @@ def test_hub_source_loaded_with_its_split(monkeypatch, tmp_path):
     )
     # the calibration split, then the evaluation split for the content check
     assert calls == [
-        ("glue", "sst2", {"split": "train", "trust_remote_code": False}),
-        ("glue", "sst2", {"split": "validation", "trust_remote_code": False}),
+        ("nyu-mll/glue", "sst2", {"split": "train", "trust_remote_code": False}),
+        ("nyu-mll/glue", "sst2", {"split": "validation", "trust_remote_code": False}),
     ]
-    assert record["source"] == "hub glue, config sst2, split train"
-    assert record["source_identity"] == ["hub", "glue", "sst2", "train"]
+    assert record["source"] == "hub nyu-mll/glue, config sst2, split train"
+    assert record["source_identity"] == ["hub", "nyu-mll/glue", "sst2", "train"]
     assert record["evaluation_check"]["rows_checked"] == 8
     assert datasets.load_from_disk(str(tmp_path / "o"))["text"] == [
         f"train {i}" for i in record["row_ids"]

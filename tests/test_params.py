@@ -199,6 +199,8 @@ def test_import_light():
         (lambda d: d["models"]["experts"].update(mnist="a/b/c@main"), "models.experts.mnist", "Hub id"),
         (lambda d: d["models"].update(base={"ref": "o/n", "trust": True}), "models.base.trust", "unknown key"),
         (lambda d: d["tasks"]["mnist"]["calibration"].update(hub="bad id!"), "tasks.mnist.calibration.hub", "not a Hub dataset id"),
+        (lambda d: d["tasks"]["mnist"]["evaluation"].update(hub="svhn"), "tasks.mnist.evaluation.hub", "legacy one-word Hub dataset id, which current huggingface_hub releases refuse (after the datasets before it have downloaded); use 'ufldl-stanford/svhn'"),
+        (lambda d: d["tasks"]["mnist"]["calibration"].update(hub="beans"), "tasks.mnist.calibration.hub", "use the dataset's namespaced id (owner/name)"),
         (lambda d: d["tasks"]["mnist"]["calibration"].update(path="./x"), "tasks.mnist.calibration", "exactly one of hub"),
         (lambda d: d["tasks"]["mnist"]["evaluation"].pop("split"), "tasks.mnist.evaluation.split", "needs a split"),
         (lambda d: d["tasks"]["mnist"].update(templates=["a photo of {}", "no slot"]), "tasks.mnist.templates[1]", "has no {}"),

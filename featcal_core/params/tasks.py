@@ -36,6 +36,8 @@ class DataSource(_Section):
         if self.hub is not None:
             if not _HUB_DATASET_RE.match(self.hub) or ".." in self.hub or "--" in self.hub:
                 raise _error(f"{self.hub!r} is not a Hub dataset id (owner/name)", "hub")
+            if "/" not in self.hub:
+                raise _error(_legacy_id(self.hub), "hub")
             if self.split is None:
                 raise _error("a Hub dataset needs a split: (e.g. split: train)", "split")
         elif self.config is not None:
@@ -58,6 +60,26 @@ class DataSource(_Section):
 
     def describe(self) -> str:
         return self.core().describe()
+
+
+#: legacy one-word Hub dataset ids and the namespaced repositories they moved to
+LEGACY_DATASET_IDS = {
+    "mnist": "ylecun/mnist",
+    "svhn": "ufldl-stanford/svhn",
+    "cifar10": "uoft-cs/cifar10",
+    "cifar100": "uoft-cs/cifar100",
+    "fashion_mnist": "zalando-datasets/fashion_mnist",
+    "imdb": "stanfordnlp/imdb",
+    "glue": "nyu-mll/glue",
+}
+
+
+def _legacy_id(hub: str) -> str:
+    """Why a one-word dataset id is refused, and the id to use instead."""
+    moved = LEGACY_DATASET_IDS.get(hub.lower())
+    fix = f"use {moved!r}" if moved else "use the dataset's namespaced id (owner/name)"
+    return (f"{hub!r} is a legacy one-word Hub dataset id, which current huggingface_hub releases "
+            f"refuse (after the datasets before it have downloaded); {fix}")  # fmt: skip
 
 
 def _check_template(template: str) -> str:

@@ -39,14 +39,16 @@ def ref(text: str) -> ModelRef:
     return ModelRef.model_validate(text)
 
 
-def hub_cache(cache: Path, repo_id: str, source: Path, ref_name: str = "main") -> tuple[Path, str]:
+def hub_cache(cache: Path, repo_id: str, source: Path, ref_name: str = "main",
+              commit: str | None = None) -> tuple[Path, str]:  # fmt: skip
     """Lay `source`'s files out as huggingface_hub caches a download of `repo_id`.
 
     models--owner--name/blobs/<sha256>, snapshots/<commit>/<file> → ../../blobs/<sha256>,
-    refs/<ref_name> holding the commit. Returns the snapshot folder and the commit.
+    refs/<ref_name> holding the commit (default: sha1 of the repo id). Returns the snapshot
+    folder and the commit.
     """
     storage = cache / ("models--" + repo_id.replace("/", "--"))
-    commit = hashlib.sha1(repo_id.encode()).hexdigest()
+    commit = commit or hashlib.sha1(repo_id.encode()).hexdigest()
     snapshot = storage / "snapshots" / commit
     (storage / "blobs").mkdir(parents=True, exist_ok=True)
     snapshot.mkdir(parents=True, exist_ok=True)
@@ -55,7 +57,7 @@ def hub_cache(cache: Path, repo_id: str, source: Path, ref_name: str = "main") -
             digest = sha256(file)
             shutil.copyfile(file, storage / "blobs" / digest)
             (snapshot / file.name).symlink_to(Path("..", "..", "blobs", digest))
-    (storage / "refs").mkdir(exist_ok=True)
+    (storage / "refs" / ref_name).parent.mkdir(parents=True, exist_ok=True)
     (storage / "refs" / ref_name).write_text(commit)
     return snapshot, commit
 
@@ -178,6 +180,66 @@ def test_hub_snapshot_without_safetensors_is_refused(tmp_path, offline):
     hub_cache(tmp_path / "hf", "owner/pickled", source)
     with pytest.raises(FeatCalError, match=r"owner/pickled.*no safetensors weights"):
         resolve_model(ref("owner/pickled"), "models.base", cache_dir=tmp_path / "hf")
+
+
+def _pickled_main(tmp_path: Path, repo_id: str) -> None:
+    """main of `repo_id` in the cache as openai/clip-vit-base-patch32 has it: config and
+    pickled weights only."""
+    source = tmp_path / "pickled"
+    source.mkdir(exist_ok=True)
+    (source / "config.json").write_text("{}")
+    (source / "pytorch_model.bin").write_bytes(b"pickle")
+    hub_cache(tmp_path / "hf", repo_id, source)
+
+
+def test_safetensors_conversion_pull_request_is_used_from_the_cache(clip, tmp_path, offline):
+    """main holds pickled weights only; the cached refs/pr/66 (the conversion bot's pull
+    request) holds the safetensors: resolved there, and the lock records that revision."""
+    _pickled_main(tmp_path, "openai/clip")
+    snapshot, commit = hub_cache(tmp_path / "hf", "openai/clip", clip.base,
+                                 ref_name="refs/pr/66", commit="c" * 40)  # fmt: skip
+    hub_cache(tmp_path / "hf", "openai/clip", tmp_path / "pickled", ref_name="refs/pr/70",
+              commit="d" * 40)  # a later pull request without safetensors: not it  # fmt: skip
+    model = resolve_model(ref("openai/clip"), "models.base", cache_dir=tmp_path / "hf")
+    assert model.revision == "refs/pr/66" and model.commit == commit
+    assert model.path.resolve() == snapshot.resolve()
+    assert model.files["model.safetensors"] == sha256(clip.base / "model.safetensors")
+    lock = write_lock(tmp_path / "lock.json", model, {})
+    assert lock["base"]["revision"] == "refs/pr/66"
+    # a pinned revision is taken as given: no fallback, and the message says what to do
+    with pytest.raises(FeatCalError) as info:
+        resolve_model(ref("openai/clip@refs/pr/70"), "models.base", cache_dir=tmp_path / "hf")
+    assert "no safetensors weights in its top folder at refs/pr/70" in str(info.value)
+    assert "owner/name@refs/pr/N" in str(info.value)
+
+
+def test_safetensors_conversion_pull_request_from_the_hub(clip, tmp_path, monkeypatch):
+    """Online: the Hub lists the conversion bot's open pull requests; the newest is used (its
+    snapshot then comes from the cache, as a download would leave it)."""
+    from huggingface_hub import Discussion, HfApi
+
+    _pickled_main(tmp_path, "openai/clip")
+    hub_cache(tmp_path / "hf", "openai/clip", clip.base, ref_name="refs/pr/66", commit="c" * 40)
+    asked = []
+
+    def discussions(self, repo_id, **kwargs):
+        asked.append((repo_id, kwargs))
+        for num, author in ((12, "someone"), (66, "SFconvertbot"), (3, "SFconvertbot")):
+            yield Discussion(title="Adding `safetensors` variant of this model", status="open",
+                             num=num, repo_id=repo_id, repo_type="model", author=author,
+                             is_pull_request=True, created_at=None, endpoint="")  # fmt: skip
+
+    def snapshot(repo_id, revision=None, cache_dir=None, **kwargs):
+        ref_file = Path(cache_dir) / "models--openai--clip" / "refs" / (revision or "main")
+        return str(Path(cache_dir) / "models--openai--clip" / "snapshots" / ref_file.read_text())
+
+    monkeypatch.setattr(HfApi, "get_repo_discussions", discussions)
+    monkeypatch.setattr(resolve, "snapshot_download", snapshot)
+    monkeypatch.setattr(resolve, "model_info", _no_network)
+    model = resolve_model(ref("openai/clip"), "models.base", cache_dir=tmp_path / "hf")
+    assert model.revision == "refs/pr/66" and model.commit == "c" * 40
+    assert asked == [("openai/clip", {"author": "SFconvertbot", "discussion_type": "pull_request",
+                                      "discussion_status": "open"})]  # fmt: skip
 
 
 def _response(status: int) -> httpx2.Response:

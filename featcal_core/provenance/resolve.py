@@ -334,6 +334,49 @@ def _download(
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+#: the Hub account whose pull requests convert a repository's pickled weights to safetensors
+CONVERSION_BOT = "SFconvertbot"
+
+
+def _conversion_revision(
+    repo_id: str, cache_dir: str | Path | None, offline: bool
+) -> tuple[str, str] | None:
+    """("refs/pr/N", how it was found) of a safetensors conversion of `repo_id`, or None.
+    Online: the Hub's open pull request by CONVERSION_BOT (the newest, when several). Offline,
+    or when the Hub does not answer: a cached refs/pr/N whose snapshot holds *.safetensors (the
+    highest N)."""
+    if not offline:
+        try:
+            from huggingface_hub import HfApi
+
+            numbers = [
+                d.num
+                for d in HfApi().get_repo_discussions(
+                    repo_id,
+                    author=CONVERSION_BOT,
+                    discussion_type="pull_request",
+                    discussion_status="open",
+                )  # fmt: skip
+                if d.is_pull_request and d.author == CONVERSION_BOT
+            ]
+            if numbers:
+                return (
+                    f"refs/pr/{max(numbers)}",
+                    f"open pull request #{max(numbers)} by {CONVERSION_BOT}",
+                )
+        except Exception as exc:  # the look-up is a convenience; the cache may still have one
+            log.warning("could not list the pull requests of %s: %s", repo_id, _one_line(exc))
+    storage = Path(cache_dir or hf_constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
+    cached = []
+    for ref in (storage / "refs" / "refs" / "pr").glob("*"):  # revision refs/pr/N's ref file
+        commit = ref.read_text().strip() if ref.is_file() else ""
+        if ref.name.isdigit() and any((storage / "snapshots" / commit).glob("*.safetensors")):
+            cached.append(int(ref.name))
+    if cached:
+        return f"refs/pr/{max(cached)}", "a pull request cached with safetensors weights"
+    return None
+
+
 def _hash_files(directory: Path, role: str) -> dict[str, str]:
     """sha256 of config.json, the safetensors index and every weight shard (headers validated)."""
     checkpoint = Checkpoint(directory, role)
@@ -424,11 +467,26 @@ def resolve_model(
         trust_remote_code=trust_remote_code,
         offline=offline,
     )
+    if snapshot.is_dir() and not any(snapshot.glob("*.safetensors")) and revision is None:
+        # as transformers does: the default branch holds pickled weights only; the Hub's
+        # safetensors conversion bot's pull request holds the same weights as safetensors
+        converted = _conversion_revision(repo_id, cache_dir, offline)
+        if converted is not None:
+            revision, found = converted
+            log.info("%s: %s has no safetensors weights on its default branch; using the "
+                     "safetensors conversion %s (%s)", role, reference, revision, found)  # fmt: skip
+            snapshot, offline = _download(
+                role, f"{repo_id}@{revision}", repo_id, revision, cache_dir=cache_dir,
+                retries=retries, backoff=backoff, trust_remote_code=trust_remote_code,
+                offline=offline,
+            )  # fmt: skip
     if snapshot.is_dir() and not any(snapshot.glob("*.safetensors")):
+        at = f" at {revision}" if revision else ""
         raise FeatCalError(
-            f"{role}: Hub model {reference!r} has no safetensors weights in its top folder "
-            f"({snapshot}); pickled weights are not used: pick a repository or revision with "
-            "model.safetensors (e.g. a refs/pr/N safetensors conversion)"
+            f"{role}: Hub model {reference!r} has no safetensors weights in its top folder{at} "
+            f"({snapshot}), and no safetensors conversion (a pull request by {CONVERSION_BOT}) "
+            "was found; pickled weights are not used: pick a repository or revision with "
+            "model.safetensors, e.g. owner/name@refs/pr/N where pull request N converts it"
         )
     commit = _commit_of(snapshot, repo_id, revision, offline)
     files = _hash_files(snapshot, role)

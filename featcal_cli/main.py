@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from featcal_cli import (
     adamerging_command,
     calibrate_command,
+    check_command,
     compare_command,
     demo_command,
     lineage_command,
@@ -41,6 +42,7 @@ EXIT_BAD_INPUT = 2
 MODULES = (
     demo_command,
     pipeline_commands,
+    check_command,
     params_command,
     merge_command,
     calibrate_command,

@@ -24,7 +24,13 @@ def _run_arguments(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     from featcal_core.params import load_params
 
-    load_params(args.params, args.set)  # validated before any heavy work (and the flow's import)
+    params = load_params(args.params, args.set)  # validated before any heavy work
+    from featcal_cli.preflight_report import preflight
+
+    if (
+        preflight(params, args.params, notes=False) != 0
+    ):  # every model and dataset, before any download
+        return 2
     from featcal.flows.pipeline import run_pipeline
     from featcal.flows.summary import run_summary
 

@@ -496,8 +496,15 @@ def test_bad_input_inside_the_flow_is_one_line_without_traceback(project, tmp_pa
     shutil.copytree(root / "expert_alpha", broken)
     (broken / "config.json").write_text("{broken")
     params = _fresh(project, tmp_path)
+    # caught by the preflight, before the flow starts: one line too
     proc = _run(tmp_path, params, prefect_api, "--set", f"models.experts.alpha={broken}")
-    _one_line(proc, str(broken / "config.json"), "not valid JSON")
+    _one_line(proc, "models.experts.alpha", str(broken / "config.json"), "not valid JSON")
+    # weights the preflight does not read (a truncated safetensors header): the flow's step
+    shutil.copy(root / "expert_alpha" / "config.json", broken / "config.json")
+    (broken / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{")
+    proc = _run(tmp_path, params, prefect_api, "--set", f"models.experts.alpha={broken}")
+    _one_line(proc, str(broken / "model.safetensors"))
+    assert "download" in proc.stderr or "resolv" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_heads_without_heads_fails_before_calibrating(zoo, tmp_path, capsys, caplog):

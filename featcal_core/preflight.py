@@ -1,0 +1,227 @@
+"""Preflight: check every model and dataset a params file names before anything is downloaded.
+
+    problems, notes = check(params)   # [(params key, what is wrong; the fix)], [(key, note)]
+
+Models: a local directory must exist with a config.json of a supported family and safetensors
+weights; a Hub model must exist at its revision (the Hub's file listing; offline: the cache) with
+safetensors weights, or a safetensors conversion pull request to use (a note), and a supported
+config (config.json is the only file fetched); every expert must be of the base's family.
+Datasets: a local save_to_disk folder must open (memory-mapped: no rows are read) with its split,
+its input column and, for evaluation, its label column; where the head is zero-shot, class names
+must be given or come from the label feature. A Hub dataset must exist (the Hub's API); offline
+it is left to the run (a note). Nothing here writes or downloads weights or rows.
+
+With a `zoo:` section the models and tasks come from the zoo, which the run builds first: there
+is nothing to check yet.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from featcal_core.errors import FeatCalError
+
+log = logging.getLogger(__name__)
+
+Finding = tuple[str, str]  # (params key, one line: what is wrong and the fix / the note)
+
+
+def check(
+    params: Any, *, cache_dir: str | Path | None = None
+) -> tuple[list[Finding], list[Finding]]:
+    """(problems, notes) of the models and datasets of `params` (featcal_core.params.Params)."""
+    problems: list[Finding] = []
+    notes: list[Finding] = []
+    if params.zoo is not None:
+        notes.append(("zoo", "models and tasks come from the zoo, which the run builds first"))
+        return problems, notes
+    families = {}
+    roles = {"models.base": params.models.base}
+    roles.update({f"models.experts.{t}": r for t, r in params.models.experts.items()})
+    for role, ref in roles.items():
+        families[role] = _check_model(role, ref, cache_dir, problems, notes)
+    base = families.get("models.base")
+    for role, family in families.items():
+        if base is not None and family is not None and family.name != base.name:
+            problems.append((role, f"is a {family.name} model, the base a {base.name} one; "
+                                   "every expert must be fine-tuned from the base"))  # fmt: skip
+    for task, spec in params.tasks.items():
+        sources = {"calibration": spec.calibration, "evaluation": spec.evaluation}
+        if spec.validation is not None:
+            sources["validation"] = spec.validation
+        for role, source in sources.items():
+            _check_source(f"tasks.{task}.{role}", task, role, spec, source, base, problems, notes)
+    return problems, notes
+
+
+# ---------------------------------------------------------------------------------------- models
+
+
+def _check_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: list[Finding]):
+    """The model's architecture adapter (None when it cannot be known); problems appended."""
+    if ref.format != "hf":
+        notes.append((role, f"{ref.ref}: an {ref.format} checkpoint, checked when it is imported"))
+        return None
+    if ref.kind == "local":
+        path = Path(ref.path).expanduser()
+        if not path.is_dir():
+            problems.append((role, f"local model directory {ref.ref!r} does not exist (looked in "
+                                   f"{path.absolute()}); fix the path, or create it first (e.g. "
+                                   "`dvc pull`, or save_pretrained there)"))  # fmt: skip
+            return None
+        files = [p.name for p in path.iterdir() if p.is_file()]
+        config = path / "config.json" if "config.json" in files else None
+        where = str(path)
+    else:
+        found = _hub_model(role, ref, cache_dir, problems, notes)
+        if found is None:
+            return None
+        files, config, where = found
+    if not any(name.endswith(".safetensors") for name in files):
+        pickled = sorted(n for n in files if n.endswith((".bin", ".pt", ".pth", ".ckpt")))
+        problems.append((role, f"{where} has no safetensors weights"
+                               f"{' (only ' + ', '.join(pickled) + ')' if pickled else ''}; "
+                               "pickled weights are not read: save it with save_pretrained "
+                               "(safetensors) or point at a revision that has them"))  # fmt: skip
+    if config is None:
+        problems.append((role, f"{where} has no config.json; point at a save_pretrained folder"))
+        return None
+    return _family(role, Path(config), problems)
+
+
+def _family(role: str, config: Path, problems: list[Finding]):
+    from featcal_core.architectures import detect
+
+    try:
+        return detect(json.loads(config.read_text(encoding="utf-8")), source=str(config))
+    except ValueError as exc:
+        problems.append((role, f"{config} is not valid JSON ({exc}); fix the file or fetch the "
+                               "model again"))  # fmt: skip
+    except OSError as exc:
+        problems.append((role, f"{config} cannot be read ({exc}); fetch the model again"))
+    except FeatCalError as exc:
+        problems.append((role, str(exc)))
+    return None
+
+
+def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: list[Finding]):
+    """(top-level file names, local config.json or None, where) of a Hub model, or None after
+    appending the problem. Online: the Hub's listing and config.json; offline: the cache."""
+    from huggingface_hub import HfApi, hf_hub_download, try_to_load_from_cache
+
+    from featcal_core.provenance.resolve import _conversion_revision, _hub_error, _offline
+
+    repo_id, revision = ref.repo_id, ref.revision
+    where = f"Hub model {ref.ref!r}"
+    offline = _offline()
+    try:
+        if offline:
+            config = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir,
+                                            revision=revision)  # fmt: skip
+            if not isinstance(config, str):
+                problems.append((role, f"{where} is not in the local Hugging Face cache and "
+                                       "offline mode is on (HF_HUB_OFFLINE=1); set "
+                                       f"HF_HUB_OFFLINE=0, or fetch it with `hf download "
+                                       f"{repo_id}`"))  # fmt: skip
+                return None
+            files = [p.name for p in Path(config).parent.iterdir()]
+        else:
+            info = HfApi().model_info(repo_id, revision=revision)
+            files = [s.rfilename for s in info.siblings or [] if "/" not in s.rfilename]
+            config = None
+    except Exception as exc:  # the Hub's own errors, named as the download step names them
+        error = _hub_error(exc, role, ref.ref, repo_id, offline)
+        problems.append((role, str(error or f"{where}: {exc}").removeprefix(f"{role}: ")))
+        return None
+    if revision is None and not any(name.endswith(".safetensors") for name in files):
+        converted = _conversion_revision(repo_id, cache_dir, offline)
+        if converted is not None:
+            revision = converted[0]
+            notes.append((role, f"{where} has pickled weights only on its default branch; the "
+                                f"run uses its safetensors conversion {revision} ({converted[1]})"))  # fmt: skip
+            files = [*files, "model.safetensors"]  # checked when the conversion is fetched
+    if "config.json" in files and config is None:
+        try:
+            config = hf_hub_download(repo_id, "config.json", revision=revision,
+                                     cache_dir=cache_dir)  # fmt: skip
+        except Exception as exc:
+            error = _hub_error(exc, role, ref.ref, repo_id, offline)
+            problems.append((role, str(error or f"{where}: {exc}").removeprefix(f"{role}: ")))
+            return None
+    return files, config, where + (f" at {revision}" if revision else "")
+
+
+def _own_key(key: str, message: str) -> Finding:
+    """(key, message) of an error that may name `key` or a key below it first
+    ("tasks.a.evaluation.split: ..."): that key, once."""
+    first, sep, rest = message.partition(": ")
+    if sep and (first == key or first.startswith(f"{key}.")):
+        return first, rest
+    return key, message
+
+
+# -------------------------------------------------------------------------------------- datasets
+
+
+def _check_source(key: str, task: str, role: str, spec: Any, source: Any, family,
+                  problems: list[Finding], notes: list[Finding]) -> None:  # fmt: skip
+    """Problems of one data source: missing, no such split, missing columns, no class names."""
+    if source.kind == "hub":
+        _check_hub_dataset(key, source, problems, notes)
+        return
+    from featcal_core.data.source_rows import open_source
+
+    path = Path(source.path).expanduser()
+    if not path.exists():
+        problems.append((key, f"local dataset {source.path!r} does not exist (looked in "
+                              f"{path.absolute()}); fix the path or save_to_disk it there"))  # fmt: skip
+        return
+    try:
+        rows = open_source(source.core(), key=key)
+    except FeatCalError as exc:
+        problems.append(_own_key(key, str(exc)))
+        return
+    columns = list(rows.column_names)
+    modality = getattr(family, "modality", "")
+    if modality:
+        default = "image" if modality == "image" else "text"
+        column = (source.image_column if modality == "image" else source.text_column) or default
+        if column not in columns:
+            flag = "image_column" if modality == "image" else "text_column"
+            problems.append((key, f"{source.describe()} has no {modality} column {column!r} "
+                                  f"(has {columns}); set {key}.{flag}"))  # fmt: skip
+    if role == "calibration":
+        return
+    label = source.label_column or "label"
+    if label not in columns:
+        problems.append((key, f"{source.describe()} has no label column {label!r} (has "
+                              f"{columns}); set {key}.label_column"))  # fmt: skip
+        return
+    zero_shot = spec.class_names is not None or spec.templates is not None
+    if zero_shot and spec.class_names is None:
+        names = getattr(rows.features.get(label), "names", None)
+        if not names:
+            problems.append((f"tasks.{task}.class_names",
+                             f"the {role} set's {label!r} column has no class names; set "
+                             "class_names (one per label) for the zero-shot head"))  # fmt: skip
+
+
+def _check_hub_dataset(key: str, source: Any, problems: list[Finding], notes: list[Finding]):
+    from featcal_core.provenance.resolve import _offline
+
+    if _offline():
+        notes.append((key, f"{source.describe()}: not checked offline (the run opens it from "
+                           "the datasets cache)"))  # fmt: skip
+        return
+    from huggingface_hub import HfApi
+
+    try:
+        HfApi().dataset_info(source.hub)
+    except Exception as exc:
+        status = getattr(getattr(exc, "response", None), "status_code", None)
+        what = "does not exist or is private" if status in (401, 404) else f"cannot be read ({exc})"
+        problems.append((key, f"Hub dataset {source.hub!r} {what}; check the id (owner/name) or "
+                              "log in (`hf auth login`)"))  # fmt: skip

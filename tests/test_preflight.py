@@ -1,0 +1,115 @@
+"""`featcal check` (featcal_core.preflight): every model and dataset of a params file checked
+before anything is downloaded; `featcal run` runs it first."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import yaml
+from test_pipeline import write_params
+from test_resolve import hub_cache
+
+from featcal_cli.main import main
+from featcal_core.params import load_params
+from featcal_core.preflight import check
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    """The tiny zero-shot CLIP setting of test_pipeline: base, experts alpha and beta, data."""
+    return write_params(tmp_path_factory.mktemp("preflight"))
+
+
+def _planted(good, tmp_path):
+    """The good params with six planted mistakes, one line each expected."""
+    data = yaml.safe_load(good.read_text())
+    pickled = tmp_path / "pickled_expert"
+    pickled.mkdir()
+    shutil.copy(good.parent / "base" / "config.json", pickled / "config.json")
+    (pickled / "pytorch_model.bin").write_bytes(b"pickle")
+    data["models"]["experts"]["alpha"] = str(pickled)  # 1: pickled weights only
+    data["models"]["experts"]["beta"] = str(tmp_path / "nowhere")  # 2: no such folder
+    data["tasks"]["alpha"]["evaluation"]["split"] = "validation"  # 3: no such split
+    data["tasks"]["beta"]["calibration"]["path"] = str(tmp_path / "no_data")  # 4: no dataset
+    data["tasks"]["beta"]["evaluation"]["label_column"] = "target"  # 5: no such column
+    del data["tasks"]["beta"]["class_names"]  # 6: int labels have no names, templates given
+    data["tasks"]["beta"]["evaluation"]["image_column"] = "image"
+    path = tmp_path / "planted.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_good_params_pass(good, capsys):
+    assert main(["check", "--params", str(good)]) == 0
+    out, err = capsys.readouterr()
+    assert "no problems found (2 tasks)" in out and "error" not in err
+
+
+def test_planted_mistakes_one_line_each_nothing_written(good, tmp_path, capsys):
+    planted = _planted(good, tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["check", "--params", str(planted)]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    errors = [line for line in lines if line.startswith("featcal: error: ")]
+    assert len(errors) == 5, "\n".join(lines)
+    expected = {
+        "models.experts.alpha": "has no safetensors weights (only pytorch_model.bin)",
+        "models.experts.beta": "does not exist",
+        "tasks.alpha.evaluation.split": "has no split 'validation' (available: ['train', 'test'])",
+        "tasks.beta.calibration": "does not exist",
+        "tasks.beta.evaluation": "no label column 'target'",
+    }
+    for key, words in expected.items():
+        found = [line for line in errors if line.startswith(f"featcal: error: {key}: ")]
+        assert len(found) == 1 and words in found[0], (key, errors)
+    assert lines[-1].endswith("5 problems; fix them and run again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written anywhere
+    assert not (good.parent / "results").exists()
+
+    # the missing class names show once the label column is right
+    problems, _ = check(load_params(planted, ["tasks.beta.evaluation.label_column=label"]))
+    assert [k for k, _ in problems if k.startswith("tasks.beta.")] == [
+        "tasks.beta.calibration", "tasks.beta.class_names"
+    ]  # fmt: skip
+
+
+def test_run_stops_before_any_download(good, tmp_path, capsys):
+    planted = _planted(good, tmp_path)
+    data = yaml.safe_load(planted.read_text())
+    data["run"]["results_dir"] = str(tmp_path / "results")
+    planted.write_text(yaml.safe_dump(data))
+    assert main(["run", "--params", str(planted)]) == 2
+    assert "5 problems" in capsys.readouterr().err
+    assert not (tmp_path / "results").exists()
+
+
+def test_hub_models_from_the_cache_offline(good, tmp_path, monkeypatch):
+    """Offline: a Hub base found in the cache with its conversion pull request (a note), an
+    expert that is not cached (a problem naming the fix)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "hf"
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(good.parent / "base" / "config.json", pickled / "config.json")
+    (pickled / "pytorch_model.bin").write_bytes(b"pickle")
+    hub_cache(cache, "openai/clip", pickled)
+    hub_cache(cache, "openai/clip", good.parent / "base", ref_name="refs/pr/66", commit="c" * 40)
+    params = load_params(good, ["models.base=openai/clip", "models.experts.beta=owner/missing"])
+    problems, notes = check(params, cache_dir=cache)
+    assert [k for k, _ in problems] == ["models.experts.beta"], problems
+    assert "not in the local Hugging Face cache" in problems[0][1]
+    assert "hf download owner/missing" in problems[0][1]
+    assert ("models.base", "Hub model 'openai/clip' has pickled weights only on its default "
+            "branch; the run uses its safetensors conversion refs/pr/66 (a pull request cached "
+            "with safetensors weights)") in notes  # fmt: skip
+
+
+def test_an_expert_of_another_family_is_named(good, tmp_path):
+    from factories import bert_zoo
+
+    bert = bert_zoo(tmp_path / "bert", tasks=("gamma",))
+    params = load_params(good, [f"models.experts.alpha={bert.experts['gamma']}"])
+    problems, _ = check(params)
+    assert [k for k, _ in problems] == ["models.experts.alpha"], problems
+    assert "the base a hf-clip-vision one" in problems[0][1]

@@ -235,6 +235,9 @@ def start_server(
         command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
                    "--port", str(port), "--ui" if ui else "--no-ui", "--analytics-off"]  # fmt: skip
     env[SERVER_OF] = str(os.getpid())
+    api_url = f"http://127.0.0.1:{port}/api"
+    if ui:  # the UI's page asks /ui-settings where the API is: this port, not the default 4200
+        env["PREFECT_UI_API_URL"] = api_url
     if home is not None:
         env["PREFECT_HOME"] = str(home)
     if auth is not None:
@@ -243,7 +246,7 @@ def start_server(
     server = subprocess.Popen(command, start_new_session=True, stdin=subprocess.DEVNULL,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                               preexec_fn=_parent_death_signal())  # fmt: skip
-    return server, f"http://127.0.0.1:{port}/api"
+    return server, api_url
 
 
 def stop_server(server: subprocess.Popen, timeout_s: float = 30.0) -> None:

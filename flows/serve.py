@@ -50,19 +50,33 @@ def serve(
 
     load_params(params_path, overrides)  # a bad params file fails now, not at the first run
     if os.environ.get("PREFECT_API_URL"):
+        log.info("start a run now, from any shell: %s", trigger_command(None, None))
         _serve(params_path, overrides, cron, interval_s)
         return
     auth = api_auth_string(os.environ["PREFECT_HOME"])  # set by configure()
+    token_file = Path(os.environ["PREFECT_HOME"]) / TOKEN_FILE
     with local_server(auth=auth, ui=ui) as api_url:
         if ui:
             log.info("Prefect UI: %s (log in with `%s:` followed by the token in %s)",
-                     api_url.removesuffix("/api"), AUTH_USER,
-                     Path(os.environ["PREFECT_HOME"]) / TOKEN_FILE)  # fmt: skip
+                     api_url.removesuffix("/api"), AUTH_USER, token_file)  # fmt: skip
+        log.info("start a run now, from any shell: %s", trigger_command(api_url, token_file))
         # the environment for the flow-run processes; the settings for this process, whose
         # Prefect settings were read at import
         os.environ.update(PREFECT_API_URL=api_url, PREFECT_API_AUTH_STRING=auth)
         with temporary_settings(updates={PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth}):
             _serve(params_path, overrides, cron, interval_s)
+
+
+def trigger_command(api_url: str | None, token_file: Path | None) -> str:
+    """The shell command that starts a run of the served deployment now: Prefect's own, with the
+    local server's URL and token (read from its file, never printed) in front."""
+    from featcal.flows.pipeline import FLOW_NAME
+
+    command = f"prefect deployment run '{FLOW_NAME}/{DEPLOYMENT}'"
+    if api_url is None:  # a server the user configured: their PREFECT_API_URL and credentials
+        return command
+    return (f"PREFECT_API_URL={api_url} PREFECT_API_AUTH_STRING=\"{AUTH_USER}:$(cat "
+            f"'{token_file}')\" {command}")  # fmt: skip
 
 
 def _serve(params_path, overrides, cron, interval_s) -> None:
@@ -76,5 +90,7 @@ def _serve(params_path, overrides, cron, interval_s) -> None:
         interval=interval_s,
         parameters=parameters,
         limit=1,  # one run at a time: runs share the results directory
-        print_starting_message=True,
+        # Prefect's message names a trigger command without the local server's URL and token
+        # (run from another shell, it reaches no server); `serve` logs a working one
+        print_starting_message=False,
     )

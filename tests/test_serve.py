@@ -61,7 +61,7 @@ def test_serve_runs_on_a_schedule(tmp_path):
              "--interval", "5"],
             env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-    api_url, completed, refused = None, 0, None
+    api_url, completed, refused, triggered = None, 0, None, None
     token_file = tmp_path / "prefect" / TOKEN_FILE
     try:
         deadline = time.monotonic() + 400
@@ -72,6 +72,13 @@ def test_serve_runs_on_a_schedule(tmp_path):
                 if api_url:  # without the token the API refuses to list (or start) runs
                     refused = _post(api_url, "/flow_runs/filter", {}, None)[0]
                     auth = api_auth_string(token_file.parent)  # the token serve generated
+            elif triggered is None and "start a run now" in log_path.read_text():
+                # the printed trigger command, run as printed from a shell without featcal's env
+                command = re.search(r"start a run now, from any shell: (.*)",
+                                    log_path.read_text()).group(1)  # fmt: skip
+                shell = {k: v for k, v in env.items() if not k.startswith("PREFECT_API")}
+                triggered = subprocess.run(["bash", "-c", command], env=shell, cwd=tmp_path,
+                                           capture_output=True, text=True, timeout=120)  # fmt: skip
             elif (completed := _completed_runs(api_url, auth)) >= 2:
                 break
             time.sleep(2)
@@ -86,6 +93,9 @@ def test_serve_runs_on_a_schedule(tmp_path):
     assert refused == 401
     assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
     assert completed >= 2, log_path.read_text()[-3000:]
+    assert triggered is not None and triggered.returncode == 0, triggered
+    assert "Created flow run" in triggered.stdout, triggered.stdout[-2000:]
+    assert "Your flow" not in log_path.read_text()  # Prefect's message, whose command fails
     assert not leftovers, "the supervised Prefect server outlived featcal serve"
 
 
@@ -145,6 +155,11 @@ def test_local_server_refuses_requests_without_the_token(tmp_path):
             assert response.status == 200
         with urllib.request.urlopen(api_url.removesuffix("/api"), timeout=30) as response:
             assert response.status == 200 and b"<html" in response.read().lower()  # the web UI
+        # the UI's page finds the API through /ui-settings: this server's port, not 4200
+        settings_url = api_url.removesuffix("/api") + "/ui-settings"
+        with urllib.request.urlopen(settings_url, timeout=30) as response:
+            settings = json.loads(response.read())
+        assert settings["api_url"] == api_url and settings["auth"] == "BASIC", settings
         assert _post(api_url, "/flows/filter", {}, None)[0] == 401
         assert _post(api_url, "/flows/filter", {}, f"{user}:wrong-token")[0] == 401
         assert _post(api_url, "/flows/filter", {}, auth) == (200, [])

@@ -121,6 +121,32 @@ def task_path(flag: str):
     return parse
 
 
+def hub_models(args: argparse.Namespace) -> None:
+    """Hub ids wherever a model folder is taken (`--base`, each `--expert TASK=...`): a value that
+    is no local folder but reads as `owner/name[@revision]` is fetched (configs, tokenizer files
+    and safetensors weights, through the Hugging Face cache, as the pipeline's download step
+    does: featcal_core.provenance.resolve) and replaced by its local snapshot folder, in place.
+    Anything else is left for the command to check."""
+    from pathlib import Path
+
+    def local(text: str, flag: str) -> str:
+        if Path(text).expanduser().exists():
+            return text
+        from featcal_core.params.base import _HUB_MODEL_RE
+
+        if not _HUB_MODEL_RE.match(text):
+            return text
+        from featcal_core.params import ModelRef
+        from featcal_core.provenance.resolve import resolve_model
+
+        return str(resolve_model(ModelRef.model_validate(text), flag).path)
+
+    if isinstance(getattr(args, "base", None), str):
+        args.base = local(args.base, "--base")
+    if isinstance(getattr(args, "expert", None), list):
+        args.expert = [(task, local(path, f"--expert {task}")) for task, path in args.expert]
+
+
 def pairs(flag: str, values: list[tuple[str, str]] | None) -> dict[str, str]:
     """{task: dir} of repeated TASK=DIR values; each task a safe name (featcal_core.names), once."""
     from featcal_core.names import check_names

@@ -31,7 +31,7 @@ from featcal_cli import (
     surgery_command,
     zoo_command,
 )
-from featcal_cli.arguments import Command
+from featcal_cli.arguments import Command, hub_models
 from featcal_cli.sigterm import sigterm_stops
 from featcal_core.errors import FeatCalError
 from featcal_core.memory import tune_allocator
@@ -213,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     tune_allocator()
     try:
         with _sigterm_exits():
+            hub_models(args)  # Hub ids wherever a model folder is taken
             return commands()[args.command].run(args)
     except FeatCalError as exc:
         print(f"featcal: error: {exc}", file=sys.stderr)

@@ -26,7 +26,8 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from featcal_core.data.source_rows import open_source
+from featcal_core.data.source import as_data_source
+from featcal_core.data.source_rows import dataset_commit, open_source
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.accuracy import evaluate_linears, normalized_accuracy
 from featcal_core.evaluation.expert_head import ExpertHead
@@ -48,16 +49,32 @@ log = logging.getLogger(__name__)
 DEFAULT_TEMPLATES = ("a photo of a {}.",)
 
 
+#: the record of where a saved Hub evaluation split came from (in its folder)
+EVALUATION_SOURCE = "source.json"
+
+
 def _evaluation_data(task_name: str, source: Any, data_root: Path) -> tuple[Path, str | None]:
-    """(save_to_disk directory, split) of a task's evaluation rows; Hub splits are saved once."""
+    """(save_to_disk directory, split) of a task's evaluation rows. Hub splits are saved once,
+    with EVALUATION_SOURCE (the source, its identity, its commit where known), and saved again
+    when the folder does not verify or the params name another source (id, config, split,
+    revision)."""
     if source.hub is None:
         return Path(source.path).expanduser(), source.split
     target = data_root / task_name
-    if verify_output(target) is not None:  # missing, partial or changed: saved (again)
+    core = as_data_source(source, f"tasks.{task_name}.evaluation")
+    identity = list(core.identity())
+    record = target / EVALUATION_SOURCE
+    saved = (json.loads(record.read_text()).get("identity")
+             if verify_output(target) is None and record.is_file() else None)  # fmt: skip
+    if saved != identity:  # missing, partial, changed, or another source: saved (again)
         with guarded_directory(
             target, overwrite=True, flag=f"tasks.{task_name} evaluation data"
         ) as tmp:
             open_source(source, key=f"tasks.{task_name}.evaluation").save_to_disk(str(tmp))
+            (tmp / EVALUATION_SOURCE).write_text(json.dumps({
+                "source": source.describe(), "identity": identity,
+                "commit": dataset_commit(core),
+            }, indent=2) + "\n")  # fmt: skip
     return target, None
 
 

@@ -347,6 +347,36 @@ def test_existing_set_replaced_atomically(image_dir, tmp_path):
 # ---------------------------------------------------------------------------------------- Hub
 
 
+def test_hub_source_revision_is_loaded_and_recorded(monkeypatch, tmp_path):
+    """A pinned dataset revision reaches load_dataset and the record, with the commit the Hub
+    names for it (offline: none, the digests of the rows are recorded either way)."""
+    from huggingface_hub import HfApi
+
+    calls = []
+
+    def fake_load_dataset(path, name=None, **kwargs):
+        calls.append((path, kwargs.get("revision")))
+        return datasets.Dataset.from_dict({"text": [f"{kwargs['split']} {i}" for i in range(8)]})
+
+    class Info:
+        sha = "a" * 40
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(HfApi, "dataset_info", lambda self, repo, revision=None: Info())
+    source = DataSource(hub="nyu-mll/glue", config="sst2", split="train", revision="v2")
+    evaluation = DataSource(hub="nyu-mll/glue", config="sst2", split="validation")
+    record = draw_calibration_set("sst2", source, evaluation, tmp_path / "o", 3, 0, "text")
+    assert calls == [("nyu-mll/glue", "v2"), ("nyu-mll/glue", None)]
+    assert record["source"] == "hub nyu-mll/glue@v2, config sst2, split train"
+    assert record["source_identity"] == ["hub", "nyu-mll/glue", "sst2", "train", "v2"]
+    assert record["source_commit"] == "a" * 40
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    again = draw_calibration_set("sst2", source, evaluation, tmp_path / "p", 3, 0, "text")
+    assert again["source_commit"] is None
+    with pytest.raises(ValueError, match="revision: is only for Hub datasets"):
+        DataSource(path="./x", revision="v2")
+
+
 def test_hub_source_loaded_with_its_split(monkeypatch, tmp_path):
     calls = []
 

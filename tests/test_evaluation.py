@@ -392,3 +392,33 @@ def test_expert_without_tokenizer_files_uses_the_base_tokenizer_or_fails_clearly
     assert int((expected == load_tokenizer(pool.base).unk_token_id).sum()) == 0
     with pytest.raises(FeatCalError, match="no tokenizer files"):
         ExpertHead(tmp_path / "expert").preprocess(rows)
+
+
+def test_saved_hub_evaluation_split_follows_its_source(monkeypatch, tmp_path):
+    """A Hub evaluation split is saved once below the results folder and reused; naming another
+    revision (or id, config, split) in the params saves it again."""
+    import json
+
+    from featcal.tasks.evaluate import EVALUATION_SOURCE, _evaluation_data
+    from featcal_core.params import DataSource
+
+    loads = []
+
+    def fake_load_dataset(path, name=None, **kwargs):
+        loads.append(kwargs.get("revision"))
+        return datasets.Dataset.from_dict({"text": ["a", "b"], "label": [0, 1]})
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    source = DataSource(hub="owner/data", split="test")
+    folder, split = _evaluation_data("t", source, tmp_path)
+    assert split is None and loads == [None]
+    record = json.loads((folder / EVALUATION_SOURCE).read_text())
+    assert record == {"source": "hub owner/data, split test",
+                      "identity": ["hub", "owner/data", None, "test"], "commit": None}  # fmt: skip
+    _evaluation_data("t", source, tmp_path)
+    assert loads == [None]  # reused
+    _evaluation_data("t", DataSource(hub="owner/data", split="test", revision="v2"), tmp_path)
+    assert loads == [None, "v2"]  # another revision: saved again
+    assert json.loads((folder / EVALUATION_SOURCE).read_text())["identity"][-1] == "v2"
+    assert datasets.load_from_disk(str(folder))["text"] == ["a", "b"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -436,3 +437,36 @@ def test_download_task_stops_before_locking_a_bad_pool(clip, bert, tmp_path):
     with pytest.raises(FeatCalError, match=r"models\.experts\.gamma"):
         download_models.fn(models, path)
     assert not path.exists()
+
+
+def test_merge_and_calibrate_take_hub_ids(clip, tmp_path):
+    """`featcal merge` / `calibrate` with Hub ids where folders go (offline, from the cache):
+    the same merged weights as from the folders."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "hf"
+    hub_cache(cache, "owner/base", clip.base)
+    for task, path in clip.experts.items():
+        hub_cache(cache, f"owner/expert-{task}", path)
+    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+
+    def featcal(*args):
+        done = subprocess.run([sys.executable, "-m", "featcal_cli.main", *args], env=env,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    experts = [f"--expert={t}=owner/expert-{t}" for t in clip.experts]
+    featcal("merge", "--base", "owner/base", *experts, "--method", "task_arithmetic",
+            "--out", str(tmp_path / "from_hub"), "--no-progress")  # fmt: skip
+    local = [f"--expert={t}={p}" for t, p in clip.experts.items()]
+    featcal("merge", "--base", str(clip.base), *local, "--method", "task_arithmetic",
+            "--out", str(tmp_path / "from_folders"), "--no-progress")  # fmt: skip
+    assert sha256(tmp_path / "from_hub" / "model.safetensors") == sha256(
+        tmp_path / "from_folders" / "model.safetensors"
+    )
+    calib = [f"--calib={t}={p}" for t, p in clip.calib.items()]
+    featcal("calibrate", "--base", "owner/base", "--merged", str(tmp_path / "from_hub"), *experts,
+            *calib, "--out", str(tmp_path / "calibrated"), "--no-progress")  # fmt: skip
+    assert (tmp_path / "calibrated" / "model.safetensors").is_file()

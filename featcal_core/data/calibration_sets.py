@@ -62,7 +62,12 @@ import numpy as np
 from featcal_core.data.calibration_data import SOURCE_ROW, TARGET
 from featcal_core.data.calibration_hygiene import check_held_out, drawn_digests, same_data
 from featcal_core.data.source import DataSource, as_data_source
-from featcal_core.data.source_rows import CANONICAL_COLUMNS, input_column, open_rows
+from featcal_core.data.source_rows import (
+    CANONICAL_COLUMNS,
+    dataset_commit,
+    input_column,
+    open_rows,
+)
 from featcal_core.errors import FeatCalError
 from featcal_core.io.outputs import guarded_directory
 from featcal_core.provenance.records import SET_RECORD
@@ -230,6 +235,7 @@ def draw_calibration_set(
         "task": task,
         "source": source.describe(),
         "source_identity": list(source.identity()),
+        "source_commit": dataset_commit(source),  # Hub only; None where unknown
         "split": split,
         "modality": modality,
         "columns": {"input": column, "label": label} | ({"target": TARGET} if target else {}),

@@ -16,6 +16,7 @@ from featcal_core.errors import FeatCalError
 class DataSource:
     hub: str | None = None
     config: str | None = None
+    revision: str | None = None  # Hub only: branch, tag or commit (None: the default branch)
     path: str | None = None
     split: str | None = None
     image_column: str | None = None
@@ -28,14 +29,16 @@ class DataSource:
 
     def identity(self) -> tuple[Any, ...]:
         """What identifies the rows: (hub, config, split) or (normalised path, split)."""
-        if self.hub is not None:
-            return ("hub", self.hub, self.config, self.split)
+        if self.hub is not None:  # (a revision only when given: older records stay equal)
+            pinned = () if self.revision is None else (self.revision,)
+            return ("hub", self.hub, self.config, self.split, *pinned)
         return ("local", os.path.normpath(os.path.expanduser(self.path)), self.split)
 
     def describe(self) -> str:
         if self.hub is not None:
             config = f", config {self.config}" if self.config else ""
-            return f"hub {self.hub}{config}, split {self.split}"
+            revision = f"@{self.revision}" if self.revision else ""
+            return f"hub {self.hub}{revision}{config}, split {self.split}"
         split = f", split {self.split}" if self.split else ""
         return f"path {self.path}{split}"
 

@@ -13,6 +13,7 @@ error is one FeatCalError line naming the params key and what to fix.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from featcal_core.data.source import DataSource, as_data_source
 from featcal_core.errors import FeatCalError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import datasets
@@ -61,13 +64,36 @@ def open_rows(
     return data, split
 
 
+def dataset_commit(source: DataSource) -> str | None:
+    """The commit a Hub source's rows come from (for the records): its revision when that is a
+    commit, else the Hub's answer for the revision (None offline, for local sources, or when the
+    Hub does not answer: the rows' digests are recorded either way)."""
+    import re
+
+    if source.hub is None:
+        return None
+    if source.revision is not None and re.fullmatch(r"[0-9a-f]{40}", source.revision):
+        return source.revision
+    from featcal_core.provenance.resolve import _offline
+
+    if _offline() or (os.environ.get("HF_DATASETS_OFFLINE") or "").upper() in {"1", "ON", "YES", "TRUE"}:
+        return None
+    try:
+        from huggingface_hub import HfApi
+
+        return HfApi().dataset_info(source.hub, revision=source.revision).sha
+    except Exception as exc:  # informative only
+        log.warning("could not look up the commit of dataset %s: %s", source.hub, _one_line(exc))
+        return None
+
+
 def _open_hub(source: DataSource, key: str, trust_remote_code: bool) -> datasets.Dataset:
     import datasets
 
     try:
-        data = datasets.load_dataset(
-            source.hub, source.config, split=source.split, trust_remote_code=trust_remote_code
-        )
+        pinned = {} if source.revision is None else {"revision": source.revision}
+        data = datasets.load_dataset(source.hub, source.config, split=source.split,
+                                     trust_remote_code=trust_remote_code, **pinned)  # fmt: skip
     except Exception as exc:
         raise FeatCalError(
             f"{key}: cannot load Hub dataset {source.describe()} ({type(exc).__name__}: "

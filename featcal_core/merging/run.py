@@ -365,10 +365,14 @@ def _copy_other_files(base: Checkpoint, out_dir: Path) -> None:
     weight_names = set(base.files) | {INDEX_NAME}
     if (base.directory / INDEX_NAME).is_file():
         shutil.copy2(base.directory / INDEX_NAME, out_dir / INDEX_NAME)
+    skipped = []
     for path in sorted(base.directory.iterdir()):
         if not path.is_file() or path.name in weight_names:
             continue
         if path.name in _RECORDS or path.suffix in _OTHER_WEIGHT_SUFFIXES:
-            log.warning("not copying %s from the base model into the merged model", path)
+            skipped.append(path.name)
             continue
         shutil.copy2(path, out_dir / path.name)
+    if skipped:  # a Hub download's other weight formats, an earlier run's records: expected
+        log.info("not copied from the base %s into the merged model: %s (weights in other "
+                 "formats, or records of an earlier run)", base.directory, ", ".join(skipped))  # fmt: skip

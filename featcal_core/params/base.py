@@ -21,7 +21,7 @@ from featcal_core.errors import FeatCalError
 from featcal_core.names import name_problem
 
 _SOURCE_FIELDS = (
-    "hub", "config", "path", "split", "image_column", "text_column", "label_column",
+    "hub", "config", "revision", "path", "split", "image_column", "text_column", "label_column",
 )  # fmt: skip
 
 

@@ -19,6 +19,11 @@ class DataSource(_Section):
 
     hub: str | None = Field(None, description="Hub dataset id, e.g. tanganke/mnist")
     config: str | None = Field(None, description="Hub dataset configuration name (hub only)")
+    revision: str | None = Field(
+        None,
+        min_length=1,
+        description="Hub dataset revision: a branch, tag or commit (hub only; default: main)",
+    )
     path: str | None = Field(None, description="local datasets save_to_disk directory")
     split: str | None = Field(
         None, description="split to use; required for hub, optional for a local DatasetDict"
@@ -42,6 +47,8 @@ class DataSource(_Section):
                 raise _error("a Hub dataset needs a split: (e.g. split: train)", "split")
         elif self.config is not None:
             raise _error("config: is only for Hub datasets; remove it", "config")
+        elif self.revision is not None:
+            raise _error("revision: is only for Hub datasets; remove it", "revision")
         if self.path is not None and not self.path.strip():
             raise _error("empty path; give a save_to_disk directory", "path")
         return self

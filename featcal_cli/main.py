@@ -178,10 +178,12 @@ def configure_logging(verbosity: int) -> None:
 
 
 def _library_bars_off() -> None:
-    """transformers' "Loading weights", datasets' "Saving the dataset" and the Hub's bars: both
+    """transformers' "Loading weights", datasets' "Saving the dataset" and, unless stderr is a
+    terminal, the Hub's download bars (on a terminal a multi-GB download shows its bytes): the
     libraries read these switches when imported (later, in this process or the flow's); one
     already imported is switched off directly."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if not sys.stderr.isatty():
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     for module, function in (("transformers.utils.logging", "disable_progress_bar"),
                              ("datasets.utils.logging", "disable_progress_bar")):  # fmt: skip

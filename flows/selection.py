@@ -105,6 +105,7 @@ def score_held_out(steps: Steps, variants: dict[str, Params], merges: dict, cost
 def select(steps: Steps, step_run) -> dict:
     """The select step for `steps` (its params' select:); writes and returns the record."""
     from featcal_core.evaluation.selection import choose
+    from featcal_core.params.repair import TASK_MODULE_REPAIRS
     from featcal_core.report.selection import held_out_text
 
     params = steps.params
@@ -126,7 +127,13 @@ def select(steps: Steps, step_run) -> dict:
             costs[name] = repair(shared_steps(steps, candidate, merged))
     sets, scores = score_held_out(steps, candidates, merges, costs, settings.holdout_per_task,
                                   settings.score)  # fmt: skip
-    choice = choose(scores, settings.score)
+    # a winner is one checkpoint unless the params opt in to per-task modules
+    ineligible = {} if settings.allow_task_modules else {
+        name: f"{c.repair_method} adds a module per task; select.allow_task_modules: true "
+              "lets it win"
+        for name, c in candidates.items() if c.repair_method in TASK_MODULE_REPAIRS
+    }  # fmt: skip
+    choice = choose(scores, settings.score, ineligible)
     by_name = {c.name: c for c in settings.candidates}
     # what the scores were computed on: a task with fewer rows left than requested holds them all
     held_out = {t: r["n_rows"] for t, r in sets.items()}
@@ -156,6 +163,7 @@ def select(steps: Steps, step_run) -> dict:
                     "hyperparameters": merges[merge_key(candidate.merge)]["hyperparameters"],
                 },
                 "repair": candidate.repair_method,
+                "eligible": name not in ineligible,
                 "mean": choice["means"][name],
                 "tasks": scores[name],
                 "merge_seconds": merges[merge_key(candidate.merge)]["seconds"],

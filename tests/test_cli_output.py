@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from featcal_cli.main import build_parser, configure_logging, split_verbosity
 
@@ -33,6 +34,11 @@ def test_quiet_by_default_loud_on_request(monkeypatch):
     configure_logging(1)
     assert logging.getLogger("featcal_core.evaluation.accuracy").isEnabledFor(logging.INFO)
     assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ
+    # quiet on a terminal: the Hub's download bars stay on (bytes of a multi-GB download)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    configure_logging(0)
+    assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ
+    assert os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1"
 
 
 def test_run_ends_with_a_table_and_where_the_record_is():

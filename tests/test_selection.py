@@ -48,6 +48,18 @@ def test_choose_ranks_by_mean_over_tasks_in_the_scores_direction():
         choose(scores, "accuracy")
 
 
+def test_an_ineligible_candidate_is_ranked_but_never_wins():
+    scores = {"surgery": {"x": {"agreement": 95.0}}, "a": {"x": {"agreement": 80.0}},
+              "b": {"x": {"agreement": 70.0}}}  # fmt: skip
+    choice = choose(scores, "agreement", {"surgery": "adds a module per task"})
+    assert choice["ranking"] == ["surgery", "a", "b"] and choice["winner"] == "a"
+    assert "next best (b)" in choice["why"]
+    assert "ranked above it but not eligible: surgery (95: adds a module per task)" in choice["why"]
+    assert choose(scores, "agreement")["winner"] == "surgery"  # eligible when nothing says not
+    with pytest.raises(FeatCalError, match="no candidate may win"):
+        choose({"surgery": scores["surgery"]}, "agreement", {"surgery": "adds a module per task"})
+
+
 def test_spearman_matches_the_pearson_correlation_of_average_ranks():
     rng = np.random.default_rng(0)
     for _ in range(20):

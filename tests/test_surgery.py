@@ -69,6 +69,9 @@ def test_training_lowers_the_loss_and_the_distance_to_each_expert(pool, trained)
     out, record = trained
     assert json.loads((out / SURGERY_RECORD).read_text()) == record
     assert set(record["tasks"]) == set(TASKS) == {p.name for p in out.iterdir() if p.is_dir()}
+    card = (out / "README.md").read_text()  # what the folder is and how to load it
+    assert card.startswith("# Representation Surgery modules (not a checkpoint)")
+    assert f'load_surgery("{TASKS[0]}")' in card and str(pool.merged) in card
     for task in TASKS:
         curve = record["tasks"][task]["loss"]
         assert curve["steps"][0] == 1 and curve["steps"][-1] == 1000 and len(curve["steps"]) == 21

@@ -27,9 +27,15 @@ UNITS = {"agreement": "% agreement with the experts", "drift": "mean relative fe
          "validation": "% mean validation accuracy"}  # fmt: skip
 
 
-def choose(scores: Mapping[str, Mapping[str, Mapping[str, float]]], score: str) -> dict:
+def choose(
+    scores: Mapping[str, Mapping[str, Mapping[str, float]]],
+    score: str,
+    ineligible: Mapping[str, str] | None = None,
+) -> dict:
     """{"score", "higher_is_better", "means": {candidate: mean over tasks}, "ranking": names,
-    best first, "winner", "why": one sentence} from {candidate: {task: {score: value}}}."""
+    best first, "winner", "why": one sentence} from {candidate: {task: {score: value}}}.
+    ineligible: {candidate: why it may not win}: ranked like the others, never the winner (the
+    why says which better-ranked ones were passed over)."""
     if score not in HIGHER_IS_BETTER:
         raise FeatCalError(f"score {score!r} is not one of {', '.join(HIGHER_IS_BETTER)}")
     if not scores:
@@ -45,11 +51,22 @@ def choose(scores: Mapping[str, Mapping[str, Mapping[str, float]]], score: str) 
     sign = -1.0 if HIGHER_IS_BETTER[score] else 1.0
     order = list(scores)
     ranking = sorted(order, key=lambda n: (sign * means[n], order.index(n)))
-    winner = ranking[0]
-    runner_up = ranking[1] if len(ranking) > 1 else None
+    ineligible = dict(ineligible or {})
+    eligible = [name for name in ranking if name not in ineligible]
+    if not eligible:
+        raise FeatCalError(
+            f"no candidate may win: {'; '.join(f'{n}: {w}' for n, w in ineligible.items())}"
+        )
+    winner = eligible[0]
+    runner_up = eligible[1] if len(eligible) > 1 else None
     why = f"{winner}: {means[winner]:.4g} {UNITS[score]} over {len(scores[winner])} task(s)"
     if runner_up is not None:
         why += f", against {means[runner_up]:.4g} for the next best ({runner_up})"
+    passed = ranking[: ranking.index(winner)]
+    if passed:
+        why += "; ranked above it but not eligible: " + "; ".join(
+            f"{name} ({means[name]:.4g}: {ineligible[name]})" for name in passed
+        )
     return {"score": score, "higher_is_better": HIGHER_IS_BETTER[score], "means": means,
             "ranking": ranking, "winner": winner, "why": why}  # fmt: skip
 

@@ -21,6 +21,11 @@ VARIANT_KEYS = ("merge.", "repair.", "featcal.alpha", "featcal.rho", "featcal.la
                 "featcal.eps", "featcal.precision")  # fmt: skip
 
 
+#: repairs whose output is the merged checkpoint plus a module per task (no single checkpoint:
+#: no `from_pretrained`, a module to apply per task at inference)
+TASK_MODULE_REPAIRS = ("surgery",)
+
+
 class RepairSettings(_Section):
     """What repairs the merged model. `featcal` (the featcal: section; `featcal.enabled: false`
     turns every repair off, as before), `regmean` (RegMean, Jin et al. 2023: each block Linear

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from featcal_core.params.base import StrictInt, _error, _Section
+from featcal_core.params.base import StrictBool, StrictInt, _error, _Section
 from featcal_core.params.repair import Variant, unique_names
 
 #: held-out inputs per task (benchmarks/selection_holdout.py: 128 ranked the zoos' variants at
@@ -38,6 +38,11 @@ class SelectSettings(_Section):
     )
     candidates: list[Variant] = Field(
         ..., min_length=2, description="the candidates (as compare: variants), in order"
+    )
+    allow_task_modules: StrictBool = Field(
+        False,
+        description="let a candidate whose repair adds a module per task (surgery) win; by "
+        "default such candidates are scored and shown but the winner is one checkpoint",
     )
 
     @field_validator("candidates")

@@ -245,5 +245,30 @@ def train_surgery(
             "peak_rss_bytes": peak_rss_bytes(),
         }
         write_json(tmp / SURGERY_RECORD, record, "surgery record")
+        (tmp / "README.md").write_text(_card(merged, list(sets), rank), encoding="utf-8")
     log.info("wrote %s in %.1f s", out, record["wall_seconds"])
     return record
+
+
+def _card(merged: str | Path, tasks: list[str], rank: int) -> str:
+    """README.md of a surgery folder: what it is (not a checkpoint) and how to load it."""
+    first = tasks[0] if tasks else "TASK"
+    return f"""# Representation Surgery modules (not a checkpoint)
+
+This folder holds one Representation Surgery module per task (Yang et al., ICML 2024) for the
+merged checkpoint `{merged}`: for task t, the features z its head reads become
+ẑ = z − W_up · ReLU(W_down · z) (rank {rank}) before the head's final layer. There is no single
+model here: load the merged checkpoint with `from_pretrained` as usual, then apply the task's
+module to the features:
+
+```python
+from featcal_core.repair.surgery_module import load_surgery
+
+module = load_surgery("{first}")   # this folder's {first}/ (surgery.safetensors, surgery.json)
+repaired = module(features)         # features: (N, d) float tensor the task's head reads
+```
+
+`featcal_core.repair.surgery_module.SurgeryHead(head, module)` does the same inside an evaluation
+head. Tasks: {", ".join(tasks)}. `surgery.json` records the inputs (with their sha256), the
+hyperparameters and each module's loss curve.
+"""

@@ -61,7 +61,8 @@ def selection_lines(record: Mapping[str, Any]) -> list[str]:
 
 
 def selection_table(record: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
-    """(headers, rows): rank, candidate (winner starred), merge, repair, mean score, one column
+    """(headers, rows): rank, candidate (winner starred; "(not eligible)" where it may not win:
+    per-task modules without select.allow_task_modules), merge, repair, mean score, one column
     per task, seconds (merge + repair)."""
     if record.get("winner") is None:
         return [], []
@@ -77,7 +78,8 @@ def selection_table(record: Mapping[str, Any]) -> tuple[list[str], list[list[str
         candidate = by_name[name]
         seconds = candidate["merge_seconds"] + candidate["repair_seconds"]
         rows.append([
-            str(rank), name + (" *" if name == record["winner"] else ""),
+            str(rank), name + (" *" if name == record["winner"] else "")
+            + (" (not eligible)" if candidate.get("eligible") is False else ""),
             candidate["merge"]["method"], candidate["repair"], _value(score, candidate["mean"]),
             *[_value(score, candidate["tasks"][t].get(score)) for t in tasks], f"{seconds:.1f}",
         ])  # fmt: skip

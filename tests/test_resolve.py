@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -439,34 +438,38 @@ def test_download_task_stops_before_locking_a_bad_pool(clip, bert, tmp_path):
     assert not path.exists()
 
 
-def test_merge_and_calibrate_take_hub_ids(clip, tmp_path):
+def test_merge_and_calibrate_take_hub_ids(clip, tmp_path, monkeypatch, capsys):
     """`featcal merge` / `calibrate` with Hub ids where folders go (offline, from the cache):
     the same merged weights as from the folders."""
-    import subprocess
-    import sys
+    from huggingface_hub import constants
+
+    from featcal_cli.main import main
 
     cache = tmp_path / "hf"
     hub_cache(cache, "owner/base", clip.base)
     for task, path in clip.experts.items():
         hub_cache(cache, f"owner/expert-{task}", path)
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-
-    def featcal(*args):
-        done = subprocess.run([sys.executable, "-m", "featcal_cli.main", *args], env=env,
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-3000:]
-        return done
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))  # read when fetching
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(resolve, "model_info", _no_network)
 
     experts = [f"--expert={t}=owner/expert-{t}" for t in clip.experts]
-    featcal("merge", "--base", "owner/base", *experts, "--method", "task_arithmetic",
-            "--out", str(tmp_path / "from_hub"), "--no-progress")  # fmt: skip
+    assert main(["merge", "--base", "owner/base", *experts, "--method", "task_arithmetic",
+                 "--out", str(tmp_path / "from_hub"), "--no-progress"]) == 0  # fmt: skip
     local = [f"--expert={t}={p}" for t, p in clip.experts.items()]
-    featcal("merge", "--base", str(clip.base), *local, "--method", "task_arithmetic",
-            "--out", str(tmp_path / "from_folders"), "--no-progress")  # fmt: skip
+    assert main(["merge", "--base", str(clip.base), *local, "--method", "task_arithmetic",
+                 "--out", str(tmp_path / "from_folders"), "--no-progress"]) == 0  # fmt: skip
     assert sha256(tmp_path / "from_hub" / "model.safetensors") == sha256(
         tmp_path / "from_folders" / "model.safetensors"
     )
     calib = [f"--calib={t}={p}" for t, p in clip.calib.items()]
-    featcal("calibrate", "--base", "owner/base", "--merged", str(tmp_path / "from_hub"), *experts,
-            *calib, "--out", str(tmp_path / "calibrated"), "--no-progress")  # fmt: skip
+    assert main(["calibrate", "--base", "owner/base", "--merged", str(tmp_path / "from_hub"),
+                 *experts, *calib, "--out", str(tmp_path / "calibrated"), "--no-progress"]) == 0  # fmt: skip
     assert (tmp_path / "calibrated" / "model.safetensors").is_file()
+    # an id that is neither a folder nor cached: the download step's one line, naming the flag
+    assert main(["merge", "--base", "owner/missing", *experts, "--method", "task_arithmetic",
+                 "--out", str(tmp_path / "x")]) == 2  # fmt: skip
+    assert not (tmp_path / "x").exists()
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("featcal: error: --base: Hub model 'owner/missing' is not in the local "
+                          "Hugging Face cache"), err  # fmt: skip

@@ -42,12 +42,12 @@ def run(args: argparse.Namespace) -> int:
 
         settings = load_params(args.params, args.set).zoo
         if settings is None:  # models and tasks are given directly: nothing to build
+            from featcal_core.io.outputs import write_file
+
             placeholder = Path(args.out or "data/zoo")
-            placeholder.mkdir(parents=True, exist_ok=True)
-            (placeholder / "NO_ZOO.md").write_text(
-                f"{args.params} has no zoo: section, so no zoo was built (the DVC zoo stage's "
-                "output is this note).\n"
-            )
+            write_file(placeholder / "NO_ZOO.md",  # the one guarded writer: temp, then rename
+                       f"{args.params} has no zoo: section, so no zoo was built (the DVC zoo "
+                       "stage's output is this note).\n", "zoo note")  # fmt: skip
             print(f"{args.params}: no zoo: section; nothing to build")
             return 0
     from featcal_core.zoo.build import PRESETS, build_zoo  # imports torch: after the early exit

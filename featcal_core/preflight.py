@@ -96,15 +96,26 @@ def _family(role: str, config: Path, problems: list[Finding]):
     from featcal_core.architectures import detect
 
     try:
-        return detect(json.loads(config.read_text(encoding="utf-8")), source=str(config))
+        data = json.loads(config.read_text(encoding="utf-8"))
     except ValueError as exc:
         problems.append((role, f"{config} is not valid JSON ({exc}); fix the file or fetch the "
                                "model again"))  # fmt: skip
+        return None
     except OSError as exc:
         problems.append((role, f"{config} cannot be read ({exc}); fetch the model again"))
+        return None
+    try:
+        return detect(data, source=str(config))
     except FeatCalError as exc:
         problems.append((role, str(exc)))
     return None
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """A failure the download step retries (network, HTTP 429/5xx): the check cannot tell."""
+    from featcal_core.provenance.resolve import _is_transient
+
+    return _is_transient(exc)
 
 
 def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: list[Finding]):
@@ -133,6 +144,10 @@ def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: l
             files = [s.rfilename for s in info.siblings or [] if "/" not in s.rfilename]
             config = None
     except Exception as exc:  # the Hub's own errors, named as the download step names them
+        if _unreachable(exc):
+            notes.append((role, f"{where}: the Hub did not answer ({type(exc).__name__}); not "
+                                "checked (the download step retries)"))  # fmt: skip
+            return None
         error = _hub_error(exc, role, ref.ref, repo_id, offline)
         problems.append((role, str(error or f"{where}: {exc}").removeprefix(f"{role}: ")))
         return None
@@ -148,6 +163,10 @@ def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: l
             config = hf_hub_download(repo_id, "config.json", revision=revision,
                                      cache_dir=cache_dir)  # fmt: skip
         except Exception as exc:
+            if _unreachable(exc):
+                notes.append((role, f"{where}: config.json not fetched ({type(exc).__name__}); "
+                                    "not checked (the download step retries)"))  # fmt: skip
+                return None
             error = _hub_error(exc, role, ref.ref, repo_id, offline)
             problems.append((role, str(error or f"{where}: {exc}").removeprefix(f"{role}: ")))
             return None
@@ -219,8 +238,11 @@ def _check_hub_dataset(key: str, source: Any, problems: list[Finding], notes: li
     from huggingface_hub import HfApi
 
     try:
-        HfApi().dataset_info(source.hub)
+        HfApi().dataset_info(source.hub, revision=source.revision)
     except Exception as exc:
+        if _unreachable(exc):
+            notes.append((key, f"Hub dataset {source.hub!r}: the Hub did not answer; not checked"))
+            return
         status = getattr(getattr(exc, "response", None), "status_code", None)
         what = "does not exist or is private" if status in (401, 404) else f"cannot be read ({exc})"
         problems.append((key, f"Hub dataset {source.hub!r} {what}; check the id (owner/name) or "

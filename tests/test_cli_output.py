@@ -86,3 +86,19 @@ def test_help_imports_neither_torch_nor_the_orchestration():
     from featcal_core.merging import available, declared_names
 
     assert declared_names() == available()
+
+
+def test_zoo_step_without_a_zoo_section_writes_its_note_atomically(tmp_path, capsys):
+    """The DVC zoo stage on a params file without zoo: writes only its note, through the guarded
+    writer (no temporary left, an existing note replaced whole)."""
+    from pathlib import Path
+
+    from featcal_cli.main import main
+
+    paper = Path(__file__).resolve().parents[1] / "params" / "paper-clip-vit-b32.yaml"
+    out = tmp_path / "zoo"
+    for _ in range(2):
+        assert main(["zoo", "--params", str(paper), "--out", str(out)]) == 0
+        assert [p.name for p in out.iterdir()] == ["NO_ZOO.md"]
+    assert "no zoo: section" in (out / "NO_ZOO.md").read_text()
+    assert "nothing to build" in capsys.readouterr().out

@@ -113,3 +113,31 @@ def test_an_expert_of_another_family_is_named(good, tmp_path):
     problems, _ = check(params)
     assert [k for k, _ in problems] == ["models.experts.alpha"], problems
     assert "the base a hf-clip-vision one" in problems[0][1]
+
+
+def test_hub_online_unreachable_is_a_note_a_missing_repository_a_problem(good, monkeypatch):
+    """Online: the Hub not answering is left to the download step (which retries), a missing
+    repository is a problem worded as the download step words it."""
+    import httpx2
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    from featcal_core.provenance import resolve
+
+    monkeypatch.setattr(resolve.hf_constants, "HF_HUB_OFFLINE", False)
+
+    def model_info(self, repo_id, revision=None):
+        if repo_id == "owner/down":
+            raise ConnectionError("connection reset")
+        response = httpx2.Response(404, request=httpx2.Request("GET", "https://hub/api"))
+        raise RepositoryNotFoundError("404 not found", response=response)
+
+    monkeypatch.setattr(HfApi, "model_info", model_info)
+    params = load_params(
+        good, ["models.experts.alpha=owner/down", "models.experts.beta=owner/gone"]
+    )
+    problems, notes = check(params)
+    assert [k for k, _ in problems] == ["models.experts.beta"], problems
+    assert "repository owner/gone does not exist or is private" in problems[0][1]
+    assert any(k == "models.experts.alpha" and "did not answer" in t for k, t in notes), notes

@@ -4,6 +4,7 @@ before anything is downloaded; `featcal run` runs it first."""
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -13,6 +14,8 @@ from test_resolve import hub_cache
 from featcal_cli.main import main
 from featcal_core.params import load_params
 from featcal_core.preflight import check
+
+PAPER = Path(__file__).resolve().parents[1] / "params" / "paper-clip-vit-b32.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +144,47 @@ def test_hub_online_unreachable_is_a_note_a_missing_repository_a_problem(good, m
     assert [k for k, _ in problems] == ["models.experts.beta"], problems
     assert "repository owner/gone does not exist or is private" in problems[0][1]
     assert any(k == "models.experts.alpha" and "did not answer" in t for k, t in notes), notes
+
+
+def test_the_paper_file_checks_unchanged_against_stand_in_hub_repositories(tmp_path, monkeypatch,
+                                                                           capsys):  # fmt: skip
+    """params/paper-clip-vit-b32.yaml as shipped, offline, against a Hugging Face cache holding
+    stand-ins in the real layouts: openai/clip-vit-base-patch32 with pickled weights only on main
+    and its safetensors in refs/pr/66 (as on the Hub), the eight tanganke experts as
+    CLIPVisionModel checkpoints with transformers 4.x `vision_model.` keys. No problem: the
+    conversion pull request and the Hub datasets (not checkable offline) are notes. One expert
+    missing from the cache: one line, exit 2."""
+    from huggingface_hub import constants
+
+    import factories
+
+    paper = load_params(PAPER)
+    cache = tmp_path / "hf"
+    base = factories.tiny_clip_model(tmp_path / "clip")
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(base / "config.json", pickled / "config.json")
+    for name in ("pytorch_model.bin", "tf_model.h5", "flax_model.msgpack"):
+        (pickled / name).write_bytes(b"not read")
+    hub_cache(cache, paper.models.base.repo_id, pickled)
+    hub_cache(cache, paper.models.base.repo_id, base, ref_name="refs/pr/66", commit="e" * 40)
+    experts = factories.vision_experts(base, tmp_path / "experts", tuple(paper.models.experts))
+    for task, ref in paper.models.experts.items():
+        hub_cache(cache, ref.repo_id, experts[task])
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    assert main(["check", "--params", str(PAPER)]) == 0
+    out, err = capsys.readouterr()
+    assert "no problems found (8 tasks)" in out
+    assert "featcal: note: models.base: Hub model 'openai/clip-vit-base-patch32' has pickled " \
+           "weights only on its default branch; the run uses its safetensors conversion " \
+           "refs/pr/66" in err  # fmt: skip
+    assert err.count("not checked offline") == 16  # calibration and evaluation of 8 tasks
+
+    shutil.rmtree(cache / "models--tanganke--clip-vit-base-patch32_dtd")
+    assert main(["check", "--params", str(PAPER)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("featcal: error: models.experts.dtd: Hub "
+                                                     "model 'tanganke/clip-vit-base-patch32_dtd' "
+                                                     "is not in the local Hugging Face cache")  # fmt: skip

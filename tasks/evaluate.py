@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -237,7 +238,8 @@ def evaluate_models(
                 directory, model_head, data, split, linears,
                 batch_size=settings.batch_size, max_examples=settings.max_examples_per_task,
                 image_column=source.image_column, text_column=source.text_column,
-                label_column=source.label_column, device=params.featcal.device, progress=False,
+                label_column=source.label_column, device=params.featcal.device,
+                progress=sys.stderr.isatty(),  # a bar per model on a terminal
                 batches=batches, precision=chosen.name,
             ))  # fmt: skip
         row = {name: {**found[name], "precision": chosen.name} for name in order}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import datasets
@@ -469,3 +470,12 @@ def test_prefect_task_builds_every_task(image_dir, text_dir, text_eval_dir, tmp_
         assert len(loaded.rows) == 3
     message = error_of(build_calibration_sets.fn, params, {"mnist": "image"})
     assert "tasks.sst2" in message
+
+
+def test_hashing_the_evaluation_rows_shows_a_bar_on_a_terminal_only(image_dir, tmp_path,
+                                                                     capsys, monkeypatch):  # fmt: skip
+    draw(image_dir, tmp_path / "quiet")
+    assert "hash the evaluation rows" not in capsys.readouterr().err  # not a terminal: no bar
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    draw(image_dir, tmp_path / "terminal")
+    assert "mnist: hash the evaluation rows" in capsys.readouterr().err

@@ -18,7 +18,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import sys
 from typing import Any
+
+from tqdm import tqdm
 
 from featcal_core.data.calibration_data import CONTENT_DIGEST, checked_input, input_digest
 from featcal_core.data.source import DataSource
@@ -111,7 +114,10 @@ def check_held_out(
     rows_digest = hashlib.sha256()
     row = 0
     batches = data.select_columns([column]).with_format("arrow").iter(EVALUATION_BATCH)
+    bar = tqdm(total=len(data), desc=f"{task}: hash the evaluation rows", unit="row",
+               disable=not sys.stderr.isatty(), leave=False)  # fmt: skip
     for batch in batches:
+        bar.update(batch.num_rows)
         for cell in batch.column(column).to_pylist():
             value = checked_input(
                 cell, modality, where=where, row=f"row {row}", column=column, fix=fix
@@ -120,6 +126,7 @@ def check_held_out(
             rows_digest.update(digest)
             first_row.setdefault(digest, row)
             row += 1
+    bar.close()
     shared = [(i, first_row[d]) for i, d in zip(ids, digests, strict=True) if d in first_row]
     if shared:
         examples = ", ".join(f"source row {i} = evaluation row {j}" for i, j in shared[:3])

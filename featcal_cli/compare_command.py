@@ -18,7 +18,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from featcal_core.params import load_params
 
-    load_params(args.params, args.set)  # validated before any heavy work
+    params = load_params(args.params, args.set)  # validated before any heavy work
+    from featcal_cli.preflight_report import preflight
+
+    if preflight(params, args.params, notes=False) != 0:  # models and data, before any download
+        return 2
     from featcal.flows.compare import run_compare
     from featcal.flows.summary import shown
 

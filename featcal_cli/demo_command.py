@@ -31,7 +31,11 @@ def run(args: argparse.Namespace) -> int:
         return _synthetic(args)
     from featcal_core.params import load_params
 
-    load_params(args.params, args.set)  # validated before any heavy work (and the flow's import)
+    params = load_params(args.params, args.set)  # validated before any heavy work
+    from featcal_cli.preflight_report import preflight
+
+    if preflight(params, args.params, notes=False) != 0:  # as `featcal run` does
+        return 2
     from featcal.flows.pipeline import run_pipeline
     from featcal.flows.summary import run_summary
 

@@ -82,9 +82,10 @@ def test_run_stops_before_any_download(good, tmp_path, capsys):
     data = yaml.safe_load(planted.read_text())
     data["run"]["results_dir"] = str(tmp_path / "results")
     planted.write_text(yaml.safe_dump(data))
-    assert main(["run", "--params", str(planted)]) == 2
-    assert "5 problems" in capsys.readouterr().err
-    assert not (tmp_path / "results").exists()
+    for command in ("run", "demo", "compare"):  # each runs the check before any download
+        assert main([command, "--params", str(planted)]) == 2
+        assert "5 problems" in capsys.readouterr().err
+        assert not (tmp_path / "results").exists()
 
 
 def test_hub_models_from_the_cache_offline(good, tmp_path, monkeypatch):

@@ -227,6 +227,30 @@ def test_cut_evaluation_and_normalized_above_100_are_stated(tmp_path):
     assert "cut short" not in markdown and "above 100 %" not in markdown
 
 
+def test_the_papers_numbers_beside_a_run_of_the_papers_setting(tmp_path):
+    lock = {"base": {"repo_id": "openai/clip-vit-base-patch32"},
+            "experts": {"svhn": {"repo_id": "tanganke/clip-vit-base-patch32_svhn"},
+                        "mnist": {"repo_id": "tanganke/clip-vit-base-patch32_mnist"}}}  # fmt: skip
+    merge = {"method": "task_arithmetic", "hyperparameters": {"scale": 0.3}}
+    evaluation = {"svhn": _task(0.9, 0.6, 0.8), "mnist": _task(0.99, 0.95, 0.97)}
+    markdown = _write(tmp_path / "r", evaluation=evaluation, lock=lock, merge=merge)[
+        "report.md"
+    ].read_text("utf-8")
+    assert "## The paper's numbers" in markdown and "+ FeatCal 85.5" in markdown
+    # the section's table: task, paper TA, paper TA + FeatCal, this run's merged and calibrated
+    assert "| svhn | 77.9 | 95.1 | 60.0 | 80.0 |" in markdown
+    assert "| mnist | 96.1 | 98.8 | 95.0 | 97.0 |" in markdown
+    # another expert, another merge or scale: not the paper's setting, no section
+    for changed_lock, changed_merge in (
+        ({**lock, "experts": {**lock["experts"], "x": {"repo_id": "me/clip-x"}}}, merge),
+        (lock, {"method": "ties", "hyperparameters": {}}),
+        (lock, {"method": "task_arithmetic", "hyperparameters": {"scale": 0.4}}),
+    ):
+        other = _write(tmp_path / "o", evaluation=evaluation, lock=changed_lock,
+                       merge=changed_merge)["report.md"].read_text("utf-8")  # fmt: skip
+        assert "The paper's numbers" not in other
+
+
 def test_known_gap_case(tmp_path):
     evaluation = {"t": _task(0.9, 0.5, 0.7)}
     markdown = _write(tmp_path / "r", evaluation=evaluation)["report.md"].read_text("utf-8")

@@ -9,6 +9,7 @@ from featcal_core.io.outputs import check_output, guarded_directory
 from featcal_core.report import plots as plotting  # looked up at call time (tests patch it)
 from featcal_core.report.html import _html
 from featcal_core.report.markdown import _markdown
+from featcal_core.report.paper_reference import paper_section
 from featcal_core.report.sections import (
     _calibration_section,
     _extra_section,
@@ -77,6 +78,8 @@ def write_report(
     if has_drift:
         plots.append(("drift.png", "feature drift per block"))
     sections = [_calibration_section(calibration), _inputs_section(lock), _merge_section(merge)]
+    if (paper := paper_section(lock, merge, evaluation)) is not None:  # the paper's CLIP setting
+        sections.insert(0, paper)
     if (heads_section := _heads_section(evaluation)) is not None:
         sections.insert(0, heads_section)
     if selection is not None and selection.get("winner") is not None:

@@ -122,8 +122,9 @@ def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: l
     """(top-level file names, local config.json or None, where) of a Hub model, or None after
     appending the problem. Online: the Hub's listing and config.json; offline: the cache."""
     from huggingface_hub import HfApi, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from featcal_core.provenance.resolve import _conversion_revision, _hub_error, _offline
+    from featcal_core.provenance.resolve import _conversion_revision, _offline
 
     repo_id, revision = ref.repo_id, ref.revision
     where = f"Hub model {ref.ref!r}"
@@ -132,24 +133,15 @@ def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: l
         if offline:
             config = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir,
                                             revision=revision)  # fmt: skip
-            if not isinstance(config, str):
-                problems.append((role, f"{where} is not in the local Hugging Face cache and "
-                                       "offline mode is on (HF_HUB_OFFLINE=1); set "
-                                       f"HF_HUB_OFFLINE=0, or fetch it with `hf download "
-                                       f"{repo_id}`"))  # fmt: skip
-                return None
+            if not isinstance(config, str):  # worded as the download step words it
+                raise LocalEntryNotFoundError(f"{repo_id}: config.json is not cached")
             files = [p.name for p in Path(config).parent.iterdir()]
         else:
             info = HfApi().model_info(repo_id, revision=revision)
             files = [s.rfilename for s in info.siblings or [] if "/" not in s.rfilename]
             config = None
-    except Exception as exc:  # the Hub's own errors, named as the download step names them
-        if _unreachable(exc):
-            notes.append((role, f"{where}: the Hub did not answer ({type(exc).__name__}); not "
-                                "checked (the download step retries)"))  # fmt: skip
-            return None
-        error = _hub_error(exc, role, ref.ref, repo_id, offline)
-        problems.append((role, str(error or f"{where}: {exc}").removeprefix(f"{role}: ")))
+    except Exception as exc:
+        _hub_failure(exc, role, ref, offline, "the Hub did not answer", problems, notes)
         return None
     if revision is None and not any(name.endswith(".safetensors") for name in files):
         converted = _conversion_revision(repo_id, cache_dir, offline)
@@ -163,14 +155,23 @@ def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: l
             config = hf_hub_download(repo_id, "config.json", revision=revision,
                                      cache_dir=cache_dir)  # fmt: skip
         except Exception as exc:
-            if _unreachable(exc):
-                notes.append((role, f"{where}: config.json not fetched ({type(exc).__name__}); "
-                                    "not checked (the download step retries)"))  # fmt: skip
-                return None
-            error = _hub_error(exc, role, ref.ref, repo_id, offline)
-            problems.append((role, str(error or f"{where}: {exc}").removeprefix(f"{role}: ")))
+            _hub_failure(exc, role, ref, offline, "config.json not fetched", problems, notes)
             return None
     return files, config, where + (f" at {revision}" if revision else "")
+
+
+def _hub_failure(exc: BaseException, role: str, ref: Any, offline: bool, unanswered: str,
+                 problems: list[Finding], notes: list[Finding]) -> None:  # fmt: skip
+    """A Hub look-up that failed: a note when the Hub did not answer (the download step retries
+    those), else a problem worded as the download step words it (resolve._hub_error)."""
+    from featcal_core.provenance.resolve import _hub_error
+
+    if _unreachable(exc):
+        notes.append((role, f"Hub model {ref.ref!r}: {unanswered} ({type(exc).__name__}); not "
+                            "checked (the download step retries)"))  # fmt: skip
+        return
+    error = _hub_error(exc, role, ref.ref, ref.repo_id, offline)
+    problems.append((role, str(error or f"Hub model {ref.ref!r}: {exc}").removeprefix(f"{role}: ")))
 
 
 def _own_key(key: str, message: str) -> Finding:

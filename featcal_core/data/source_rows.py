@@ -74,9 +74,9 @@ def dataset_commit(source: DataSource) -> str | None:
         return None
     if source.revision is not None and re.fullmatch(r"[0-9a-f]{40}", source.revision):
         return source.revision
-    from featcal_core.provenance.resolve import _offline
+    from featcal_core.provenance.resolve import _TRUE, _offline
 
-    if _offline() or (os.environ.get("HF_DATASETS_OFFLINE") or "").upper() in {"1", "ON", "YES", "TRUE"}:
+    if _offline() or (os.environ.get("HF_DATASETS_OFFLINE") or "").upper() in _TRUE:
         return None
     try:
         from huggingface_hub import HfApi

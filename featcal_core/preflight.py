@@ -8,8 +8,10 @@ safetensors weights, or a safetensors conversion pull request to use (a note), a
 config (config.json is the only file fetched); every expert must be of the base's family.
 Datasets: a local save_to_disk folder must open (memory-mapped: no rows are read) with its split,
 its input column and, for evaluation, its label column; where the head is zero-shot, class names
-must be given or come from the label feature. A Hub dataset must exist (the Hub's API); offline
-it is left to the run (a note). Nothing here writes or downloads weights or rows.
+must be given or come from the label feature or a prompt set, one per class. A Hub dataset must
+exist (the Hub's API) and have its config, split and columns as its card says (datasets' builder
+reads the card and the file listing, no rows); offline it is left to the run (a note). Nothing
+here writes or downloads weights or rows.
 
 With a `zoo:` section the models and tasks come from the zoo, which the run builds first: there
 is nothing to check yet.
@@ -190,21 +192,34 @@ def _check_source(key: str, task: str, role: str, spec: Any, source: Any, family
                   problems: list[Finding], notes: list[Finding]) -> None:  # fmt: skip
     """Problems of one data source: missing, no such split, missing columns, no class names."""
     if source.kind == "hub":
-        _check_hub_dataset(key, source, problems, notes)
-        return
+        features = _hub_features(key, source, problems, notes)
+    else:
+        features = _local_features(key, source, problems)
+    if features is not None:
+        _check_features(key, task, role, spec, source, family, features, problems)
+
+
+def _local_features(key: str, source: Any, problems: list[Finding]):
+    """The features (column → datasets feature) of a local save_to_disk source, or None after
+    recording why it does not open."""
     from featcal_core.data.source_rows import open_source
 
     path = Path(source.path).expanduser()
     if not path.exists():
         problems.append((key, f"local dataset {source.path!r} does not exist (looked in "
                               f"{path.absolute()}); fix the path or save_to_disk it there"))  # fmt: skip
-        return
+        return None
     try:
-        rows = open_source(source.core(), key=key)
+        return open_source(source.core(), key=key).features
     except FeatCalError as exc:
         problems.append(_own_key(key, str(exc)))
-        return
-    columns = list(rows.column_names)
+        return None
+
+
+def _check_features(key: str, task: str, role: str, spec: Any, source: Any, family,
+                    features: Any, problems: list[Finding]) -> None:  # fmt: skip
+    """The input column, and for labelled sets the label column and the zero-shot class names."""
+    columns = list(features)
     modality = getattr(family, "modality", "")
     if modality:
         default = "image" if modality == "image" else "text"
@@ -220,22 +235,28 @@ def _check_source(key: str, task: str, role: str, spec: Any, source: Any, family
         problems.append((key, f"{source.describe()} has no label column {label!r} (has "
                               f"{columns}); set {key}.label_column"))  # fmt: skip
         return
-    zero_shot = spec.class_names is not None or spec.templates is not None
-    if zero_shot and spec.class_names is None:
-        names = getattr(rows.features.get(label), "names", None)
-        if not names:
-            problems.append((f"tasks.{task}.class_names",
-                             f"the {role} set's {label!r} column has no class names; set "
-                             "class_names (one per label) for the zero-shot head"))  # fmt: skip
+    if spec.zero_shot:
+        from featcal_core.evaluation.prompt_sets import zero_shot_prompts
+
+        feature = features[label]
+        try:
+            zero_shot_prompts(getattr(feature, "names", None) or None,
+                              class_names=spec.class_names, templates=spec.templates,
+                              prompt_set=spec.prompt_set, key=f"tasks.{task}")  # fmt: skip
+        except FeatCalError as exc:
+            problems.append(_own_key(f"tasks.{task}", str(exc)))
 
 
-def _check_hub_dataset(key: str, source: Any, problems: list[Finding], notes: list[Finding]):
-    from featcal_core.provenance.resolve import _offline
+def _hub_features(key: str, source: Any, problems: list[Finding], notes: list[Finding]):
+    """The features a Hub dataset's card lists for its config (no rows are downloaded), or None
+    after recording a problem (no such dataset, config or split) or a note (offline, the Hub not
+    answering, no features listed)."""
+    from featcal_core.data.source_rows import _datasets_offline
 
-    if _offline():
+    if _datasets_offline():
         notes.append((key, f"{source.describe()}: not checked offline (the run opens it from "
                            "the datasets cache)"))  # fmt: skip
-        return
+        return None
     from huggingface_hub import HfApi
 
     try:
@@ -243,8 +264,37 @@ def _check_hub_dataset(key: str, source: Any, problems: list[Finding], notes: li
     except Exception as exc:
         if _unreachable(exc):
             notes.append((key, f"Hub dataset {source.hub!r}: the Hub did not answer; not checked"))
-            return
+            return None
         status = getattr(getattr(exc, "response", None), "status_code", None)
         what = "does not exist or is private" if status in (401, 404) else f"cannot be read ({exc})"
         problems.append((key, f"Hub dataset {source.hub!r} {what}; check the id (owner/name) or "
                               "log in (`hf auth login`)"))  # fmt: skip
+        return None
+    import datasets
+
+    pinned = {} if source.revision is None else {"revision": source.revision}
+    try:
+        builder = datasets.load_dataset_builder(source.hub, source.config, **pinned)
+    except Exception as exc:
+        message = " ".join(str(exc).split())
+        if _unreachable(exc):
+            notes.append((key, f"{source.describe()}: the Hub did not answer; not checked "
+                               f"({type(exc).__name__}: {message[:160]})"))  # fmt: skip
+        elif "config" in message.lower():
+            problems.append((key + ".config", f"{source.describe()}: {message[:300]}; set "
+                                              f"{key}.config to one of the dataset's configs"))  # fmt: skip
+        else:
+            problems.append((key, f"{source.describe()} cannot be resolved ({type(exc).__name__}: "
+                                  f"{message[:300]})"))  # fmt: skip
+        return None
+    files = getattr(builder.config, "data_files", None) or {}
+    splits = list(files) or list(builder.info.splits or {})
+    if splits and source.split not in splits:
+        problems.append((key + ".split", f"{source.describe()} has no split {source.split!r} "
+                                         f"(has {splits}); set {key}.split"))  # fmt: skip
+        return None
+    if builder.info.features is None:
+        notes.append((key, f"{source.describe()}: the dataset card lists no features; columns are "
+                           "checked when the run loads it"))  # fmt: skip
+        return None
+    return builder.info.features

@@ -250,7 +250,7 @@ class Steps:
             return  # bare experts: zero-shot heads from the base's text tower
         base, experts = self.models()
         for task, spec in self.params.tasks.items():
-            if spec.class_names is None and spec.templates is None:  # else: zero-shot
+            if not spec.zero_shot:  # else: zero-shot
                 ExpertHead(experts[task], tokenizer_dir=base).require_head()
 
     def calibration_settings(self):

@@ -1,7 +1,7 @@
 """Prefect task for the evaluate step: per task, accuracy and loss of the base (zero-shot only),
 the task's expert, the merged and the calibrated model, and normalized accuracy (÷ the expert's).
 
-A task with `class_names` or `templates` in params is evaluated with a CLIP zero-shot head built
+A task with `class_names`, `templates` or a `prompt_set` in params is evaluated with a CLIP zero-shot head built
 from the base CLIPModel's text tower (class embeddings cached under `<results>/heads`); any other
 task with its expert's own classification head. open_clip pools (open-clip-vision) use the
 base's open_clip text tower (featcal_core.open_clip.zero_shot; the base's source comes from the
@@ -39,6 +39,7 @@ from featcal_core.evaluation.language_model import (
     generation_kind,
 )
 from featcal_core.evaluation.linear_head import load_linear_head
+from featcal_core.evaluation.prompt_sets import zero_shot_prompts
 from featcal_core.evaluation.zero_shot_head import ZeroShotHead
 from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.io.outputs import guarded_directory, verify_output
@@ -46,9 +47,6 @@ from featcal_core.precision import Precision, resolve_forwards
 from featcal_core.provenance.records import LOCK
 
 log = logging.getLogger(__name__)
-
-DEFAULT_TEMPLATES = ("a photo of a {}.",)
-
 
 #: the record of where a saved Hub evaluation split came from (in its folder)
 EVALUATION_SOURCE = "source.json"
@@ -100,26 +98,19 @@ def task_head(
     base_source: Mapping[str, Any] | None = None,
 ):
     """(head, zero_shot) of one task: its expert's own classifier, or a CLIP zero-shot head
-    when the task has class_names or templates (open_clip pools: always, since their experts are
-    bare vision towers). base_source: the base's `open_clip_source` lock record (None: read from
+    when the task has class_names, templates or a prompt_set (open_clip pools: always, since
+    their experts are bare vision towers; prompts: `zero_shot_prompts`). base_source: the base's `open_clip_source` lock record (None: read from
     `root`/models.lock.json when the pool is open_clip)."""
     data, split = _evaluation_data(task_name, spec.evaluation, root / "evaluation_data")
     open_clip = is_open_clip(Path(base))
-    prompts_given = spec.class_names is not None or spec.templates is not None
-    if not prompts_given and not open_clip:
+    if not spec.zero_shot and not open_clip:
         return ExpertHead(expert, tokenizer_dir=base), False
-    names = spec.class_names
-    if names is None:
-        rows = open_source({"path": str(data), "split": split}, key=f"tasks.{task_name}.evaluation")
-        label = spec.evaluation.label_column or "label"
-        names = getattr(rows.features.get(label), "names", None)
-        if not names:
-            raise FeatCalError(
-                f"tasks.{task_name}.class_names: the evaluation set's {label!r} column has no "
-                "class names; set class_names (one per label) for zero-shot evaluation"
-            )
-        names = list(names)
-    templates = tuple(spec.templates or DEFAULT_TEMPLATES)
+    rows = open_source({"path": str(data), "split": split}, key=f"tasks.{task_name}.evaluation")
+    label_names = getattr(rows.features.get(spec.evaluation.label_column or "label"), "names",
+                          None) or None  # fmt: skip
+    names, templates = zero_shot_prompts(label_names, class_names=spec.class_names,
+                                         templates=spec.templates, prompt_set=spec.prompt_set,
+                                         key=f"tasks.{task_name}")  # fmt: skip
     if open_clip:
         from featcal_core.open_clip.zero_shot import OpenCLIPZeroShotHead
 

@@ -194,3 +194,29 @@ def save_grey_image_splits(path: Path) -> Path:
         {"train": grey_images(range(N_TRAIN)), "test": grey_images(range(100, 100 + N_TEST))}
     ).save_to_disk(str(path))
     return path
+
+
+def hub_dataset_repo(root: Path, features, rows: dict, config: str,
+                     card_features=None, broken: tuple[str, ...] = ()) -> Path:  # fmt: skip
+    """A dataset repository in the Hub's layout, as a folder `datasets.load_dataset_builder` and
+    `load_dataset` read like a Hub id: `<config>/<split>-00000-of-00001.parquet` per split of
+    `rows` (split → column → values, written with `features`), and a README whose `configs:`
+    maps each split to its files and whose `dataset_info` lists `card_features` (default:
+    `features`). Each split in `broken` gets a file that is not parquet (reading it fails)."""
+    import datasets
+    import yaml
+
+    (root / config).mkdir(parents=True)
+    for split, columns in rows.items():
+        datasets.Dataset.from_dict(columns, features=features).to_parquet(
+            str(root / config / f"{split}-00000-of-00001.parquet"))  # fmt: skip
+    for split in broken:
+        (root / config / f"{split}-00000-of-00001.parquet").write_bytes(b"not parquet")
+    card = {
+        "configs": [{"config_name": config, "data_files": [
+            {"split": s, "path": f"{config}/{s}-*"} for s in (*rows, *broken)]}],
+        "dataset_info": {"config_name": config,
+                         **datasets.DatasetInfo(features=card_features or features)._to_yaml_dict()},
+    }  # fmt: skip
+    (root / "README.md").write_text(f"---\n{yaml.safe_dump(card, sort_keys=False)}---\n")
+    return root

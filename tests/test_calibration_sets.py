@@ -7,6 +7,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import datasets
 import numpy as np
@@ -348,6 +349,50 @@ def test_existing_set_replaced_atomically(image_dir, tmp_path):
 # ---------------------------------------------------------------------------------------- Hub
 
 
+def _script_builder(name, config=None, **kwargs):
+    """A stand-in for datasets.load_dataset_builder of a dataset without per-split data files."""
+    return SimpleNamespace(
+        config=SimpleNamespace(data_files=None), info=SimpleNamespace(features=None)
+    )
+
+
+def test_hub_split_loads_only_its_files_and_offline_from_the_cache(tmp_path, monkeypatch):
+    """Asking for `train` reads only train's files (the real load_dataset prepares every split:
+    svhn's extra); the class names are the config's (README), not the parquet files' own.
+    Offline, a later load finds those rows in the datasets cache (where datasets' own offline
+    lookup does not)."""
+    from huggingface_hub import constants
+
+    from featcal_core.data.source_rows import load_hub_split
+    from featcal_core.provenance import resolve
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    features = datasets.Features({"x": datasets.Value("int32"),
+                                  "label": datasets.ClassLabel(names=["0", "1"])})  # fmt: skip
+    card = datasets.Features({"x": datasets.Value("int32"),
+                              "label": datasets.ClassLabel(names=["zero", "one"])})  # fmt: skip
+    rows = {"train": {"x": [1, 2, 3], "label": [1, 0, 1]}, "test": {"x": [4, 5], "label": [0, 1]}}
+    repo = factories.hub_dataset_repo(tmp_path / "digits", features, rows, "cropped_digits",
+                                      card_features=card, broken=("extra",))  # fmt: skip
+    with pytest.raises(datasets.exceptions.DatasetGenerationError):  # plain: every split read
+        datasets.load_dataset(str(repo), "cropped_digits", split="train",
+                              cache_dir=str(tmp_path / "plain"))  # fmt: skip
+    rows = load_hub_split(str(repo), "cropped_digits", "train")
+    assert rows["x"] == [1, 2, 3]
+    assert rows.features["label"].names == ["zero", "one"]
+    assert load_hub_split(str(repo), "cropped_digits", "test")["x"] == [4, 5]
+
+    # as an online load of owner/digits leaves it; then offline
+    (tmp_path / "cache" / "digits").rename(tmp_path / "cache" / "owner___digits")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for module in (datasets.config, constants, resolve.hf_constants):
+        monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
+    offline = load_hub_split("owner/digits", "cropped_digits", "train")
+    assert offline["x"] == [1, 2, 3] and offline.features["label"].names == ["zero", "one"]
+    with pytest.raises(Exception, match="owner/digits"):  # never prepared: datasets' error
+        load_hub_split("owner/digits", "cropped_digits", "extra")
+
+
 def test_hub_source_revision_is_loaded_and_recorded(monkeypatch, tmp_path):
     """A pinned dataset revision reaches load_dataset and the record, with the commit the Hub
     names for it (offline: none, the digests of the rows are recorded either way)."""
@@ -363,6 +408,7 @@ def test_hub_source_revision_is_loaded_and_recorded(monkeypatch, tmp_path):
         sha = "a" * 40
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(datasets, "load_dataset_builder", _script_builder)
     monkeypatch.setattr(HfApi, "dataset_info", lambda self, repo, revision=None: Info())
     source = DataSource(hub="nyu-mll/glue", config="sst2", split="train", revision="v2")
     evaluation = DataSource(hub="nyu-mll/glue", config="sst2", split="validation")
@@ -387,6 +433,7 @@ def test_hub_source_loaded_with_its_split(monkeypatch, tmp_path):
         return datasets.Dataset.from_dict({"text": [f"{split} {i}" for i in range(8)]}, split=split)
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(datasets, "load_dataset_builder", _script_builder)
     source = DataSource(hub="nyu-mll/glue", config="sst2", split="train")
     record = draw_calibration_set(
         "sst2",
@@ -415,6 +462,7 @@ def test_hub_failure_is_one_line(monkeypatch, tmp_path):
         raise ConnectionError("no route to host\nsecond line")
 
     monkeypatch.setattr(datasets, "load_dataset", failing)
+    monkeypatch.setattr(datasets, "load_dataset_builder", failing)
     message = error_of(
         draw_calibration_set,
         "mnist",

@@ -422,3 +422,27 @@ def test_saved_hub_evaluation_split_follows_its_source(monkeypatch, tmp_path):
     assert loads == [None, "v2"]  # another revision: saved again
     assert json.loads((folder / EVALUATION_SOURCE).read_text())["identity"][-1] == "v2"
     assert datasets.load_from_disk(str(folder))["text"] == ["a", "b"]
+
+
+def test_task_head_takes_a_prompt_set_and_checks_class_names_against_the_labels(clip, tmp_path):
+    """`prompt_set: eurosat` gives the set's templates and its spelled-out class names (from the
+    label feature's names); the task's own class names must be one per label."""
+    from featcal.tasks.evaluate import task_head
+    from featcal_core.evaluation.prompt_sets import named_set
+    from featcal_core.params import TaskSpec
+
+    features = datasets.Features({"img": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=["AnnualCrop", "SeaLake"])})  # fmt: skip
+    rows = {"img": clip["images"][:2], "label": [0, 1]}
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "eval"))
+    spec = TaskSpec(calibration={"path": str(clip["data"])},
+                    evaluation={"path": str(tmp_path / "eval"), "image_column": "img"},
+                    prompt_set="eurosat")  # fmt: skip
+    head, zero_shot = task_head("sat", spec, clip["base"], clip["vision5"], tmp_path / "results")
+    assert zero_shot and isinstance(head, ZeroShotHead)
+    assert head.class_names == ["annual crop land", "sea or lake"]
+    assert head.templates == list(named_set("eurosat").templates)
+
+    wrong = spec.model_copy(update={"prompt_set": None, "class_names": ["a", "b", "c"]})
+    with pytest.raises(FeatCalError, match=r"tasks\.sat\.class_names: 3 names for 2 classes"):
+        task_head("sat", wrong, clip["base"], clip["vision5"], tmp_path / "results")

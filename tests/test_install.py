@@ -100,6 +100,7 @@ def test_installed_featcal_runs_from_a_user_folder(tmp_path):
     assert site.is_relative_to(tmp_path / "venv"), site  # the installed copy, not the checkout
     assert (site / "featcal" / "flows" / "pipeline.py").is_file()
     assert (site / "featcal" / "flows" / "params_example.yaml").is_file()
+    assert (site / "featcal_core" / "evaluation" / "prompt_sets.yaml").is_file()
     assert not (site / "flows").exists() and not (site / "tasks").exists()
     installed = {"flows": "featcal/flows", "tasks": "featcal/tasks"}
     for init in [p for name in SOURCES[2:] for p in (ROOT / name).rglob("__init__.py")]:

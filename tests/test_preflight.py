@@ -189,3 +189,66 @@ def test_the_paper_file_checks_unchanged_against_stand_in_hub_repositories(tmp_p
     assert len(errors) == 1 and errors[0].startswith("featcal: error: models.experts.dtd: Hub "
                                                      "model 'tanganke/clip-vit-base-patch32_dtd' "
                                                      "is not in the local Hugging Face cache")  # fmt: skip
+
+
+def test_hub_datasets_checked_from_their_cards_without_downloading_rows(good, tmp_path,
+                                                                       monkeypatch):  # fmt: skip
+    """Online, a Hub dataset's config, split, columns and zero-shot class names are checked from
+    what datasets' builder reads (the card and the file listing; no rows): here repositories in
+    the Hub's layout stand in for owner/signs and owner/plain, whose data files are not parquet
+    at all, so any read of rows would fail."""
+    import datasets
+    from huggingface_hub import HfApi
+    from PIL import Image
+
+    import factories
+    from featcal_core.provenance import resolve
+
+    image = Image.new("RGB", (4, 4))
+    signs = datasets.Features({"image": datasets.Image(),
+                               "label": datasets.ClassLabel(names=[str(i) for i in range(43)])})  # fmt: skip
+    plain = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")})
+    repos = {
+        "owner/signs": factories.hub_dataset_repo(
+            tmp_path / "signs", signs, {}, "default", broken=("train", "test")),
+        "owner/plain": factories.hub_dataset_repo(
+            tmp_path / "plain", plain, {"train": {"image": [image], "label": [0]}}, "default",
+            broken=("test",)),
+    }  # fmt: skip
+    real_builder = datasets.load_dataset_builder
+    monkeypatch.setattr(datasets, "load_dataset_builder",
+                        lambda name, config=None, **kw: real_builder(str(repos[name]), config, **kw))  # fmt: skip
+    monkeypatch.setattr(HfApi, "dataset_info", lambda self, repo, revision=None: None)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
+    monkeypatch.setattr(resolve.hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+
+    def checked(**tasks):
+        data = yaml.safe_load(good.read_text())
+        for task, spec in tasks.items():
+            data["tasks"][task] = spec
+        path = tmp_path / "hub.yaml"
+        path.write_text(yaml.safe_dump(data))
+        return check(load_params(path))
+
+    signs_task = {"calibration": {"hub": "owner/signs", "split": "train"},
+                  "evaluation": {"hub": "owner/signs", "split": "test"}, "prompt_set": "gtsrb"}  # fmt: skip
+    problems, _ = checked(alpha=signs_task)
+    assert problems == []  # 43 numbered classes: the set's 43 sign names
+    problems, _ = checked(
+        alpha={**signs_task, "evaluation": {"hub": "owner/signs", "split": "validation"}},
+        beta={"calibration": {"hub": "owner/plain", "split": "train"},
+              "evaluation": {"hub": "owner/plain", "split": "test", "label_column": "target"},
+              "templates": ["a {}."]},
+    )  # fmt: skip
+    assert [key for key, _ in problems] == ["tasks.alpha.evaluation.split", "tasks.beta.evaluation"]
+    assert "has no split 'validation' (has ['train', 'test']); set tasks.alpha.evaluation.split" \
+           in problems[0][1]  # fmt: skip
+    assert "has no label column 'target' (has ['image', 'label'])" in problems[1][1]
+    problems, _ = checked(beta={"calibration": {"hub": "owner/plain", "split": "train"},
+                                "evaluation": {"hub": "owner/plain", "split": "test"},
+                                "prompt_set": "dtd"})  # fmt: skip
+    assert problems == [("tasks.beta.prompt_set", "the evaluation set's label column has no "
+                         "class names and prompt set 'dtd' gives none; set class_names (one per "
+                         "label)")]  # fmt: skip

@@ -74,9 +74,7 @@ def dataset_commit(source: DataSource) -> str | None:
         return None
     if source.revision is not None and re.fullmatch(r"[0-9a-f]{40}", source.revision):
         return source.revision
-    from featcal_core.provenance.resolve import _TRUE, _offline
-
-    if _offline() or (os.environ.get("HF_DATASETS_OFFLINE") or "").upper() in _TRUE:
+    if _datasets_offline():
         return None
     try:
         from huggingface_hub import HfApi
@@ -87,13 +85,19 @@ def dataset_commit(source: DataSource) -> str | None:
         return None
 
 
+def _datasets_offline() -> bool:
+    """True under HF_HUB_OFFLINE or HF_DATASETS_OFFLINE (the Hub is not asked)."""
+    from featcal_core.provenance.resolve import _TRUE, _offline
+
+    return _offline() or (os.environ.get("HF_DATASETS_OFFLINE") or "").upper() in _TRUE
+
+
 def _open_hub(source: DataSource, key: str, trust_remote_code: bool) -> datasets.Dataset:
     import datasets
 
     try:
-        pinned = {} if source.revision is None else {"revision": source.revision}
-        data = datasets.load_dataset(source.hub, source.config, split=source.split,
-                                     trust_remote_code=trust_remote_code, **pinned)  # fmt: skip
+        data = load_hub_split(source.hub, source.config, source.split, source.revision,
+                              trust_remote_code=trust_remote_code)  # fmt: skip
     except Exception as exc:
         raise FeatCalError(
             f"{key}: cannot load Hub dataset {source.describe()} ({type(exc).__name__}: "
@@ -106,6 +110,80 @@ def _open_hub(source: DataSource, key: str, trust_remote_code: bool) -> datasets
             f"set {key}.split to a single split name"
         )
     return data
+
+
+def load_hub_split(
+    name: str,
+    config: str | None,
+    split: str | None,
+    revision: str | None = None,
+    *,
+    trust_remote_code: bool = False,
+) -> datasets.Dataset | datasets.DatasetDict:
+    """`datasets.load_dataset(name, config, split=split, revision=revision)`, fetching only the
+    split's files. `load_dataset` downloads and prepares every split of a config even when asked
+    for one (svhn's 531k-row `extra` for `train`); where the dataset is data files (parquet, csv,
+    image folders: a builder with per-split `data_files`), only the split's files are passed,
+    with the config's features (its class names) kept; a split the builder does not list loads
+    as a whole. Offline the cache answers: datasets' own, else the rows of an earlier split-only
+    load (`_cached_split`)."""
+    import datasets
+
+    pinned = {} if revision is None else {"revision": revision}
+    if _datasets_offline():  # nothing is downloaded: the rows come from the datasets cache
+        try:
+            return datasets.load_dataset(name, config, split=split,
+                                         trust_remote_code=trust_remote_code, **pinned)  # fmt: skip
+        except Exception:
+            cached = None if split is None else _cached_split(name, config, split)
+            if cached is None:
+                raise
+            log.info("dataset %s: split %s from the datasets cache of an earlier split-only load",
+                     name, split)  # fmt: skip
+            return cached
+    narrowed: dict[str, Any] = {}
+    if split is not None:
+        builder = datasets.load_dataset_builder(name, config, **pinned)
+        files = getattr(builder.config, "data_files", None) or {}
+        if split in files and len(files) > 1:
+            narrowed = {"data_files": {split: list(files[split])}}
+            if builder.info.features is not None:
+                narrowed["features"] = builder.info.features
+    return datasets.load_dataset(name, config, split=split, trust_remote_code=trust_remote_code,
+                                 **pinned, **narrowed)  # fmt: skip
+
+
+def _cached_split(name: str, config: str | None, split: str) -> datasets.Dataset | None:
+    """Offline: `split` as an earlier split-only load prepared it, or None. datasets keeps such
+    rows under `<HF_DATASETS_CACHE>/<owner>___<name>/<config>-<data files hash>/<version>/<hash>/`,
+    which an offline `load_dataset(name, config)` does not look in; the newest such folder whose
+    dataset_info.json names the config and the split is read (arrow files, features included).
+    Like datasets' own offline loads, the revision is not checked."""
+    import datasets
+    from datasets.naming import camelcase_to_snakecase
+
+    parts = name.split("/")
+    parts[-1] = camelcase_to_snakecase(parts[-1])
+    root = Path(datasets.config.HF_DATASETS_CACHE) / "___".join(parts)
+    wanted = config or "default"
+    newest: tuple[float, list[Path]] | None = None
+    for info_file in root.glob(f"{wanted}-*/*/*/dataset_info.json"):
+        try:
+            info = json.loads(info_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if info.get("config_name") != wanted or split not in (info.get("splits") or {}):
+            continue
+        folder = info_file.parent
+        files = sorted(folder.glob(f"*-{split}.arrow")) or sorted(
+            folder.glob(f"*-{split}-[0-9]*-of-[0-9]*.arrow"))  # fmt: skip
+        mtime = info_file.stat().st_mtime
+        if files and (newest is None or mtime > newest[0]):
+            newest = (mtime, files)
+    if newest is None:
+        return None
+    shards = [datasets.Dataset.from_file(str(f)) for f in newest[1]]
+    return shards[0] if len(shards) == 1 else datasets.concatenate_datasets(shards)
 
 
 def _open_local(source: DataSource, key: str) -> tuple[datasets.Dataset, str | None]:

@@ -7,6 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     Field,
+    field_validator,
     model_validator,
 )
 
@@ -134,6 +135,12 @@ class TaskSpec(_Section):
     templates: list[Template] | None = Field(
         None, min_length=1, description='CLIP zero-shot prompts, each with "{}" for the class name'
     )
+    prompt_set: str | None = Field(
+        None,
+        description="CLIP zero-shot: a named set of templates and class-name rules "
+        "(featcal_core/evaluation/prompt_sets.yaml: sun397, stanford-cars, resisc45, eurosat, "
+        "svhn, gtsrb, mnist, dtd); the task's own templates and class_names win",
+    )
     label_words: list[str] | None = Field(
         None,
         min_length=2,
@@ -144,6 +151,21 @@ class TaskSpec(_Section):
         None,
         description='causal LMs: the prompt, with "{text}" for the input (default "{text} ->")',
     )
+
+    @field_validator("prompt_set")
+    @classmethod
+    def _known_set(cls, name: str | None) -> str | None:
+        from featcal_core.evaluation.prompt_sets import available
+
+        if name is not None and name not in available():
+            raise _error(f"no prompt set {name!r}; use one of {', '.join(available())}")
+        return name
+
+    @property
+    def zero_shot(self) -> bool:
+        """True when the task is evaluated with a CLIP zero-shot head (it names class names,
+        templates or a prompt set)."""
+        return any(v is not None for v in (self.class_names, self.templates, self.prompt_set))
 
     @model_validator(mode="after")
     def _held_out(self) -> TaskSpec:

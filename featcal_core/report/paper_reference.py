@@ -85,8 +85,9 @@ def paper_section(
         f"Paper averages over its eight tasks: Task Arithmetic {PAPER_AVERAGES['merged']}, "
         f"+ Surgery {PAPER_AVERAGES['surgery']}, + FeatCal {PAPER_AVERAGES['calibrated']}, "
         f"experts ≈ {PAPER_AVERAGES['expert']}.",
-        "Differences to expect: the paper's heads use per-dataset templates and class names, "
-        "and its evaluation reads whole test splits (see the notes above for this run's).",
+        "Differences to expect: the paper's heads use its own per-dataset templates and class "
+        "names (featcal's prompt sets word them differently), and its evaluation reads whole "
+        "test splits (see the notes above for this run's).",
     ]
     headers = ["task", "paper TA", "paper TA + FeatCal", "this run: merged", "this run: calibrated"]
     return _Section("The paper's numbers", lines=lines, tables=[(headers, rows)])

@@ -152,24 +152,30 @@ def split_verbosity(argv: list[str]) -> tuple[list[str], int]:
 QUIET_INFO = ("featcal", "featcal.tasks", "featcal_core.method.calibration")
 
 
+#: libraries whose loggers are quiet unless -v: (logger, the env switch it reads when imported)
+LIBRARY_LOGGERS = (("httpx", None), ("urllib3", None), ("datasets", "DATASETS_VERBOSITY"),
+                   ("transformers", "TRANSFORMERS_VERBOSITY"),
+                   ("huggingface_hub", "HF_HUB_VERBOSITY"), ("mlflow", "MLFLOW_LOGGING_LEVEL"),
+                   ("alembic", None))  # fmt: skip
+
+
 def configure_logging(verbosity: int) -> None:
-    """Quiet by default: featcal's step, block and result lines at INFO, every other module and
-    library from WARNING, the libraries' progress bars off; -v: everything at INFO with bars;
-    -vv: DEBUG."""
+    """Quiet by default: featcal's step, block and result lines at INFO, its other modules from
+    WARNING, the libraries from ERROR (their warnings, e.g. datasets' "using the latest cached
+    version" per offline load, and HTTP logs only with -v), their progress bars off; -v:
+    everything at INFO, libraries from WARNING, with bars; -vv: DEBUG. datasets, transformers
+    and huggingface_hub set their own level when imported: their *_VERBOSITY switches carry it
+    (the user's own setting wins). datasets' records print once (through its own handler)."""
     level = logging.DEBUG if verbosity > 1 else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(level)  # also when something configured the root before
     logging.getLogger("featcal_core").setLevel(logging.NOTSET)
-    for noisy in (
-        "httpx",
-        "urllib3",
-        "datasets",
-        "transformers",
-        "huggingface_hub",
-        "mlflow",
-        "alembic",
-    ):
-        logging.getLogger(noisy).setLevel(logging.DEBUG if verbosity > 1 else logging.WARNING)
+    library = {0: logging.ERROR, 1: logging.WARNING}.get(verbosity, logging.DEBUG)
+    for name, switch in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(library)
+        if switch is not None:
+            os.environ.setdefault(switch, logging.getLevelName(library).lower())
+    logging.getLogger("datasets").propagate = False  # it has its own handler: not twice
     if verbosity == 0:
         logging.getLogger("featcal_core").setLevel(logging.WARNING)
         for name in QUIET_INFO:

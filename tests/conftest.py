@@ -31,6 +31,7 @@ SERVER_FILES = {
     "test_open_clip_pipeline.py",
     "test_faults.py",
     "test_process_lifecycle.py",
+    "test_paper_run.py",
 }
 
 

@@ -473,8 +473,8 @@ def resolve_model(
         converted = _conversion_revision(repo_id, cache_dir, offline)
         if converted is not None:
             revision, found = converted
-            log.info("%s: %s has no safetensors weights on its default branch; using the "
-                     "safetensors conversion %s (%s)", role, reference, revision, found)  # fmt: skip
+            log.warning("%s: %s has no safetensors weights on its default branch; using the "
+                        "safetensors conversion %s (%s)", role, reference, revision, found)  # fmt: skip
             snapshot, offline = _download(
                 role, f"{repo_id}@{revision}", repo_id, revision, cache_dir=cache_dir,
                 retries=retries, backoff=backoff, trust_remote_code=trust_remote_code,

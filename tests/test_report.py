@@ -216,6 +216,14 @@ def test_cut_evaluation_and_normalized_above_100_are_stated(tmp_path):
         markdown
     )
     assert "svhn 100 of" not in markdown
+    # the table's own caption says it (and the table a run prints at its end)
+    assert "in percent, on the first rows of each evaluation split only (evaluation cut short: " \
+           "mnist 100 of 10000 rows)." in markdown  # fmt: skip
+    from featcal.flows.summary import accuracy_table
+
+    assert accuracy_table(evaluation).splitlines()[0] == (
+        "accuracy (%) on the first rows of each evaluation split only (evaluation cut short: "
+        "mnist 100 of 10000 rows)")  # fmt: skip
     # "<b>x</b>": calibrated 65 % against the expert's 60 %
     assert "normalized accuracy above 100 %" in markdown and "(calibrated) 108.3 %" in markdown
     html = (tmp_path / "r" / "report.html").read_text("utf-8")

@@ -61,14 +61,11 @@ def _html_section(section: _Section) -> str:
     return "\n".join(parts)
 
 
-def _html(run_name, summary, rows, notes, plots, sections) -> str:
+def _html(run_name, summary, rows, notes, plots, sections, caption) -> str:
     title = f"FeatCal report: {run_name}"
     body = [f"<h1>{_h(title)}</h1>", f'<p class="summary">{_h(summary)}</p>']
     body.append("<h2>Accuracy per task</h2>")
-    body.append(
-        '<p class="note">Accuracy, normalized accuracy (÷ the expert\'s) and gap closed, '
-        "in percent.</p>"
-    )
+    body.append(f'<p class="note">{_h(caption)}</p>')
     if rows:
         body.append(_html_table(_COLUMNS, [_cells(r) for r in rows], avg_last=True))
     if notes:

@@ -43,9 +43,9 @@ def _md_section(section: _Section) -> str:
     return "\n\n".join(parts)
 
 
-def _markdown(run_name, summary, rows, notes, plots, sections) -> str:
+def _markdown(run_name, summary, rows, notes, plots, sections, caption) -> str:
     parts = [f"# FeatCal report: {_md(run_name)}", _md(summary), "## Accuracy per task"]
-    parts.append("Accuracy, normalized accuracy (÷ the expert's) and gap closed, in percent.")
+    parts.append(_md(caption))
     if rows:
         parts.append(_md_table(_COLUMNS, [_cells(r) for r in rows], bold_last=True, numeric=True))
     if notes:

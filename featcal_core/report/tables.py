@@ -17,6 +17,7 @@ __all__ = [
     "evaluated_precision",
     "evaluated_rows",
     "evaluation_cut",
+    "table_caption",
     "gap_closed",
     "headline",
 ]
@@ -181,6 +182,15 @@ def evaluation_cut(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
                 cut[str(task)] = f"{r['examples']} of {r['split_rows']}"
                 break
     return ", ".join(f"{task} {text}" for task, text in cut.items()) + " rows" if cut else None
+
+
+def table_caption(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
+    """The per-task table's caption: units, and when evaluation was cut short, that the numbers
+    are on the first rows of each split only."""
+    caption = "Accuracy, normalized accuracy (÷ the expert's) and gap closed, in percent"
+    if (cut := evaluation_cut(evaluation)) is not None:
+        return f"{caption}, on the first rows of each evaluation split only (evaluation cut short: {cut})."
+    return caption + "."
 
 
 def above_expert(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[str]:

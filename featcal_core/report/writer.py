@@ -27,6 +27,7 @@ from featcal_core.report.tables import (
     evaluated_precision,
     evaluated_rows,
     evaluation_cut,
+    table_caption,
 )
 
 __all__ = ["REPORT_FILES", "write_report"]
@@ -71,6 +72,7 @@ def write_report(
     if (dtype := evaluated_precision(evaluation)) is not None:  # evaluation.precision
         notes.append(f"evaluation forwards in {dtype}")
     summary = _summary(rows, calibration is not None)
+    caption = table_caption(evaluation)
     if cut is not None:
         summary += " Evaluation was cut short (evaluation.max_examples_per_task; see the notes)."
     has_drift = bool(calibration and calibration.get("blocks"))
@@ -92,10 +94,10 @@ def write_report(
         if has_drift:
             plotting.plot_drift(tmp / "drift.png", calibration)
         (tmp / "report.md").write_text(
-            _markdown(run_name, summary, rows, notes, plots, sections), encoding="utf-8"
+            _markdown(run_name, summary, rows, notes, plots, sections, caption), encoding="utf-8"
         )
         (tmp / "report.html").write_text(
-            _html(run_name, summary, rows, notes, plots, sections), encoding="utf-8"
+            _html(run_name, summary, rows, notes, plots, sections, caption), encoding="utf-8"
         )
         names = sorted(p.name for p in tmp.iterdir())
     return {name: out / name for name in names}

@@ -292,3 +292,11 @@ def test_evaluation_passed_as_metrics_and_a_merged_card(tmp_path):
     })  # fmt: skip
     assert card.data.eval_results[0].task_type == "other"  # modality unknown
     assert "base_model" not in card.data.to_dict() and "## Metrics" not in text
+
+
+def test_a_hub_calibration_source_shows_its_dataset_commit():
+    from featcal_core.provenance.model_card import _with_commit
+
+    source = "hub ylecun/mnist, split train"
+    assert _with_commit(source, "b" * 40) == f"{source} (commit {'b' * 12})"
+    assert _with_commit(source, None) == source  # offline or local: the rows' digest only

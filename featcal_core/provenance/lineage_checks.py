@@ -308,6 +308,8 @@ def _verify_set(
     if record is not None:
         for key in _SET_KEYS:
             out[key] = record.get(key)
+        if record.get("source_commit"):  # a Hub source: the dataset commit the rows came from
+            out["source_commit"] = record["source_commit"]
         out["recorded_in"] = [*out.get("recorded_in", []), str(record_path)]
         if data != record.get("digest"):
             status = "changed"

@@ -65,10 +65,16 @@ _FEATCAL_LABELS = (
 #: what the model card shows of a calibration set
 _CARD_SET_KEYS = (
     "digest", "tree_sha256", "n_rows", "rows", "rows_available", "seed", "source", "split",
+    "source_commit",
 )  # fmt: skip
 #: what the model card shows of the base model, and under which label
 _CARD_MODEL_FACTS = (("reference", "reference"), ("kind", "kind"), ("revision", "revision"),
                      ("commit", "commit"))  # fmt: skip
+def _with_commit(source: Any, commit: Any) -> Any:
+    """A Hub source with the dataset commit its rows came from (first 12 hex digits)."""
+    return f"{source} (commit {str(commit)[:12]})" if source and commit else source
+
+
 #: the model card written next to the weights
 CARD_NAME = "README.md"
 
@@ -310,7 +316,7 @@ def render_model_card(
                     _cell(count),
                     _cell(entry.get("rows_available")),
                     _cell(entry.get("seed")),
-                    _cell(entry.get("source")),
+                    _cell(_with_commit(entry.get("source"), entry.get("source_commit"))),
                     _cell(entry.get("split")),
                     _code(entry.get("digest") or entry.get("tree_sha256")),
                 ]

@@ -70,6 +70,8 @@ _CARD_SET_KEYS = (
 #: what the model card shows of the base model, and under which label
 _CARD_MODEL_FACTS = (("reference", "reference"), ("kind", "kind"), ("revision", "revision"),
                      ("commit", "commit"))  # fmt: skip
+
+
 def _with_commit(source: Any, commit: Any) -> Any:
     """A Hub source with the dataset commit its rows came from (first 12 hex digits)."""
     return f"{source} (commit {str(commit)[:12]})" if source and commit else source

@@ -48,18 +48,25 @@ def finetune_vision_expert(
     weight_decay: float = 0.01,
     seed: int = 0,
     augment: bool = False,
+    head: str = "train",
+    probe_steps: int = 300,
     progress: bool = True,
     threads: int | None = None,
     overwrite: bool = False,
 ) -> dict:
-    """Fine-tune the `CLIPVisionModel` in base_dir with a fresh Linear head on `pooler_output`.
+    """Fine-tune the `CLIPVisionModel` in base_dir with a Linear head on `pooler_output`.
 
-    Everything trains (AdamW, 10% linear warmup then cosine decay) on dataset["train"]
-    (`image`, ClassLabel `label`); augment: random translations of up to 1/8 of the image side.
-    Saves the tower (save_pretrained), the base's image processor and the head (save_linear_head,
-    labels = the ClassLabel names) into out_dir. Returns {"validation_accuracy",
-    "validation_loss", "train_loss" (mean of the last 10% of steps), "num_classes", "steps",
-    "seconds" (wall)}; the test split is never read.
+    head "train": a fresh head and the tower train together (AdamW, 10% linear warmup then cosine
+    decay) on dataset["train"] (`image`, ClassLabel `label`). head "probe" (task arithmetic's
+    CLIP recipe, where the text tower's zero-shot head stays fixed): the head is first fitted on
+    the frozen base's features (`probe_steps` full-batch AdamW steps), then frozen while the tower
+    alone trains. augment: random translations of up to 1/8 of the image side. Saves the tower
+    (save_pretrained), the base's image processor and the head (save_linear_head, labels = the
+    ClassLabel names) into out_dir. Returns {"validation_accuracy", "validation_loss",
+    "train_loss" (mean of the last 10% of steps), "num_classes", "steps", "seconds" (wall),
+    "task_vector_ratio" (‖θ − θ₀‖ / ‖θ₀‖ over the tower's floating tensors)}, with head "probe"
+    also "probe_validation_accuracy" (the base with the fitted head); the test split is never
+    read.
     """
     from transformers import CLIPVisionModel
 
@@ -82,9 +89,24 @@ def finetune_vision_expert(
             out_dir.name, len(train_x), len(names), steps, batch_size,
         )  # fmt: skip
         torch.manual_seed(seed)
-        head = nn.Linear(model.config.hidden_size, len(names))
+        initial = {k: v.detach().clone() for k, v in model.state_dict().items()
+                   if v.is_floating_point()}  # fmt: skip
+        probe_accuracy = None
+        if head == "probe":
+            linear = _linear_probe(model, store, train_x, train_y, len(names), probe_steps, seed)
+            probe_accuracy, _ = evaluate(
+                lambda index: linear(model(pixel_values=store.pixels(val_x[index])).pooler_output),
+                val_y,
+            )
+            linear.requires_grad_(False)
+            trained = list(model.parameters())
+        elif head == "train":
+            linear = nn.Linear(model.config.hidden_size, len(names))
+            trained = [*model.parameters(), *linear.parameters()]
+        else:
+            raise ValueError(f"head must be 'train' or 'probe' (got {head!r})")
         model.train()
-        parameters = [*model.parameters(), *head.parameters()]
+        parameters = trained
         generator = torch.Generator().manual_seed(seed)
         batches = index_batches(len(train_x), batch_size, generator)
 
@@ -93,19 +115,20 @@ def finetune_vision_expert(
             pixels = store.pixels(train_x[index])
             if augment:
                 pixels = _translate(pixels, max(1, pixels.shape[-1] // 8), generator)
-            return F.cross_entropy(head(model(pixel_values=pixels).pooler_output), train_y[index])
+            return F.cross_entropy(linear(model(pixel_values=pixels).pooler_output), train_y[index])
 
         losses = train_steps(step_loss, parameters, steps, lr, weight_decay, out_dir.name, progress)
         model.eval()
 
         def logits(index: torch.Tensor) -> torch.Tensor:
-            return head(model(pixel_values=store.pixels(val_x[index])).pooler_output)
+            return linear(model(pixel_values=store.pixels(val_x[index])).pooler_output)
 
         val_accuracy, val_loss = evaluate(logits, val_y)
         with guarded_directory(out_dir, overwrite=overwrite, flag="out_dir") as tmp:
             model.save_pretrained(tmp)
             processor.save_pretrained(tmp)
-            save_linear_head(tmp, head.weight, head.bias, names)
+            save_linear_head(tmp, linear.weight, linear.bias, names)
+        ratio = _task_vector_ratio(initial, model.state_dict())
     stats = {
         "validation_accuracy": val_accuracy,
         "validation_loss": val_loss,
@@ -113,9 +136,44 @@ def finetune_vision_expert(
         "num_classes": len(names),
         "steps": steps,
         "seconds": time.perf_counter() - started,
+        "task_vector_ratio": ratio,
     }
+    if probe_accuracy is not None:
+        stats["probe_validation_accuracy"] = probe_accuracy
     logger.info("%s: fine-tuned %s", out_dir.name, stats)
     return stats
+
+
+@torch.no_grad()
+def _features(model: Any, store: PixelStore, stored: torch.Tensor) -> torch.Tensor:
+    """pooler_output (N, hidden) of the frozen model for stored images (N, 3, S, S)."""
+    model.eval()
+    return torch.cat([model(pixel_values=store.pixels(stored[i : i + 256])).pooler_output
+                      for i in range(0, len(stored), 256)])  # fmt: skip
+
+
+def _linear_probe(model: Any, store: PixelStore, train_x: torch.Tensor, train_y: torch.Tensor,
+                  num_classes: int, steps: int, seed: int) -> nn.Linear:  # fmt: skip
+    """A Linear head fitted on the frozen model's train features: `steps` full-batch AdamW steps
+    (lr 1e-2, weight decay 1e-4) on the cross-entropy; features standardised only through the
+    head's own weights (the model's output is what the head will see)."""
+    features = _features(model, store, train_x)
+    torch.manual_seed(seed)
+    linear = nn.Linear(features.shape[1], num_classes)
+    optimizer = torch.optim.AdamW(linear.parameters(), lr=1e-2, weight_decay=1e-4)
+    for _ in range(steps):
+        loss = F.cross_entropy(linear(features), train_y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return linear
+
+
+def _task_vector_ratio(initial: dict[str, torch.Tensor], final: dict[str, torch.Tensor]) -> float:
+    """‖θ − θ₀‖ / ‖θ₀‖ over the floating tensors of `initial` (float64 sums)."""
+    delta = sum(float((final[k].double() - v.double()).pow(2).sum()) for k, v in initial.items())
+    base = sum(float(v.double().pow(2).sum()) for v in initial.values())
+    return (delta / base) ** 0.5 if base > 0 else 0.0
 
 
 def _translate(pixels: torch.Tensor, shift: int, generator: torch.Generator) -> torch.Tensor:

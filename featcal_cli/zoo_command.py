@@ -12,7 +12,8 @@ from featcal_core.errors import FeatCalError
 
 
 def add_arguments(zoo: argparse.ArgumentParser) -> None:
-    zoo.add_argument("--preset", choices=["vision", "text"], help="a built-in zoo")
+    zoo.add_argument("--preset", choices=["vision", "vision-paper", "text"],
+                     help="a built-in zoo (vision-paper: the paper's regime, docs/zoo.md)")  # fmt: skip
     zoo.add_argument("--dataset", action="append", type=task_path("--dataset"),
                      metavar="TASK=DIR", help="your own task: a save_to_disk DatasetDict with "
                      "train and test splits and image or text plus label columns")  # fmt: skip
@@ -69,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.preset is not None:
         spec = PRESETS[args.preset]
     else:
-        raise FeatCalError("featcal zoo needs --preset vision|text, --dataset TASK=DIR or --params")
+        raise FeatCalError(
+            "featcal zoo needs --preset vision|vision-paper|text, --dataset TASK=DIR or --params"
+        )
     changes = {"seed": args.seed, "pretrain_steps": args.pretrain_steps,
                "expert_steps": args.expert_steps}  # fmt: skip
     spec = dataclasses.replace(spec, **{k: v for k, v in changes.items() if v is not None})

@@ -108,6 +108,24 @@ def test_featcal_zoo_on_own_datasets_then_reuse(toy_data, tmp_path, capsys, capl
     assert any("reusing" in r.getMessage() for r in caplog.records)
 
 
+def test_the_paper_regime_preset_keeps_base_fitted_heads_and_records_task_vector_sizes(
+    toy_data, tmp_path
+):
+    """vision-paper: each expert's head is fitted on the base's features and frozen; the
+    manifest records the base-with-that-head accuracy and ‖τ‖/‖θ₀‖ per expert."""
+    import dataclasses
+
+    spec = dataclasses.replace(PRESETS["vision-paper"], tasks={k: str(v) for k, v in
+                               toy_data.items()}, optional=(), max_train=None, pretrain_steps=2,
+                               expert_steps=10)  # fmt: skip
+    assert spec.extra == {"expert": {"head": "probe"}} and spec.lr < PRESETS["vision"].lr
+    manifest = build_zoo(spec, tmp_path / "zoo", progress=False)
+    for entry in manifest["experts"].values():
+        assert 0.0 <= entry["probe_validation_accuracy"] <= 1.0
+        assert 0.0 < entry["task_vector_ratio"] < 0.5
+    assert manifest["spec"]["extra"] == {"expert": {"head": "probe"}}
+
+
 def test_zoo_bad_inputs_are_clear_and_leave_nothing(toy_data, tmp_path):
     no_label = tmp_path / "no_label"
     data = datasets.load_from_disk(str(toy_data["left"]))

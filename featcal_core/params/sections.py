@@ -202,14 +202,18 @@ class TrackingSettings(_Section):
     )
 
 
-ZOO_PRESETS = ("vision", "text")
+ZOO_PRESETS = ("vision", "vision-paper", "text")
 
 
 class ZooSettings(_Section):
     """The offline model zoo (featcal_core.zoo): build or reuse it, then take models and tasks
     from it. With `zoo:` set, `models:` and `tasks:` are left out of the params file."""
 
-    preset: Literal["vision", "text"] = Field("vision", description="which zoo to build")
+    preset: Literal["vision", "vision-paper", "text"] = Field(
+        "vision",
+        description="which zoo to build (vision-paper: experts with frozen base-fitted heads and "
+        "small task vectors, the paper's regime)",
+    )
     dir: str | None = Field(None, description="where the zoo lives; null: data/zoo/<preset>")
     seed: StrictInt = Field(0, ge=0, description="seed of the zoo's data splits and training")
     evaluation_split: Literal["test", "validation"] = Field(

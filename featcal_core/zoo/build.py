@@ -123,6 +123,27 @@ PRESETS: dict[str, ZooSpec] = {
         lr=5e-4,
         max_train=3000,
     ),
+    # the paper's regime (issue 27): experts fine-tuned gently from the base with a head fitted
+    # on the base's features and kept frozen (task arithmetic's CLIP recipe, where the zero-shot
+    # head stays fixed), so that each task vector is small next to the base (‖τ‖/‖θ₀‖ ≈ 2 %)
+    "vision-paper": ZooSpec(
+        name="vision-paper",
+        modality="image",
+        tasks={
+            "mnist": "mnist",
+            "digits": "digits",
+            "fashion_mnist": "fashion_mnist",
+            "lfw": "lfw",
+            "textures": "textures",
+        },
+        optional=("fashion_mnist",),
+        pretrain_steps=400,
+        expert_steps=200,
+        batch_size=64,
+        lr=2e-4,
+        max_train=3000,
+        extra={"expert": {"head": "probe"}},
+    ),
     "text": ZooSpec(
         name="text",
         modality="text",
@@ -299,7 +320,8 @@ def build_zoo(
             common = dict(steps=spec.expert_steps, batch_size=spec.batch_size, lr=spec.lr,
                           seed=seed, progress=progress, threads=threads)  # fmt: skip
             if spec.modality == "image":
-                stats = finetune_vision_expert(base_dir, dataset, expert_dir, **common)
+                stats = finetune_vision_expert(base_dir, dataset, expert_dir, **common,
+                                               **spec.extra.get("expert", {}))  # fmt: skip
             else:
                 stats = finetune_text_expert(
                     base_dir, dataset, expert_dir, max_length=spec.max_length, **common

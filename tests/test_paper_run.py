@@ -104,6 +104,13 @@ def test_the_paper_setting_checks_and_runs_offline_against_stand_ins(tmp_path, m
     checked = featcal("check", "--params", str(PAPER))
     assert checked.returncode == 0, checked.stderr[-3000:]
     assert "no problems found (8 tasks)" in checked.stdout
+    # the legacy one-word id the paper file once had: one line with the id to use, exit 2
+    legacy = featcal("check", "--params", str(PAPER), "--set",
+                     "tasks.svhn.evaluation={hub: svhn, config: cropped_digits, split: test}")  # fmt: skip
+    assert legacy.returncode == 2, legacy.stderr[-2000:]
+    errors = [line for line in legacy.stderr.splitlines() if line.startswith("featcal: error:")]
+    assert len(errors) == 1 and "'svhn' is a legacy one-word Hub dataset id" in errors[0]
+    assert "use 'ufldl-stanford/svhn'" in errors[0]
     ran = featcal(
         "run", "--params", str(PAPER), "--json", *[a for s in SIZES for a in ("--set", s)]
     )

@@ -125,6 +125,19 @@ def test_the_paper_regime_preset_keeps_base_fitted_heads_and_records_task_vector
         assert 0.0 < entry["task_vector_ratio"] < 0.5
     assert manifest["spec"]["extra"] == {"expert": {"head": "probe"}}
 
+    # the tower's shape as a JSON extra: a deeper base, the experts of its shape
+    from transformers import AutoConfig
+
+    deeper = dataclasses.replace(spec, name="deep", extra={**spec.extra,
+                                 "pretrain": {"tower": {"layers": 2, "hidden_size": 32,
+                                                        "intermediate": 64}}})  # fmt: skip
+    manifest = build_zoo(deeper, tmp_path / "deep", progress=False)
+    for entry in [manifest["base"], *manifest["experts"].values()]:
+        folder = snapshot_download(entry["repo_id"], cache_dir=tmp_path / "deep" / "hub",
+                                   local_files_only=True)  # fmt: skip
+        config = AutoConfig.from_pretrained(folder)
+        assert (config.num_hidden_layers, config.hidden_size) == (2, 32)
+
 
 def test_zoo_bad_inputs_are_clear_and_leave_nothing(toy_data, tmp_path):
     no_label = tmp_path / "no_label"

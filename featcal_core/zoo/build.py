@@ -83,6 +83,8 @@ class ZooSpec:
     lr: float = 5e-4
     max_train: int | None = None
     max_length: int = 64
+    #: more options: "pretrain" (pretrain_vision_base keywords; "tower": vision_config keywords,
+    #: e.g. {"layers": 8}), "expert" (finetune_vision_expert keywords, e.g. {"head": "probe"})
     extra: dict[str, Any] = field(default_factory=dict)
 
     def fingerprint(self) -> str:
@@ -305,9 +307,14 @@ def build_zoo(
             base_dir = minilm_dir()
         else:
             base_dir = work / "base"
+            pretrain = dict(spec.extra.get("pretrain", {}))
+            if "tower" in pretrain:  # the tower's shape as JSON (a spec's fingerprint is JSON)
+                from featcal_core.zoo.vision_model import vision_config
+
+                pretrain["config"] = vision_config(**pretrain.pop("tower"))
             base_stats = pretrain_vision_base(
                 data, base_dir, steps=spec.pretrain_steps, batch_size=spec.batch_size,
-                seed=spec.seed, progress=progress, **spec.extra.get("pretrain", {}),
+                seed=spec.seed, progress=progress, **pretrain,
             )  # fmt: skip
         if spec.modality == "text":
             base_dir = _text_base(base_dir, work / "base")

@@ -1,0 +1,93 @@
+"""Does the tower's depth hold FeatCal back in the paper's regime? The vision-paper zoo with a
+deeper base (issue 27): FeatCal alone at the paper's defaults against Task Arithmetic 0.3.
+
+    python benchmarks/paper_regime_depth.py [--layers 8] [--pretrain-steps 400]
+
+Builds (or reuses) the `vision-paper` preset with a base of `--layers` blocks (width 128, as the
+preset) in data/zoo/vision-paper-<L>l, then runs `featcal compare` on it with three variants:
+Task Arithmetic 0.3 alone, + FeatCal at the paper's defaults (α 0.25, ρ 2.2, λ 0.05, n 32), and
++ FeatCal with α 1 (the teacher that undoes upstream drift too). Test split for the paper's
+defaults; the α 1 row is an ablation, not a choice. Prints each expert's validation accuracy
+with the base's head, ‖τ‖/‖θ₀‖, and the compare table (params and logs: benchmarks/out/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--pretrain-steps", type=int, default=400)
+    args = parser.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from featcal_core.zoo.build import PRESETS, build_zoo, zoo_models_and_tasks
+
+    name = f"vision-paper-{args.layers}l"
+    preset = PRESETS["vision-paper"]
+    spec = dataclasses.replace(preset, name=name, pretrain_steps=args.pretrain_steps,
+                               extra={**preset.extra, "pretrain": {"tower": {"layers": args.layers}}})  # fmt: skip
+    out = ROOT / "data" / "zoo" / name
+    started = time.perf_counter()
+    manifest = build_zoo(spec, out, progress=False)
+    built = time.perf_counter() - started
+    print(
+        f"zoo {name}: {manifest['seconds']:.0f} s to build ({built:.0f} s this call); base "
+        f"rotation accuracy {manifest['base'].get('rotation_accuracy_mean', float('nan')):.3f}"
+    )
+    for task, entry in manifest["experts"].items():
+        print(
+            f"  {task:14s} base + head {100 * entry['probe_validation_accuracy']:5.1f} %  expert "
+            f"{100 * entry['validation_accuracy']:5.1f} %  |tau|/|theta0| "
+            f"{100 * entry['task_vector_ratio']:.2f} %"
+        )
+    models, tasks = zoo_models_and_tasks(manifest, out, "test")
+    ta = ["merge.method=task_arithmetic", "merge.hyperparameters={scale: 0.3}"]
+    params = {
+        "run": {"name": f"{name}-depth", "results_dir": f"data/results/{name}-depth", "seed": 0},
+        "models": models,
+        "tasks": tasks,
+        "merge": {"method": "task_arithmetic", "hyperparameters": {"scale": 0.3}},
+        "featcal": {"alpha": 0.25, "rho": 2.2, "lam": 0.05, "num_per_task": 32, "heads": False},
+        "tracking": {"enabled": False},
+        "compare": {"variants": [
+            {"name": "ta", "set": [*ta, "repair.method=none"]},
+            {"name": "ta.featcal", "set": [*ta, "repair.method=featcal"]},
+            {"name": "ta.featcal-alpha1", "set": [*ta, "repair.method=featcal", "featcal.alpha=1.0"]},
+        ]},
+    }  # fmt: skip
+    folder = ROOT / "benchmarks" / "out" / "paper_regime_depth"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "featcal_cli.main", "compare", "--params",
+                           str(path)], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    (folder / f"{name}.log").write_text(done.stderr)
+    if done.returncode != 0:
+        print(done.stderr[-3000:], file=sys.stderr)
+        return done.returncode
+    report = ROOT / "reports" / f"{name}-depth-compare" / "compare.json"
+    record = json.loads(report.read_text())
+    print(f"featcal compare: {time.perf_counter() - started:.0f} s ({report})")
+    for variant in record["variants"]:
+        mean = variant["mean"]
+        gap = mean.get("gap_closed")
+        print(f"  {variant['name']:18s} mean accuracy {mean['accuracy']:5.1f} %  gap closed "
+              + ("—" if gap is None else f"{gap:.1f} %"))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

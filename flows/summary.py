@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_core.report import gap_closed
-from featcal_core.report.tables import evaluated_rows, evaluation_cut
+from featcal_core.report.tables import cut_rows, evaluated_rows
 
 #: columns in display order: (evaluation row name, header)
 COLUMNS = (
@@ -44,8 +44,7 @@ def accuracy_table(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
         rows.append(_cells("average", mean, present, normalized))
     counted = evaluated_rows(evaluation)  # the rows behind the numbers (max_examples_per_task)
     where = f"the evaluation split ({counted})" if counted else "the evaluation split"
-    if (cut := evaluation_cut(evaluation)) is not None:
-        where = f"the first rows of each evaluation split only (evaluation cut short: {cut})"
+    where = cut_rows(evaluation) or where
     return f"accuracy (%) on {where}\n" + plain_table(headers, rows)
 
 

@@ -45,6 +45,23 @@ SIZES = ["featcal.device=cpu", "featcal.num_per_task=4", "featcal.batch_size=4",
          "evaluation.max_examples_per_task=6", "evaluation.batch_size=8"]  # fmt: skip
 
 
+def paper_model_cache(paper, root: Path, cache: Path) -> None:
+    """Stand-ins of the paper file's models in a Hugging Face hub cache `cache`: the base as a
+    tiny CLIPModel with pickled weights only on main and safetensors in refs/pr/66 (as on the
+    Hub), each expert a CLIPVisionModel with transformers 4.x `vision_model.` keys."""
+    base = factories.tiny_clip_model(root / "clip")
+    pickled = root / "pickled"
+    pickled.mkdir()
+    shutil.copy(base / "config.json", pickled / "config.json")
+    for name in ("pytorch_model.bin", "tf_model.h5", "flax_model.msgpack"):
+        (pickled / name).write_bytes(b"not read")
+    hub_cache(cache, paper.models.base.repo_id, pickled)
+    hub_cache(cache, paper.models.base.repo_id, base, ref_name="refs/pr/66", commit="e" * 40)
+    experts = factories.vision_experts(base, root / "experts", tuple(paper.models.experts))
+    for task, ref in paper.models.experts.items():
+        hub_cache(cache, ref.repo_id, experts[task])
+
+
 def _dataset_cache(cache: Path, layouts: Path, source, labels: list[str], seed: int) -> None:
     """`source`'s repository as parquet files in the Hub's layout, loaded split by split as an
     online `featcal run` does, its rows left in `cache` under the Hub id's name."""
@@ -74,17 +91,7 @@ def test_the_paper_setting_checks_and_runs_offline_against_stand_ins(tmp_path, m
                                                                       prefect_api):  # fmt: skip
     paper = load_params(PAPER)
     hub, data = tmp_path / "hf", tmp_path / "datasets"
-    base = factories.tiny_clip_model(tmp_path / "clip")
-    pickled = tmp_path / "pickled"
-    pickled.mkdir()
-    shutil.copy(base / "config.json", pickled / "config.json")
-    for name in ("pytorch_model.bin", "tf_model.h5", "flax_model.msgpack"):
-        (pickled / name).write_bytes(b"not read")
-    hub_cache(hub, paper.models.base.repo_id, pickled)
-    hub_cache(hub, paper.models.base.repo_id, base, ref_name="refs/pr/66", commit="e" * 40)
-    experts = factories.vision_experts(base, tmp_path / "experts", tuple(paper.models.experts))
-    for task, ref in paper.models.experts.items():
-        hub_cache(hub, ref.repo_id, experts[task])
+    paper_model_cache(paper, tmp_path, hub)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", data)
     for i, (task, spec) in enumerate(paper.tasks.items()):
         assert spec.calibration.hub == spec.evaluation.hub  # one repository: both splits
@@ -117,6 +124,7 @@ def test_the_paper_setting_checks_and_runs_offline_against_stand_ins(tmp_path, m
     assert ran.returncode == 0, ran.stderr[-4000:]
     # quiet: featcal's lines only, the conversion pull request among them (once)
     lines = ran.stderr.splitlines()
+    print(f"featcal run, quiet: {len(lines)} stderr lines")  # the count the docs quote (-s)
     assert all(" featcal" in line for line in lines), "\n".join(lines)
     assert sum("using the safetensors conversion refs/pr/66" in line for line in lines) == 1
 

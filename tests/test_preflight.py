@@ -156,22 +156,11 @@ def test_the_paper_file_checks_unchanged_against_stand_in_hub_repositories(tmp_p
     conversion pull request and the Hub datasets (not checkable offline) are notes. One expert
     missing from the cache: one line, exit 2."""
     from huggingface_hub import constants
-
-    import factories
+    from test_paper_run import paper_model_cache
 
     paper = load_params(PAPER)
     cache = tmp_path / "hf"
-    base = factories.tiny_clip_model(tmp_path / "clip")
-    pickled = tmp_path / "pickled"
-    pickled.mkdir()
-    shutil.copy(base / "config.json", pickled / "config.json")
-    for name in ("pytorch_model.bin", "tf_model.h5", "flax_model.msgpack"):
-        (pickled / name).write_bytes(b"not read")
-    hub_cache(cache, paper.models.base.repo_id, pickled)
-    hub_cache(cache, paper.models.base.repo_id, base, ref_name="refs/pr/66", commit="e" * 40)
-    experts = factories.vision_experts(base, tmp_path / "experts", tuple(paper.models.experts))
-    for task, ref in paper.models.experts.items():
-        hub_cache(cache, ref.repo_id, experts[task])
+    paper_model_cache(paper, tmp_path, cache)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 

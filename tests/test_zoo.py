@@ -108,6 +108,18 @@ def test_featcal_zoo_on_own_datasets_then_reuse(toy_data, tmp_path, capsys, capl
     assert any("reusing" in r.getMessage() for r in caplog.records)
 
 
+def test_the_preset_names_agree_in_the_registry_the_params_and_the_cli():
+    import argparse
+
+    from featcal_cli.zoo_command import add_arguments
+    from featcal_core.params.sections import ZOO_PRESETS
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    choices = next(a.choices for a in parser._actions if a.dest == "preset")
+    assert sorted(PRESETS) == sorted(ZOO_PRESETS) == sorted(choices)
+
+
 def test_the_paper_regime_preset_keeps_base_fitted_heads_and_records_task_vector_sizes(
     toy_data, tmp_path
 ):

@@ -202,6 +202,7 @@ class TrackingSettings(_Section):
     )
 
 
+#: featcal_core.zoo.build.PRESETS' names (a test keeps them equal, and `featcal zoo --preset`'s)
 ZOO_PRESETS = ("vision", "vision-paper", "text")
 
 
@@ -209,7 +210,7 @@ class ZooSettings(_Section):
     """The offline model zoo (featcal_core.zoo): build or reuse it, then take models and tasks
     from it. With `zoo:` set, `models:` and `tasks:` are left out of the params file."""
 
-    preset: Literal["vision", "vision-paper", "text"] = Field(
+    preset: Literal[ZOO_PRESETS] = Field(
         "vision",
         description="which zoo to build (vision-paper: experts with frozen base-fitted heads and "
         "small task vectors, the paper's regime)",

@@ -17,6 +17,7 @@ __all__ = [
     "evaluated_precision",
     "evaluated_rows",
     "evaluation_cut",
+    "cut_rows",
     "table_caption",
     "gap_closed",
     "headline",
@@ -184,13 +185,18 @@ def evaluation_cut(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
     return ", ".join(f"{task} {text}" for task, text in cut.items()) + " rows" if cut else None
 
 
+def cut_rows(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str | None:
+    """What a per-task table's numbers are on when evaluation was cut short ("the first rows of
+    each evaluation split only (evaluation cut short: mnist 100 of 10000 rows)"), else None."""
+    cut = evaluation_cut(evaluation)
+    return None if cut is None else (
+        f"the first rows of each evaluation split only (evaluation cut short: {cut})")  # fmt: skip
+
+
 def table_caption(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
-    """The per-task table's caption: units, and when evaluation was cut short, that the numbers
-    are on the first rows of each split only."""
+    """The report's per-task table caption: units, and `cut_rows` when evaluation was cut."""
     caption = "Accuracy, normalized accuracy (÷ the expert's) and gap closed, in percent"
-    if (cut := evaluation_cut(evaluation)) is not None:
-        return f"{caption}, on the first rows of each evaluation split only (evaluation cut short: {cut})."
-    return caption + "."
+    return f"{caption}, on {cut}." if (cut := cut_rows(evaluation)) else f"{caption}."
 
 
 def above_expert(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[str]:

@@ -2,7 +2,8 @@
 section) side by side, in one Prefect flow.
 
 The download and the calibration sets run once, in the params' results folder, and every variant
-uses them. Each distinct merge runs once (a `merge` task in `<results>/merges/<key>/`), however
+uses them (drawn with the largest `featcal.num_per_task` of the params and the variants: a variant
+asking for fewer calibrates on its own seeded sample of that set). Each distinct merge runs once (a `merge` task in `<results>/merges/<key>/`), however
 many variants use it. Each variant's repair (FeatCal, resumable; RegMean; Surgery; or none) runs as a Prefect
 subflow `featcal-variant` in `<results>/variants/<name>/` (Surgery: its per-task modules, evaluated
 on the variant's merge), with its wall time and its own peak RSS.
@@ -108,10 +109,11 @@ def variant_flow(name: str, params_path: str, overrides: list[str], merged: str)
 def featcal_compare(params_path: str = "params.yaml", overrides: list[str] | None = None) -> dict:
     """Every variant of the params file's `compare:` section (module docstring); returns the
     summary: the comparison rows, the merges (with how often each ran), report and MLflow ids."""
-    params, _ = load_compare(params_path, overrides or [])
+    params, variants = load_compare(params_path, overrides or [])
     steps = Steps(params, in_flow=True)
     with steps.session("featcal compare"):
-        return _compare(params_path, list(overrides or []), params, steps)
+        return _compare(params_path, list(overrides or []), params, steps,
+                        shared_count(params, variants))  # fmt: skip
 
 
 def run_compare(params_path: str | Path, overrides: list[str] | None = None) -> dict:
@@ -121,7 +123,14 @@ def run_compare(params_path: str | Path, overrides: list[str] | None = None) -> 
         return featcal_compare(str(Path(params_path).resolve()), list(overrides or []))
 
 
-def _compare(params_path: str, overrides: list[str], params: Params, steps: Steps) -> dict:
+def shared_count(params: Params, variants: dict[str, Params]) -> int:
+    """Rows per task of the shared calibration sets: the largest `featcal.num_per_task` of the
+    params and its variants (a variant asking for fewer takes its own seeded sample of them)."""
+    return max(p.featcal.num_per_task for p in [params, *variants.values()])
+
+
+def _compare(params_path: str, overrides: list[str], params: Params, steps: Steps,
+             count: int | None = None) -> dict:  # fmt: skip
     from featcal.tasks.evaluate import evaluate_models, evaluation_inputs
     from featcal.tasks.tracking import parent_run, step_run
     from featcal.tasks.tracking_log import log_artifacts, log_datasets, log_metrics, log_tags
@@ -138,7 +147,7 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
             lock = steps.download()
         log_tags(lineage_tags(lock))
         with step_run("calibration-sets"):
-            sets = steps.calibration_sets()
+            sets = steps.calibration_sets(count)
         log_datasets({"name": f"calibration/{t}", "context": "calibration", "sha256": r["digest"],
                       "path": steps.paths["calibration_sets"] / t} for t, r in sets.items())  # fmt: skip
         _, variants = load_compare(params_path, overrides)  # after the zoo step: models known

@@ -208,13 +208,19 @@ class Steps:
         self._require_models()
         return self.call(download_models, self.params.models, self.paths["lock"])
 
-    def calibration_sets(self) -> dict:
+    def calibration_sets(self, count: int | None = None) -> dict:
+        """Draw every task's calibration set: `featcal.num_per_task` rows, or `count` (a compare
+        whose variants ask for more; each calibration then takes its own seeded sample)."""
         from featcal.tasks.calibration_sets import build_calibration_sets
         from featcal_core.architectures import get
 
         modality = get(self.lock()["architecture"]).modality
         root = str(self.paths["calibration_sets"])
-        return self.call(build_calibration_sets, self.params, modality, root)
+        params = self.params
+        if count is not None and count != params.featcal.num_per_task:
+            featcal = params.featcal.model_copy(update={"num_per_task": count})
+            params = params.model_copy(update={"featcal": featcal})
+        return self.call(build_calibration_sets, params, modality, root)
 
     def select(self) -> dict:
         """The select step (flows.selection): score select:'s candidates, choose, write

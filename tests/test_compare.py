@@ -21,6 +21,7 @@ VARIANTS = [
     {"name": "ties-featcal", "set": ["merge.method=ties", "featcal.alpha=0.5"]},
     {"name": "ta-surgery", "set": ["repair.method=surgery", "repair.surgery_steps=30"]},
     {"name": "ta-adamerging", "set": ["repair.method=adamerging", "repair.adamerging_steps=5"]},
+    {"name": "ta-featcal-n12", "set": ["featcal.num_per_task=12"]},  # the params say 8
 ]
 
 
@@ -58,7 +59,14 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
         assert rows["ta-featcal"]["tasks"][task]["accuracy"] == pytest.approx(calibrated)
     assert rows["ta"]["repair"] == "none" and rows["ta-regmean"]["repair"] == "regmean"
     assert rows["ties-featcal"]["merge"]["method"] == "ties"
-    for name in ("ta-featcal", "ta-regmean", "ties-featcal", "ta-surgery", "ta-adamerging"):
+    for name in (
+        "ta-featcal",
+        "ta-regmean",
+        "ties-featcal",
+        "ta-surgery",
+        "ta-adamerging",
+        "ta-featcal-n12",
+    ):
         assert rows[name]["cost"]["repair_seconds"] > 0 and rows[name]["cost"]["peak_rss_mb"] > 0
     results = tmp_path / "results"
     assert (results / "variants" / "ta-featcal" / "calibrated" / "featcal.json").is_file()
@@ -66,6 +74,16 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
     featcal = json.loads((results / "variants" / "ties-featcal" / "calibrated" /
                           "featcal.json").read_text())  # fmt: skip
     assert featcal["hyperparameters"]["alpha"] == 0.5
+    # the shared sets hold the largest count (12); the params' own 8 is a seeded sample of them
+    shared = json.loads((results / "calibration_sets" / "alpha" / "calibration_set.json")
+                        .read_text())  # fmt: skip
+    assert shared["n_requested"] == shared["n_rows"] == 12
+    for name, count in (("ta-featcal", 8), ("ties-featcal", 8), ("ta-featcal-n12", 12)):
+        calibration = json.loads((results / "variants" / name / "calibrated" / "featcal.json")
+                                 .read_text())  # fmt: skip
+        assert calibration["hyperparameters"]["num_per_task"] == count
+        for used in calibration["inputs"]["calibration"].values():
+            assert used["rows"] == 12 and len(used["indices"]) == count
     assert not (results / "variants" / "ta" / "calibrated").exists()
     surgery = json.loads((results / "variants" / "ta-surgery" / "calibrated" / "alpha" /
                           "surgery.json").read_text())  # fmt: skip

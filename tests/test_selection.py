@@ -127,6 +127,8 @@ def _params(tmp_path, select):
     ({"candidates": [{"name": "a", "set": []}, {"name": "a", "set": []}]}, "appears twice"),
     ({"candidates": [{"name": "a", "set": ["tasks.t.evaluation.split=x"]},
                      {"name": "b", "set": []}]}, "a variant may set only"),
+    ({"candidates": [{"name": "a", "set": ["featcal.num_per_task=64"]},
+                     {"name": "b", "set": []}]}, "may not change featcal.num_per_task"),
     ({"score": "validation", "candidates": [{"name": "a", "set": []}, {"name": "b", "set": []}]},
      "tasks.t.validation"),
     ({"holdout_per_task": 0, "candidates": [{"name": "a", "set": []}, {"name": "b", "set": []}]},

@@ -1,10 +1,11 @@
-"""Does the tower's depth hold FeatCal back in the paper's regime? The vision-paper zoo with a
-deeper base (issue 27): FeatCal alone at the paper's defaults against Task Arithmetic 0.3.
+"""Does the tower's shape hold FeatCal back in the paper's regime? The vision-paper zoo with a
+deeper or wider base (issue 27): FeatCal alone at the paper's defaults against Task Arithmetic 0.3.
 
-    python benchmarks/paper_regime_depth.py [--layers 8] [--pretrain-steps 400]
+    python benchmarks/paper_regime_shape.py [--layers 8] [--width 128] [--pretrain-steps 400]
 
-Builds (or reuses) the `vision-paper` preset with a base of `--layers` blocks (width 128, as the
-preset) in data/zoo/vision-paper-<L>l, then runs `featcal compare` on it with three variants:
+Builds (or reuses) the `vision-paper` preset with a base of `--layers` blocks of width `--width`
+(MLP 4x the width, one attention head per 32 channels; the preset is 4 blocks of width 128) in
+data/zoo/vision-paper-<L>l (width 128) or data/zoo/vision-paper-<L>l-<W>w, then runs `featcal compare` on it with three variants:
 Task Arithmetic 0.3 alone, + FeatCal at the paper's defaults (α 0.25, ρ 2.2, λ 0.05, n 32), and
 + FeatCal with α 1 (the teacher that undoes upstream drift too). Test split for the paper's
 defaults; the α 1 row is an ablation, not a choice. Prints each expert's validation accuracy
@@ -29,15 +30,25 @@ ROOT = Path(__file__).resolve().parents[1]
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--pretrain-steps", type=int, default=400)
     args = parser.parse_args()
+    if args.width % 32:
+        parser.error(f"--width {args.width}: pick a multiple of 32 (one attention head per 32)")
     sys.path.insert(0, str(ROOT))
     from featcal_core.zoo.build import PRESETS, build_zoo, zoo_models_and_tasks
 
-    name = f"vision-paper-{args.layers}l"
+    name = f"vision-paper-{args.layers}l" + ("" if args.width == 128 else f"-{args.width}w")
+    tower = {"layers": args.layers}
+    if args.width != 128:  # the 128-wide zoos keep their fingerprint (and their cached build)
+        tower.update(hidden_size=args.width, intermediate=4 * args.width, heads=args.width // 32)
     preset = PRESETS["vision-paper"]
-    spec = dataclasses.replace(preset, name=name, pretrain_steps=args.pretrain_steps,
-                               extra={**preset.extra, "pretrain": {"tower": {"layers": args.layers}}})  # fmt: skip
+    spec = dataclasses.replace(
+        preset,
+        name=name,
+        pretrain_steps=args.pretrain_steps,
+        extra={**preset.extra, "pretrain": {"tower": tower}},
+    )
     out = ROOT / "data" / "zoo" / name
     started = time.perf_counter()
     manifest = build_zoo(spec, out, progress=False)
@@ -55,7 +66,7 @@ def main() -> int:
     models, tasks = zoo_models_and_tasks(manifest, out, "test")
     ta = ["merge.method=task_arithmetic", "merge.hyperparameters={scale: 0.3}"]
     params = {
-        "run": {"name": f"{name}-depth", "results_dir": f"data/results/{name}-depth", "seed": 0},
+        "run": {"name": f"{name}-shape", "results_dir": f"data/results/{name}-shape", "seed": 0},
         "models": models,
         "tasks": tasks,
         "merge": {"method": "task_arithmetic", "hyperparameters": {"scale": 0.3}},
@@ -67,7 +78,7 @@ def main() -> int:
             {"name": "ta.featcal-alpha1", "set": [*ta, "repair.method=featcal", "featcal.alpha=1.0"]},
         ]},
     }  # fmt: skip
-    folder = ROOT / "benchmarks" / "out" / "paper_regime_depth"
+    folder = ROOT / "benchmarks" / "out" / "paper_regime_shape"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(params, sort_keys=False))
@@ -78,7 +89,7 @@ def main() -> int:
     if done.returncode != 0:
         print(done.stderr[-3000:], file=sys.stderr)
         return done.returncode
-    report = ROOT / "reports" / f"{name}-depth-compare" / "compare.json"
+    report = ROOT / "reports" / f"{name}-shape-compare" / "compare.json"
     record = json.loads(report.read_text())
     print(f"featcal compare: {time.perf_counter() - started:.0f} s ({report})")
     for variant in record["variants"]:

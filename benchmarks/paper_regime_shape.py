@@ -4,8 +4,9 @@ deeper or wider base (issue 27): FeatCal alone at the paper's defaults against T
     python benchmarks/paper_regime_shape.py [--layers 8] [--width 128] [--pretrain-steps 400]
 
 Builds (or reuses) the `vision-paper` preset with a base of `--layers` blocks of width `--width`
-(MLP 4x the width, one attention head per 32 channels; the preset is 4 blocks of width 128) in
-data/zoo/vision-paper-<L>l (width 128) or data/zoo/vision-paper-<L>l-<W>w, then runs `featcal compare` on it with three variants:
+(MLP 4x the width, one attention head per 32 channels; the preset is 4 blocks of width 128, whose
+zoo data/zoo/vision-paper is used as it is) in data/zoo/vision-paper-<L>l (width 128) or
+data/zoo/vision-paper-<L>l-<W>w, then runs `featcal compare` on it with three variants:
 Task Arithmetic 0.3 alone, + FeatCal at the paper's defaults (α 0.25, ρ 2.2, λ 0.05, n 32), and
 + FeatCal with α 1 (the teacher that undoes upstream drift too). Test split for the paper's
 defaults; the α 1 row is an ablation, not a choice. Prints each expert's validation accuracy
@@ -38,17 +39,22 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     from featcal_core.zoo.build import PRESETS, build_zoo, zoo_models_and_tasks
 
-    name = f"vision-paper-{args.layers}l" + ("" if args.width == 128 else f"-{args.width}w")
-    tower = {"layers": args.layers}
-    if args.width != 128:  # the 128-wide zoos keep their fingerprint (and their cached build)
-        tower.update(hidden_size=args.width, intermediate=4 * args.width, heads=args.width // 32)
     preset = PRESETS["vision-paper"]
-    spec = dataclasses.replace(
-        preset,
-        name=name,
-        pretrain_steps=args.pretrain_steps,
-        extra={**preset.extra, "pretrain": {"tower": tower}},
-    )
+    if (args.layers, args.width, args.pretrain_steps) == (4, 128, preset.pretrain_steps):
+        name, spec = preset.name, preset  # the preset itself (its zoo is reused when built)
+    else:
+        name = f"vision-paper-{args.layers}l" + ("" if args.width == 128 else f"-{args.width}w")
+        tower = {"layers": args.layers}
+        if args.width != 128:  # the 128-wide zoos keep their fingerprint (and their cached build)
+            tower.update(
+                hidden_size=args.width, intermediate=4 * args.width, heads=args.width // 32
+            )
+        spec = dataclasses.replace(
+            preset,
+            name=name,
+            pretrain_steps=args.pretrain_steps,
+            extra={**preset.extra, "pretrain": {"tower": tower}},
+        )
     out = ROOT / "data" / "zoo" / name
     started = time.perf_counter()
     manifest = build_zoo(spec, out, progress=False)

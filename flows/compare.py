@@ -23,7 +23,7 @@ from pathlib import Path
 from featcal.flows.environment import command_api, configure
 from featcal.flows.environment import project_root as working_project
 from featcal.flows.run_tags import lineage_tags, params_digest
-from featcal.flows.selection import score_held_out
+from featcal.flows.selection import exhausted_tasks, score_held_out
 from featcal.flows.steps import Steps
 from featcal.flows.variants import (
     evaluation_rows,
@@ -184,6 +184,13 @@ def _label_free(steps, params, variants, merges, costs, base) -> dict | None:
     from featcal_core.params.selection import HOLDOUT_PER_TASK
 
     if generation_kind(base) is not None:
+        return None
+    exhausted = exhausted_tasks(steps)
+    if exhausted:
+        log.warning("no label-free scores: the calibration sets of %s hold every row of their "
+                    "sources, so none is left to hold out (a variant's featcal.num_per_task "
+                    "larger than a source)", ", ".join(f"{t} ({n} rows)" for t, n in
+                                                        exhausted.items()))  # fmt: skip
         return None
     holdout = params.select.holdout_per_task if params.select is not None else HOLDOUT_PER_TASK
     return score_held_out(steps, variants, merges, costs, holdout)[1]

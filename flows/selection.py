@@ -27,6 +27,7 @@ from featcal.flows.variants import (
     run_merges,
     shared_steps,
 )
+from featcal_core.errors import FeatCalError
 from featcal_core.io.outputs import write_json
 from featcal_core.params import Params
 from featcal_core.provenance.records import RESULTS_LAYOUT
@@ -60,7 +61,6 @@ def candidate_params(params: Params, name: str, overrides: list[str]) -> Params:
 
 def check_candidates(params: Params) -> None:
     """Every candidate's overrides applied and validated (before any work)."""
-    from featcal_core.errors import FeatCalError
 
     for candidate in params.select.candidates if params.select is not None else ():
         try:
@@ -78,6 +78,20 @@ def chosen(params: Params, record: dict | None) -> Params | None:
         return None
     bare = params.model_copy(update={"select": None})
     return bare.with_overrides(record["set"])
+
+
+def exhausted_tasks(steps: Steps) -> dict[str, int]:
+    """{task: its source's row count} for the tasks whose calibration set holds every row of its
+    source, so that no row is left to hold out for the label-free scores."""
+    from featcal_core.data.calibration_sets import RECORD_NAME
+
+    found = {}
+    for name in steps.params.tasks:
+        path = steps.paths["calibration_sets"] / name / RECORD_NAME
+        record = json.loads(path.read_text(encoding="utf-8"))
+        if record["n_rows"] >= record["rows_available"]:
+            found[name] = record["rows_available"]
+    return found
 
 
 def score_held_out(steps: Steps, variants: dict[str, Params], merges: dict, costs: dict,
@@ -118,6 +132,14 @@ def select(steps: Steps, step_run) -> dict:
         write_json(steps.paths["selection"], record)
         return record
     check_candidates(params)
+    exhausted = exhausted_tasks(steps)
+    if exhausted:  # before any candidate runs: the held-out draw would find no row
+        task, total = next(iter(exhausted.items()))
+        raise FeatCalError(
+            f"tasks.{task}.calibration: all {total} rows are in the calibration set, so none is "
+            "left to hold out for select:'s scores; lower featcal.num_per_task or use a larger "
+            "calibration source"
+        )
     candidates = {c.name: candidate_params(params, c.name, c.set) for c in settings.candidates}
     merges = run_merges(steps, [(None, p) for p in candidates.values()], step_run)
     costs = {}

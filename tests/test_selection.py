@@ -9,6 +9,7 @@ then the single steps that apply the recorded choice, and a stale choice refused
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -272,3 +273,34 @@ def test_scores_of_an_expert_against_itself_and_on_validation_data(tmp_path):
     assert labelled["alpha-expert"]["alpha"]["validation"] == pytest.approx(
         100 * direct["accuracy"]
     )
+
+
+def test_a_calibration_set_of_every_row_stops_select_early_and_skips_compare_scores(
+    tmp_path,
+):
+    """A calibration set that holds every row of its source leaves nothing to hold out: select:
+    stops with one line before any candidate runs, and compare goes on without label-free
+    scores (a WARNING names the task)."""
+    from featcal.flows.compare import _label_free
+    from featcal.flows.selection import select
+    from featcal.flows.steps import Steps
+
+    params_path = _select_params(tmp_path)
+    steps = Steps(load_params(params_path, ["featcal.num_per_task=20"]))  # train holds 20 rows
+    steps.download()
+    steps.calibration_sets()
+    with pytest.raises(FeatCalError, match=r"tasks\.alpha\.calibration: all 20 rows are in the "
+                       r"calibration set.*lower featcal\.num_per_task"):  # fmt: skip
+        select(steps, None)
+    assert not any(steps.paths["candidates"].glob("*")) and not steps.paths["merges"].exists()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # Prefect's logging config leaves caplog's root handler out
+    logger = logging.getLogger("featcal.flows.compare")
+    logger.addHandler(handler)
+    try:
+        assert _label_free(steps, steps.params, {}, {}, {}, steps.models()[0]) is None
+    finally:
+        logger.removeHandler(handler)
+    (message,) = [r.getMessage() for r in records]
+    assert "no label-free scores" in message and "alpha (20 rows)" in message

@@ -102,7 +102,7 @@ def variant_flow(name: str, params_path: str, overrides: list[str], merged: str)
     steps = shared_steps(shared, params, Path(merged))
     steps.in_flow = True
     with steps.session(f"featcal compare ({name})"):
-        return repair(steps)
+        return repair(steps, heads=True)
 
 
 @flow(name="featcal-compare", flow_run_name=compare_run_name)
@@ -159,13 +159,13 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
             with step_run(name, tags={"featcal.variant": name}) as child:
                 costs[name] = variant_flow(name, params_path, overrides, str(merges[key]["path"]))
             children[name] = child.info.run_id if child is not None else None
-        models, surgeries = evaluation_rows(variants, merges, costs)
+        models, surgeries, refit = evaluation_rows(variants, merges, costs)
         base, experts = steps.models()
         with step_run("score-held-out"):
             label_free = _label_free(steps, params, variants, merges, costs, base)
         with step_run("evaluate"):
             evaluation = steps.call(evaluate_models, steps.params, base, experts, models,
-                                     str(steps.paths["root"]), None, surgeries)  # fmt: skip
+                                     str(steps.paths["root"]), refit, surgeries)  # fmt: skip
         log_datasets(evaluation_inputs(steps.params, str(steps.paths["root"])))
         rows = _rows(evaluation, variants, merges, costs, label_free)
         summary = _report(params, rows, merges, evaluation, run)

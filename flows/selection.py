@@ -22,8 +22,8 @@ from featcal.flows.steps import Steps
 from featcal.flows.variants import (
     evaluation_rows,
     merge_key,
+    model_row,
     repair,
-    row_of,
     run_merges,
     shared_steps,
 )
@@ -106,9 +106,10 @@ def score_held_out(steps: Steps, variants: dict[str, Params], merges: dict, cost
     sets = steps.call(build_selection_sets, params, modality,
                       str(steps.paths["calibration_sets"]), str(steps.paths["selection_sets"]),
                       holdout)  # fmt: skip
-    models, surgeries = evaluation_rows(variants, merges, costs)
-    scored = {name: surgeries.get(name) or (models[row_of(name, v, merges, costs)], None)
-              for name, v in variants.items()}  # fmt: skip
+    models, surgeries, _ = evaluation_rows(variants, merges, costs)
+    # a variant under refit heads is not scored: the scores read the tasks' own heads
+    scored = {name: surgeries.get(name) or (models[model_row(name, v, merges, costs)], None)
+              for name, v in variants.items() if not costs[name].get("heads")}  # fmt: skip
     base, experts = steps.models()
     scores = steps.call(score_candidates, params, base, experts, scored,
                         {t: str(steps.paths["selection_sets"] / t) for t in params.tasks},

@@ -385,8 +385,9 @@ class Steps:
                 self.verified(path, f"the {name} checkpoint {path}", step[name])
         return {name: str(path) for name, path in models.items()}
 
-    def heads(self) -> dict[str, dict[str, str]]:
-        """Head calibration (featcal.heads): refit heads for the merged and calibrated models."""
+    def heads(self, only: str | None = None) -> dict[str, dict[str, str]]:
+        """Head calibration (featcal.heads): refit heads for the merged and calibrated models
+        ({model: {task: folder}}), or for `only` one of them ({task: folder})."""
         self._require_selection()
         self.paths["refit_heads"].mkdir(parents=True, exist_ok=True)  # a DVC out
         if not self.params.featcal.heads:
@@ -401,12 +402,15 @@ class Steps:
                 "featcal.heads: head calibration refits classification heads; language models are "
                 "evaluated by label continuation and have none; set featcal.heads: false"
             )
+        models = self._evaluated_models()
+        if only is not None:
+            models = {only: models[only]}
         found = self.call(
-            calibrate_heads, self.params, base, experts, self._evaluated_models(),
-            self.calibration_set_dirs(), str(self.paths["root"]),
+            calibrate_heads, self.params, base, experts, models, self.calibration_set_dirs(),
+            str(self.paths["root"]),
         )  # fmt: skip
         self._heads_into_checkpoint(found.get("calibrated"))
-        return found
+        return found if only is None else found[only]
 
     def _heads_into_checkpoint(self, folders: dict[str, str] | None) -> None:
         """The calibrated model's refit heads travel with it: heads.safetensors / heads.json in

@@ -60,35 +60,50 @@ def run_merges(steps: Steps, sources: list[tuple[str | None, Params]], step_run)
     return merges
 
 
-def repair(steps: Steps) -> dict:
+def repair(steps: Steps, heads: bool = False) -> dict:
     """`steps`' repair (repair.method) of its merge into its calibrated folder; {"path" (None:
-    no repair), "repair_seconds", "peak_rss_mb"}."""
+    no repair), "repair_seconds", "peak_rss_mb", "heads"}. heads: with featcal.heads, also refit
+    the task heads on the repaired model (on the merge when there is no repair; not for Surgery,
+    whose modules feed the tasks' own heads), as `featcal run` does: "heads" {task: folder},
+    else None. The seconds and the peak RSS cover both."""
     method = steps.params.repair_method
     reset_peak_rss()
     started = time.perf_counter()
     if method != "none":
         steps.calibrate()
+    refit = None
+    if heads and steps.params.featcal.heads and method != "surgery":
+        refit = steps.heads("merged" if method == "none" else "calibrated")
     seconds = time.perf_counter() - started
-    if method == "none":
-        return {"path": None, "repair_seconds": seconds, "peak_rss_mb": None}
-    return {"path": str(steps.paths["calibrated"]), "repair_seconds": seconds,
-            "peak_rss_mb": peak_rss_bytes() / _MIB}  # fmt: skip
+    path = None if method == "none" else str(steps.paths["calibrated"])
+    peak = peak_rss_bytes() / _MIB if path is not None or refit else None
+    return {"path": path, "repair_seconds": seconds, "peak_rss_mb": peak, "heads": refit}
+
+
+def model_row(name: str, variant: Params, merges: dict, costs: dict) -> str:
+    """The evaluation row of variant `name`'s model: its own, or its merge's (no repair)."""
+    return name if costs[name]["path"] else merges[merge_key(variant.merge)]["row"]
 
 
 def evaluation_rows(variants: dict[str, Params], merges: dict, costs: dict):
-    """(models, surgeries) for evaluate_models / score_candidates: each repaired variant's
-    checkpoint under its name, each merge under its row, and each Surgery variant as (its
-    merge, its modules)."""
+    """(models, surgeries, refit heads) for evaluate_models / score_candidates: each repaired
+    variant's checkpoint under its name, each merge under its row, each Surgery variant as (its
+    merge, its modules), and {model row: {task: refit head folder}} of the variants that refit
+    heads (their rows: `<model row>_heads`)."""
     models = {merge["row"]: str(merge["path"]) for merge in merges.values()}
-    surgeries = {}
+    surgeries, refit = {}, {}
     for name, cost in costs.items():
         if variants[name].repair_method == "surgery":
             surgeries[name] = (str(merges[merge_key(variants[name].merge)]["path"]), cost["path"])
         elif cost["path"] is not None:
             models[name] = cost["path"]
-    return models, surgeries
+        if cost.get("heads"):
+            refit[model_row(name, variants[name], merges, costs)] = cost["heads"]
+    return models, surgeries, refit
 
 
 def row_of(name: str, variant: Params, merges: dict, costs: dict) -> str:
-    """The evaluation row that holds variant `name`: its own, or its merge's (no repair)."""
-    return name if costs[name]["path"] else merges[merge_key(variant.merge)]["row"]
+    """The evaluation row that holds variant `name`: its model's row, under its refit heads
+    (`<row>_heads`) when it refit them."""
+    row = model_row(name, variant, merges, costs)
+    return f"{row}_heads" if costs[name].get("heads") else row

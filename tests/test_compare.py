@@ -22,6 +22,8 @@ VARIANTS = [
     {"name": "ta-surgery", "set": ["repair.method=surgery", "repair.surgery_steps=30"]},
     {"name": "ta-adamerging", "set": ["repair.method=adamerging", "repair.adamerging_steps=5"]},
     {"name": "ta-featcal-n12", "set": ["featcal.num_per_task=12"]},  # the params say 8
+    {"name": "ta-featcal-heads", "set": ["featcal.heads=true"]},  # + head calibration
+    {"name": "ta-heads", "set": ["repair.method=none", "featcal.heads=true"]},
 ]
 
 
@@ -95,8 +97,20 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
         "adamerging"  # fmt: skip
     assert set(adamerging["coefficients"]) == {"alpha", "beta"}
     assert "ta-adamerging" in evaluation["alpha"] and "ta-adamerging" in evaluation["beta"]
-    # label-free scores of every variant on held-out inputs, and how they rank against test
-    for row in rows.values():
+    # head calibration, as `featcal run` does it: the variant's model under its refit heads
+    # (the merge's, without a repair); not scored label-free (the scores read the tasks' heads)
+    for name, model in (("ta-featcal-heads", "ta-featcal-heads"), ("ta-heads", "merged")):
+        for task in ("alpha", "beta"):
+            refit = evaluation[task][f"{model}_heads"]["accuracy"]
+            assert rows[name]["tasks"][task]["accuracy"] == pytest.approx(100 * refit)
+        assert rows[name].get("label_free") is None
+    refit = results / "variants" / "ta-featcal-heads"
+    assert (refit / "refit_heads" / "calibrated" / "alpha").is_dir()
+    assert (refit / "calibrated" / "heads.safetensors").is_file()  # they travel with it
+    assert (results / "variants" / "ta-heads" / "refit_heads" / "merged" / "beta").is_dir()
+    assert not (results / "variants" / "ta-featcal" / "refit_heads").exists()
+    # label-free scores of every other variant on held-out inputs, and how they rank against test
+    for row in (r for r in rows.values() if not r["name"].endswith("heads")):
         scores = row["label_free"]
         assert 0 <= scores["agreement"] <= 100 and scores["drift"] >= 0
         assert scores["agreement"] == pytest.approx(

@@ -18,7 +18,8 @@ ADAMERGING_STEPS, ADAMERGING_LR, ADAMERGING_INIT = 500, 1e-3, 0.3
 
 #: params a variant may change: what comes after the shared download and calibration sets
 VARIANT_KEYS = ("merge.", "repair.", "featcal.alpha", "featcal.rho", "featcal.lam",
-                "featcal.eps", "featcal.precision", "featcal.num_per_task")  # fmt: skip
+                "featcal.eps", "featcal.precision", "featcal.num_per_task",
+                "featcal.heads")  # fmt: skip
 
 
 #: repairs whose output is the merged checkpoint plus a module per task (no single checkpoint:
@@ -68,7 +69,7 @@ class Variant(_Section):
     set: list[str] = Field(
         default_factory=list,
         description="overrides KEY=VALUE of merge.*, repair.* and featcal.alpha/rho/lam/eps/"
-        "precision/num_per_task (e.g. merge.method=ties, repair.method=regmean; the shared "
+        "precision/num_per_task/heads (e.g. merge.method=ties, repair.method=regmean; the shared "
         "calibration sets hold the largest num_per_task, a smaller one takes a seeded sample); "
         "merge.hyperparameters={scale: 0.3} replaces the mapping whole",
     )
@@ -89,7 +90,7 @@ class Variant(_Section):
             if not any(key.startswith(p) if p.endswith(".") else key == p for p in VARIANT_KEYS):
                 raise _error(
                     f"{override!r}: a variant may set only merge.*, repair.* and "
-                    "featcal.alpha/rho/lam/eps/precision/num_per_task (the download and "
+                    "featcal.alpha/rho/lam/eps/precision/num_per_task/heads (the download and "
                     "calibration sets are shared by all variants); put other settings in the "
                     "params file"
                 )

@@ -3,10 +3,11 @@ section) side by side, in one Prefect flow.
 
 The download and the calibration sets run once, in the params' results folder, and every variant
 uses them (drawn with the largest `featcal.num_per_task` of the params and the variants: a variant
-asking for fewer calibrates on its own seeded sample of that set). Each distinct merge runs once (a `merge` task in `<results>/merges/<key>/`), however
-many variants use it. Each variant's repair (FeatCal, resumable; RegMean; Surgery; or none) runs as a Prefect
-subflow `featcal-variant` in `<results>/variants/<name>/` (Surgery: its per-task modules, evaluated
-on the variant's merge), with its wall time and its own peak RSS.
+asking for fewer calibrates on its own seeded sample of that set). Each distinct merge runs once
+(a `merge` task in `<results>/merges/<key>/`), however many variants use it. Each variant's repair
+(FeatCal, resumable; RegMean; Surgery; AdaMerging; or none), and with `featcal.heads` its refit
+heads, runs as a Prefect subflow `featcal-variant` in `<results>/variants/<name>/` (Surgery: its
+per-task modules, evaluated on the variant's merge), with its wall time and its own peak RSS.
 One evaluation then scores the experts, every merge and every repaired model, and the comparison
 (featcal_core.report.compare) goes to `reports/<run.name>-compare/`: variants × tasks, means,
 gap closed against the params file's own merge (`merged`), cost columns, accuracy against cost.

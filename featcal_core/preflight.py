@@ -50,12 +50,14 @@ def check(
         if base is not None and family is not None and family.name != base.name:
             problems.append((role, f"is a {family.name} model, the base a {base.name} one; "
                                    "every expert must be fine-tuned from the base"))  # fmt: skip
+    hub: dict = {}  # one Hub lookup per dataset and config, however many roles read it
     for task, spec in params.tasks.items():
         sources = {"calibration": spec.calibration, "evaluation": spec.evaluation}
         if spec.validation is not None:
             sources["validation"] = spec.validation
         for role, source in sources.items():
-            _check_source(f"tasks.{task}.{role}", task, role, spec, source, base, problems, notes)
+            _check_source(f"tasks.{task}.{role}", task, role, spec, source, base, problems, notes,
+                          hub)  # fmt: skip
     return problems, notes
 
 
@@ -189,10 +191,11 @@ def _own_key(key: str, message: str) -> Finding:
 
 
 def _check_source(key: str, task: str, role: str, spec: Any, source: Any, family,
-                  problems: list[Finding], notes: list[Finding]) -> None:  # fmt: skip
-    """Problems of one data source: missing, no such split, missing columns, no class names."""
+                  problems: list[Finding], notes: list[Finding], hub: dict) -> None:  # fmt: skip
+    """Problems of one data source: missing, no such split, missing columns, no class names.
+    hub: the Hub lookups made so far (`_remembered`)."""
     if source.kind == "hub":
-        features = _hub_features(key, source, problems, notes)
+        features = _hub_features(key, source, problems, notes, hub)
     else:
         features = _local_features(key, source, problems)
     if features is not None:
@@ -247,10 +250,25 @@ def _check_features(key: str, task: str, role: str, spec: Any, source: Any, fami
             problems.append(_own_key(f"tasks.{task}", str(exc)))
 
 
-def _hub_features(key: str, source: Any, problems: list[Finding], notes: list[Finding]):
+def _remembered(memo: dict, key: tuple, call):
+    """`call()`'s value, or its exception raised again, once per `key` in `memo`."""
+    if key not in memo:
+        try:
+            memo[key] = (call(), None)
+        except Exception as exc:
+            memo[key] = (None, exc)
+    value, exc = memo[key]
+    if exc is not None:
+        raise exc
+    return value
+
+
+def _hub_features(key: str, source: Any, problems: list[Finding], notes: list[Finding],
+                  memo: dict):  # fmt: skip
     """The features a Hub dataset's card lists for its config (no rows are downloaded), or None
     after recording a problem (no such dataset, config or split) or a note (offline, the Hub not
-    answering, no features listed)."""
+    answering, no features listed). `memo`: lookups already made, by dataset, config and
+    revision (a task's calibration and evaluation often read one dataset)."""
     from featcal_core.data.source_rows import _datasets_offline
 
     if _datasets_offline():
@@ -260,7 +278,8 @@ def _hub_features(key: str, source: Any, problems: list[Finding], notes: list[Fi
     from huggingface_hub import HfApi
 
     try:
-        HfApi().dataset_info(source.hub, revision=source.revision)
+        _remembered(memo, ("info", source.hub, source.revision),
+                    lambda: HfApi().dataset_info(source.hub, revision=source.revision))  # fmt: skip
     except Exception as exc:
         if _unreachable(exc):
             notes.append((key, f"Hub dataset {source.hub!r}: the Hub did not answer; not checked"))
@@ -274,7 +293,10 @@ def _hub_features(key: str, source: Any, problems: list[Finding], notes: list[Fi
 
     pinned = {} if source.revision is None else {"revision": source.revision}
     try:
-        builder = datasets.load_dataset_builder(source.hub, source.config, **pinned)
+        builder = _remembered(
+            memo, ("builder", source.hub, source.config, source.revision),
+            lambda: datasets.load_dataset_builder(source.hub, source.config, **pinned),
+        )  # fmt: skip
     except Exception as exc:
         message = " ".join(str(exc).split())
         if _unreachable(exc):

@@ -205,9 +205,15 @@ def test_hub_datasets_checked_from_their_cards_without_downloading_rows(good, tm
             broken=("test",)),
     }  # fmt: skip
     real_builder = datasets.load_dataset_builder
-    monkeypatch.setattr(datasets, "load_dataset_builder",
-                        lambda name, config=None, **kw: real_builder(str(repos[name]), config, **kw))  # fmt: skip
-    monkeypatch.setattr(HfApi, "dataset_info", lambda self, repo, revision=None: None)
+    asked: list[str] = []  # every Hub lookup, by dataset
+
+    def builder(name, config=None, **kw):
+        asked.append(name)
+        return real_builder(str(repos[name]), config, **kw)
+
+    monkeypatch.setattr(datasets, "load_dataset_builder", builder)
+    monkeypatch.setattr(HfApi, "dataset_info",
+                        lambda self, repo, revision=None: asked.append(repo))  # fmt: skip
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setattr(resolve.hf_constants, "HF_HUB_OFFLINE", False)
@@ -225,6 +231,7 @@ def test_hub_datasets_checked_from_their_cards_without_downloading_rows(good, tm
                   "evaluation": {"hub": "owner/signs", "split": "test"}, "prompt_set": "gtsrb"}  # fmt: skip
     problems, _ = checked(alpha=signs_task)
     assert problems == []  # 43 numbered classes: the set's 43 sign names
+    assert asked == ["owner/signs", "owner/signs"]  # once (card, builder) for both roles
     problems, _ = checked(
         alpha={**signs_task, "evaluation": {"hub": "owner/signs", "split": "validation"}},
         beta={"calibration": {"hub": "owner/plain", "split": "train"},

@@ -2,6 +2,7 @@
 deeper or wider base (issue 27): FeatCal alone at the paper's defaults against Task Arithmetic 0.3.
 
     python benchmarks/paper_regime_shape.py [--layers 8] [--width 128] [--pretrain-steps 400]
+                                            [--drop TASK ...]
 
 Builds (or reuses) the `vision-paper` preset with a base of `--layers` blocks of width `--width`
 (MLP 4x the width, one attention head per 32 channels; the preset is 4 blocks of width 128, whose
@@ -9,7 +10,8 @@ zoo data/zoo/vision-paper is used as it is) in data/zoo/vision-paper-<L>l (width
 data/zoo/vision-paper-<L>l-<W>w, then runs `featcal compare` on it with three variants:
 Task Arithmetic 0.3 alone, + FeatCal at the paper's defaults (α 0.25, ρ 2.2, λ 0.05, n 32), and
 + FeatCal with α 1 (the teacher that undoes upstream drift too). Test split for the paper's
-defaults; the α 1 row is an ablation, not a choice. Prints each expert's validation accuracy
+defaults; the α 1 row is an ablation, not a choice. `--drop` leaves tasks out of the merge (and of
+the table), to see how much one task's interference costs the others. Prints each expert's validation accuracy
 with the base's head, ‖τ‖/‖θ₀‖, and the compare table (params and logs: benchmarks/out/).
 """
 
@@ -33,6 +35,13 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--pretrain-steps", type=int, default=400)
+    parser.add_argument(
+        "--drop",
+        nargs="*",
+        default=[],
+        metavar="TASK",
+        help="leave these tasks' experts out of the merge (task interference)",
+    )
     args = parser.parse_args()
     if args.width % 32:
         parser.error(f"--width {args.width}: pick a multiple of 32 (one attention head per 32)")
@@ -70,6 +79,13 @@ def main() -> int:
             f"{100 * entry['task_vector_ratio']:.2f} %"
         )
     models, tasks = zoo_models_and_tasks(manifest, out, "test")
+    unknown = sorted(set(args.drop) - set(tasks))
+    if unknown:
+        parser.error(f"--drop {unknown}: not tasks of the zoo (it has {sorted(tasks)})")
+    for task in args.drop:
+        del tasks[task], models["experts"][task]
+    if args.drop:
+        name += "-without-" + "-".join(sorted(args.drop))
     ta = ["merge.method=task_arithmetic", "merge.hyperparameters={scale: 0.3}"]
     params = {
         "run": {"name": f"{name}-shape", "results_dir": f"data/results/{name}-shape", "seed": 0},

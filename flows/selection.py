@@ -86,9 +86,8 @@ def exhausted_tasks(steps: Steps) -> dict[str, int]:
     from featcal_core.data.calibration_sets import RECORD_NAME
 
     found = {}
-    for name in steps.params.tasks:
-        path = steps.paths["calibration_sets"] / name / RECORD_NAME
-        record = json.loads(path.read_text(encoding="utf-8"))
+    for name, folder in steps.calibration_set_dirs().items():  # present and verified
+        record = json.loads((Path(folder) / RECORD_NAME).read_text(encoding="utf-8"))
         if record["n_rows"] >= record["rows_available"]:
             found[name] = record["rows_available"]
     return found

@@ -288,6 +288,8 @@ def test_a_calibration_set_of_every_row_stops_select_early_and_skips_compare_sco
     params_path = _select_params(tmp_path)
     steps = Steps(load_params(params_path, ["featcal.num_per_task=20"]))  # train holds 20 rows
     steps.download()
+    with pytest.raises(FeatCalError, match="does not exist; run `featcal calib-set`"):
+        select(steps, None)  # no calibration sets yet: one line, not a traceback
     steps.calibration_sets()
     with pytest.raises(FeatCalError, match=r"tasks\.alpha\.calibration: all 20 rows are in the "
                        r"calibration set.*lower featcal\.num_per_task"):  # fmt: skip

@@ -58,6 +58,14 @@ def variant_overrides(params: Params, overrides: list[str], name: str) -> list[s
     return [*overrides, *variant.set, f"run.results_dir={results}"]
 
 
+def sets_heads(params: Params, name: str) -> bool:
+    """Whether variant `name`'s own overrides set featcal.heads (true or false): only then does
+    compare refit its heads (the params file's featcal.heads is `featcal run`'s, and compare's
+    rows stay the models' own unless a variant asks)."""
+    (variant,) = [v for v in params.compare.variants if v.name == name]
+    return any(o.partition("=")[0].strip() == "featcal.heads" for o in variant.set)
+
+
 def load_compare(params_path: str, overrides: list[str]) -> tuple[Params, dict[str, Params]]:
     """The params and every variant's params, all validated (before any work)."""
     params = load_params(params_path, overrides)
@@ -103,7 +111,7 @@ def variant_flow(name: str, params_path: str, overrides: list[str], merged: str)
     steps = shared_steps(shared, params, Path(merged))
     steps.in_flow = True
     with steps.session(f"featcal compare ({name})"):
-        return repair(steps, heads=True)
+        return repair(steps, heads=sets_heads(base_params, name))
 
 
 @flow(name="featcal-compare", flow_run_name=compare_run_name)

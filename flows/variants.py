@@ -62,7 +62,7 @@ def run_merges(steps: Steps, sources: list[tuple[str | None, Params]], step_run)
 
 def repair(steps: Steps, heads: bool = False) -> dict:
     """`steps`' repair (repair.method) of its merge into its calibrated folder; {"path" (None:
-    no repair), "repair_seconds", "peak_rss_mb", "heads"}. heads: with featcal.heads, also refit
+    no repair), "repair_seconds", "peak_rss_mb", "heads"}. heads: with featcal.heads true, also refit
     the task heads on the repaired model (on the merge when there is no repair; not for Surgery,
     whose modules feed the tasks' own heads), as `featcal run` does: "heads" {task: folder},
     else None. The seconds and the peak RSS cover both."""

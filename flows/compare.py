@@ -37,6 +37,7 @@ from featcal.flows.variants import (
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.selection import LABEL_FREE
 from featcal_core.params import Params, load_params
+from featcal_core.params.repair import Variant
 from featcal_core.provenance.records import REPORTS_ROOT
 
 configure()  # before prefect is imported
@@ -51,19 +52,15 @@ REFERENCE = "merged"
 RESERVED = ("base", "expert", REFERENCE)
 
 
+def _variant(params: Params, name: str) -> Variant:
+    (variant,) = [v for v in params.compare.variants if v.name == name]
+    return variant
+
+
 def variant_overrides(params: Params, overrides: list[str], name: str) -> list[str]:
     """The overrides that turn the params file into variant `name`'s params."""
-    (variant,) = [v for v in params.compare.variants if v.name == name]
     results = Path(params.run.results_dir) / "variants" / name
-    return [*overrides, *variant.set, f"run.results_dir={results}"]
-
-
-def sets_heads(params: Params, name: str) -> bool:
-    """Whether variant `name`'s own overrides set featcal.heads (true or false): only then does
-    compare refit its heads (the params file's featcal.heads is `featcal run`'s, and compare's
-    rows stay the models' own unless a variant asks)."""
-    (variant,) = [v for v in params.compare.variants if v.name == name]
-    return any(o.partition("=")[0].strip() == "featcal.heads" for o in variant.set)
+    return [*overrides, *_variant(params, name).set, f"run.results_dir={results}"]
 
 
 def load_compare(params_path: str, overrides: list[str]) -> tuple[Params, dict[str, Params]]:
@@ -111,7 +108,9 @@ def variant_flow(name: str, params_path: str, overrides: list[str], merged: str)
     steps = shared_steps(shared, params, Path(merged))
     steps.in_flow = True
     with steps.session(f"featcal compare ({name})"):
-        return repair(steps, heads=sets_heads(base_params, name))
+        # heads only where the variant itself sets featcal.heads: the params file's own setting
+        # is `featcal run`'s, and compare's rows stay the models' own unless a variant asks
+        return repair(steps, heads=_variant(base_params, name).sets("featcal.heads"))
 
 
 @flow(name="featcal-compare", flow_run_name=compare_run_name)
@@ -217,8 +216,7 @@ def _rows(evaluation: dict, variants: dict[str, Params], merges: dict, costs: di
         described.append({
             "name": name, "row": row_of(name, variant, merges, costs),
             "merge": {"method": merge["method"], "hyperparameters": merge["hyperparameters"]},
-            "repair": variant.repair_method, "set": next(
-                v.set for v in variant.compare.variants if v.name == name),
+            "repair": variant.repair_method, "set": _variant(variant, name).set,
             "cost": {"merge_seconds": merge["seconds"], "repair_seconds": cost["repair_seconds"],
                      "peak_rss_mb": max(peaks) if peaks else None},
             "label_free": (label_free or {}).get(name),

@@ -62,6 +62,11 @@ class RepairSettings(_Section):
     )
 
 
+def override_key(override: str) -> str:
+    """The key of a KEY=VALUE override ("featcal.alpha=0.5" → "featcal.alpha")."""
+    return override.partition("=")[0].strip()
+
+
 class Variant(_Section):
     """One variant of `featcal compare`: a name and `--set` style overrides of the params."""
 
@@ -82,11 +87,15 @@ class Variant(_Section):
             raise _error(f"variant name {problem}")
         return name
 
+    def sets(self, key: str) -> bool:
+        """Whether one of this variant's own overrides sets `key` (whatever the value)."""
+        return any(override_key(override) == key for override in self.set)
+
     @field_validator("set")
     @classmethod
     def _variant_keys(cls, overrides: list[str]) -> list[str]:
         for override in overrides:
-            key = override.partition("=")[0].strip()
+            key = override_key(override)
             if not any(key.startswith(p) if p.endswith(".") else key == p for p in VARIANT_KEYS):
                 raise _error(
                     f"{override!r}: a variant may set only merge.*, repair.* and "

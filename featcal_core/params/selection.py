@@ -52,12 +52,11 @@ class SelectSettings(_Section):
         if problem is not None:
             raise _error(problem)
         for candidate in candidates:
-            for override in candidate.set:
-                if override.partition("=")[0].strip() == "featcal.num_per_task":
-                    raise _error(
-                        f"candidate {candidate.name!r}: {override!r}: a candidate may not change "
-                        "featcal.num_per_task (the calibration sets are drawn before the choice "
-                        "and the winner runs on them); set it in the params file's featcal: "
-                        "section, or compare the counts with `featcal compare`"
-                    )
+            if candidate.sets("featcal.num_per_task"):
+                raise _error(
+                    f"candidate {candidate.name!r}: a candidate may not change "
+                    "featcal.num_per_task (the calibration sets are drawn before the choice and "
+                    "the winner runs on them); set it in the params file's featcal: section, or "
+                    "compare the counts with `featcal compare`"
+                )
         return candidates

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from featcal_core import calibrate
 from featcal_core.data.synthetic import build_pool
-from featcal_core.memory import peak_rss_bytes, tune_allocator
+from featcal_core.memory import peak_rss_bytes
 
 
 def main() -> None:
@@ -35,7 +35,6 @@ def main() -> None:
     tasks = tuple(f"task{i}" for i in range(args.experts))
     config = {"num_hidden_layers": args.blocks}
     pool = build_pool(work / "pool", "clip", config, tasks, delta=0.002, rows=args.images)
-    tune_allocator()  # as the featcal command does
     profile = cProfile.Profile()
     profile.enable()
     record = calibrate(pool.base, pool.merged, pool.experts, pool.calib, work / "out",

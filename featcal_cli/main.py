@@ -34,7 +34,6 @@ from featcal_cli import (
 from featcal_cli.arguments import Command, hub_models
 from featcal_cli.sigterm import sigterm_stops
 from featcal_core.errors import FeatCalError
-from featcal_core.memory import tune_allocator
 
 EXIT_BAD_INPUT = 2
 
@@ -218,7 +217,6 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError:  # its one line is on stderr already
         return EXIT_BAD_INPUT
     configure_logging(verbosity + args.verbose)  # e.g. -vvv before the command
-    tune_allocator()
     try:
         with _sigterm_exits():
             hub_models(args)  # Hub ids wherever a model folder is taken

@@ -39,14 +39,15 @@ def reset_peak_rss() -> bool:
 _M_MMAP_THRESHOLD = -3
 
 
-def tune_allocator(mmap_threshold: int = 4 << 20) -> bool:
-    """Serve allocations of at least `mmap_threshold` bytes with mmap (glibc only).
+def compact_allocator(mmap_threshold: int = 4 << 20) -> bool:
+    """Serve allocations of at least `mmap_threshold` bytes with mmap (glibc only), so memory
+    freed between a block's tasks goes back to the system instead of fragmenting the heap.
 
-    Calibration allocates and frees many tensors of tens of MB per block; with glibc's default,
-    dynamic threshold those come from the heap, which fragments and keeps the resident set high
-    (measured: about 200 MB more peak RSS at ViT-B/32 size, for a few percent of speed). Process-wide;
-    the `featcal` command calls it at start. Returns True when applied.
-    """
+    Process-wide and kept from then on; the memory-bounded calibration (statistics spilled to
+    files) turns it on. Measured on this 2-core CPU: 1.1 B Llama geometry, bfloat16, 3 blocks:
+    peak RSS 2089 MiB with it against about 2280 without; ViT-B/32 geometry, 8 experts: about
+    12 s of page faults (45 s against 33 s), so the in-memory mode leaves glibc's default.
+    Returns True when applied."""
     name = ctypes.util.find_library("c")
     if not name:
         return False

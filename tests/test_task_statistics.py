@@ -51,6 +51,34 @@ def test_linear_contributions_merged_elsewhere_equal_end_task(via_x):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
+@pytest.mark.parametrize("precision", ["float64", "float32", "bfloat16"])
+@pytest.mark.parametrize("via_x", [False, True])
+def test_one_accumulator_reused_across_tasks_equals_a_fresh_one_per_task(via_x, precision):
+    """The block runner keeps one task's accumulators for the next task of the block: the
+    contributions must be those of fresh accumulators, bit for bit (buffers zeroed, nothing of
+    the previous task left; the via-X cross term buffer too)."""
+    hint = 30 if via_x else None
+    modules = {"q": (4, True), "k": (5, False)}
+    g = torch.Generator().manual_seed(3)
+    tasks = []
+    for _ in range(3):
+        x_s, x_e = torch.randn(30, 6, generator=g), torch.randn(30, 6, generator=g)
+        params = {name: (torch.randn(d, 6, generator=g), torch.randn(d, generator=g))
+                  for name, (d, _) in modules.items()}  # fmt: skip
+        tasks.append((x_s, x_e, torch.rand(30, generator=g), params))
+    reused = LinearInputStats(6, modules, CPU, hint, precision=precision)
+    for x_s, x_e, w, params in tasks:
+        fresh = LinearInputStats(6, modules, CPU, hint, precision=precision)
+        for acc in (reused, fresh):
+            acc.add(x_s[:20], x_e[:20], w[:20], 0.3, params)
+            acc.add(x_s[20:], x_e[20:], w[20:], 0.3, params)
+        mine = {k: v.clone() for k, v in reused.task_contribution(1e-8, 0.3, params).items()}
+        theirs = fresh.task_contribution(1e-8, 0.3, params)
+        assert mine.keys() == theirs.keys()
+        for key, value in theirs.items():
+            assert torch.equal(mine[key], value), key
+
+
 def test_norm_contributions_merged_elsewhere_equal_end_task():
     g = torch.Generator().manual_seed(1)
     in_place = NormStats(5, 1e-5, rms=False, has_bias=True, device=CPU)

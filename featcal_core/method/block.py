@@ -22,6 +22,7 @@ from torch import nn
 
 from featcal_core import precision as precisions
 from featcal_core.errors import FeatCalError
+from featcal_core.memory import compact_allocator
 from featcal_core.method.block_solve import fold, fold_and_solve, solve
 from featcal_core.method.block_statistics import (
     Capture,
@@ -88,6 +89,7 @@ class BlockRunner:
         self.device = device
         self._kinds: dict[str | None, tuple] = {}
         self._kind: object = object()  # none selected yet
+        self._reused: dict = {}  # per-task accumulators shared by one block's tasks
         self._use(0)
 
     def _use(self, index: int) -> None:
@@ -224,11 +226,17 @@ class BlockRunner:
         masks: dict[str, torch.Tensor],
         params: FeatCalParams,
         batch_size: int,
+        *,
+        reuse: bool = False,
     ) -> TaskStatistics:
         """One task's pass over block `index`: the uncalibrated merged block on the task's student
         stream and expert t's block on its expert stream (both read from `source`). Writes the
         expert's block output to `target` and returns the task's contribution to the block's
-        statistics. Independent of the other tasks: it can run in another process."""
+        statistics. Independent of the other tasks: it can run in another process.
+
+        reuse: take the per-task buffers of the accumulators from the previous task of this
+        block (the result's tensors are then views of them: fold or save it before the next
+        call); `calibrate` does, and frees them before its solves."""
         last = index == self.arch.num_blocks - 1
         self._use(index)
         if self._merged_index != index:
@@ -274,8 +282,8 @@ class BlockRunner:
             if linear_stats is None:
                 tokens = min(int(m.sum()) for m in masks.values())  # a hint for the cost
                 linear_stats, groups = linear_groups(self.arch, self.merged_block, self.linears,
-                                                     x_s, last, tokens, self.device,
-                                                     self.products)  # fmt: skip
+                                                     x_s, last, tokens, self.device, self.products,
+                                                     self._reused if reuse else None)  # fmt: skip
                 norm_stats = self._norm_stats()
             context_mask = None if context_s is None else context_s[1]
             with self.timed("statistics"):
@@ -329,10 +337,13 @@ class BlockRunner:
         (whose expert outputs are already in `target`); None computes them here, one task after
         another. scratch_dir: where the statistics computed here are saved, one task at a time,
         and then folded group by group, each group solved before the next is read (peak memory:
-        one task's statistics while it runs, then two copies of the largest group); None folds
-        them in memory as they come. Every way folds the contributions in task order, so all give
+        one task's statistics while it runs, then two copies of the largest group; each task's
+        buffers are freed before the next, and `compact_allocator` is turned on); None folds
+        them in memory as they come (one task's buffers serve every task of the block). Every way folds the contributions in task order, so all give
         the same block, bit for bit."""
         start = time.perf_counter()
+        if scratch_dir is not None:  # the memory-bounded mode: no buffers kept between tasks
+            compact_allocator()
         last = index == self.arch.num_blocks - 1
         self._use(index)
         phase = self._phase(index)
@@ -345,7 +356,8 @@ class BlockRunner:
         stored: list[StoredStatistics] = []
         for number, task in enumerate(self.models.experts):
             if precomputed is None:
-                stats = self.task_statistics(index, task, source, target, masks, params, batch_size)
+                stats = self.task_statistics(index, task, source, target, masks, params,
+                                             batch_size, reuse=scratch_dir is None)  # fmt: skip
             else:
                 stats = precomputed(task)
                 if isinstance(stats, Path):
@@ -369,6 +381,7 @@ class BlockRunner:
                     fold(linear_sums, norm_sums, stats.layout, stats.linear.get, stats.norms.get,
                          self.device)  # fmt: skip
             del stats
+        self._reused.clear()  # the per-task buffers: not held through the solves
 
         with self.timed("read"):
             base_sd = self.read_block(self.models.base, index)

@@ -64,11 +64,15 @@ def _pooled(arch, name: str, last: bool) -> bool:
 
 def linear_groups(
     arch, block: nn.Module, linears: list[str], captured: dict[str, torch.Tensor], last: bool,
-    tokens: int, device: torch.device, precision: str = "float64",
+    tokens: int, device: torch.device, precision: str = "float64", reuse: dict | None = None,
 ):  # fmt: skip
     """Group Linear modules that read the same tensor with the same token weights; each group
     is labelled by its first module's name (stable across processes). `precision`: of the
-    token products (statistics.py)."""
+    token products (statistics.py). `reuse`: accumulators (and their scratch) kept from an
+    earlier task with the same group layout are taken from it, and new ones put in it, so the
+    tasks of a block share their per-task buffers instead of allocating them (tens of MB per
+    task: page faults and zeroing); the caller must fold or save one task's contributions (they
+    are views of these buffers) before the next task's pass."""
     labels: dict[tuple[int, bool], str] = {}
     groups: dict[str, str] = {}
     members: dict[str, dict[str, tuple[int, bool]]] = {}
@@ -78,10 +82,14 @@ def linear_groups(
         module = block.get_submodule(name)
         members.setdefault(label, {})[name] = (module.out_features, module.bias is not None)
     stats = {}
-    scratch = Scratch(device)
+    kept = {} if reuse is None else reuse
+    scratch = kept.setdefault("scratch", Scratch(device))
     for label, modules in members.items():
         d_in = block.get_submodule(label).in_features
-        stats[label] = LinearInputStats(d_in, modules, device, tokens, scratch, precision)
+        key = (label, d_in, tuple(modules.items()), tokens, precision)
+        if key not in kept:
+            kept[key] = LinearInputStats(d_in, modules, device, tokens, scratch, precision)
+        stats[label] = kept[key]
     return stats, groups
 
 

@@ -137,7 +137,8 @@ class LinearTarget:
     has_bias: bool
     cross: torch.Tensor | None = None  # Σ_t s_t X_t W_tᵀ, (d_in × d_out)
     target_sum: torch.Tensor | None = None  # Σ_t s_t (b_t + W_t μt_t), (d_out)
-    task_cross: torch.Tensor | None = None  # direct mode: Σ ω x_s (W_t x_t)ᵀ of the current task
+    # the current task's Σ ω x_s (W_t x_t)ᵀ (direct mode) or its X_t W_tᵀ (via X_t), (d_in × d_out)
+    task_cross: torch.Tensor | None = None
 
 
 class LinearInputStats:
@@ -201,7 +202,8 @@ class LinearInputStats:
                 if not self.via_x:
                     target.task_cross = self._zeros(d, target.d_out)
         buffers = [self._task_gram, self._task_mixed, self._task_student, self._task_expert]
-        buffers += [t.task_cross for t in self.targets.values()]
+        if not self.via_x:  # via X_t, task_cross is only written by `task_contribution`
+            buffers += [t.task_cross for t in self.targets.values()]
         for buffer in buffers:
             if buffer is not None:
                 buffer.zero_()
@@ -342,7 +344,10 @@ class LinearInputStats:
         for name, target in self.targets.items():
             weight_t, bias_t = expert_params[name]
             if self.via_x:  # X_t W_tᵀ, by blocks of W_t's rows (no float64 copy of all of W_t)
-                cross = torch.empty(self.d_in, target.d_out, dtype=DTYPE, device=self.device)
+                if target.task_cross is None:  # kept for the next task (see `_open_task`)
+                    target.task_cross = torch.empty(self.d_in, target.d_out, dtype=DTYPE,
+                                                    device=self.device)  # fmt: skip
+                cross = target.task_cross
                 wide = sums_dtype(self.product)
                 left = mixed if self.product == DTYPE else mixed.to(wide)
                 for start in range(0, target.d_out, SOLVE_COLUMNS):

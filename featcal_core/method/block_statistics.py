@@ -89,6 +89,7 @@ def linear_groups(
         key = (label, d_in, tuple(modules.items()), tokens, precision)
         if key not in kept:
             kept[key] = LinearInputStats(d_in, modules, device, tokens, scratch, precision)
+            kept[key].keeps_buffers = reuse is not None
         stats[label] = kept[key]
     return stats, groups
 

@@ -187,16 +187,20 @@ class LinearInputStats:
         self._task_mixed: torch.Tensor | None = None  # via X_t: Σ ω x_s x_eᵀ
         self._task_student: torch.Tensor | None = None  # Σ ω x_s
         self._task_expert: torch.Tensor | None = None  # Σ ω x_e
+        #: the per-task buffers serve task after task (`linear_groups(reuse=...)`); False: a
+        #: one-task accumulator, which frees what it can as soon as the task closes
+        self.keeps_buffers = False
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=DTYPE, device=self.device)
 
     def _open_task(self) -> None:
         """Zero the per-task sums (allocated once, on the first task)."""
+        d = self.d_in
+        if self.via_x and self._task_mixed is None:  # (freed after a one-task accumulator's task)
+            self._task_mixed = self._zeros(d, d)
         if self._task_gram is None:
-            d = self.d_in
             self._task_gram = self._zeros(d, d)
-            self._task_mixed = self._zeros(d, d) if self.via_x else None
             self._task_student, self._task_expert = self._zeros(d), self._zeros(d)
             for target in self.targets.values():
                 if not self.via_x:
@@ -335,8 +339,12 @@ class LinearInputStats:
         teacher_mean = (alpha * self._task_expert + (1.0 - alpha) * self._task_student) / total
         # contributions hold the full symmetric Gram: the block layout never leaves this object
         symmetrize_(gram, self.block)
-        if self.via_x:  # Σ ω x_s x_tᵀ, over the per-task buffer
+        wide = sums_dtype(self.product)
+        if self.via_x:  # Σ ω x_s x_tᵀ, over the per-task buffer (once in float32 if reduced)
             mixed = self._task_mixed.mul_(alpha).add_(gram, alpha=1.0 - alpha)
+            left = mixed if self.product == DTYPE else mixed.to(wide)
+            if not self.keeps_buffers:  # one task only: X_t is not needed after the products
+                self._task_mixed = mixed = None
         out = {
             "scale": torch.tensor([s_t], dtype=DTYPE),
             "student_mean": self._task_student.mul_(scale),
@@ -348,8 +356,6 @@ class LinearInputStats:
                     target.task_cross = torch.empty(self.d_in, target.d_out, dtype=DTYPE,
                                                     device=self.device)  # fmt: skip
                 cross = target.task_cross
-                wide = sums_dtype(self.product)
-                left = mixed if self.product == DTYPE else mixed.to(wide)
                 for start in range(0, target.d_out, SOLVE_COLUMNS):
                     rows = weight_t[start : start + SOLVE_COLUMNS].to(wide)
                     if self.product == DTYPE:
@@ -366,6 +372,8 @@ class LinearInputStats:
             if bias_t is not None:
                 mean_out = mean_out + bias_t.to(DTYPE)
             out[f"target:{name}"] = mean_out.mul_(s_t)
+        if self.via_x:
+            del left
         out["gram"] = gram.mul_(scale)
         self._task_weight = 0.0
         self._task_open = False

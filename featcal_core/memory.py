@@ -44,9 +44,10 @@ def compact_allocator(mmap_threshold: int = 4 << 20) -> bool:
     freed between a block's tasks goes back to the system instead of fragmenting the heap.
 
     Process-wide and kept from then on; the memory-bounded calibration (statistics spilled to
-    files) turns it on. Measured on this 2-core CPU: 1.1 B Llama geometry, bfloat16, 3 blocks:
-    peak RSS 2089 MiB with it against about 2280 without; ViT-B/32 geometry, 8 experts: about
-    12 s of page faults (45 s against 33 s), so the in-memory mode leaves glibc's default.
+    files) turns it on. Measured on a 2-core CPU (docs/benchmarks.md, session 20): 1.1 B Llama
+    geometry, bfloat16, 3 blocks: peak RSS 2256 MiB with it against 2438 without; ViT-B/32
+    geometry, 8 experts: 12–14 s of page faults (45–47 s against 33–34 s), so the in-memory mode
+    leaves glibc's default.
     Returns True when applied."""
     name = ctypes.util.find_library("c")
     if not name:

@@ -66,7 +66,7 @@ def test_one_accumulator_reused_across_tasks_equals_a_fresh_one_per_task(via_x, 
         params = {name: (torch.randn(d, 6, generator=g), torch.randn(d, generator=g))
                   for name, (d, _) in modules.items()}  # fmt: skip
         tasks.append((x_s, x_e, torch.rand(30, generator=g), params))
-    reused = LinearInputStats(6, modules, CPU, hint, precision=precision)
+    reused = LinearInputStats(6, modules, CPU, hint, precision=precision, keeps_buffers=True)
     for x_s, x_e, w, params in tasks:
         fresh = LinearInputStats(6, modules, CPU, hint, precision=precision)
         for acc in (reused, fresh):

@@ -88,8 +88,8 @@ def linear_groups(
         d_in = block.get_submodule(label).in_features
         key = (label, d_in, tuple(modules.items()), tokens, precision)
         if key not in kept:
-            kept[key] = LinearInputStats(d_in, modules, device, tokens, scratch, precision)
-            kept[key].keeps_buffers = reuse is not None
+            kept[key] = LinearInputStats(d_in, modules, device, tokens, scratch, precision,
+                                         keeps_buffers=reuse is not None)  # fmt: skip
         stats[label] = kept[key]
     return stats, groups
 

@@ -164,6 +164,7 @@ class LinearInputStats:
         tokens_hint: int | None = None,
         scratch: Scratch | None = None,
         precision: str = "float64",
+        keeps_buffers: bool = False,
     ):
         self.d_in = d_in
         self.precision = precision
@@ -189,7 +190,7 @@ class LinearInputStats:
         self._task_expert: torch.Tensor | None = None  # Σ ω x_e
         #: the per-task buffers serve task after task (`linear_groups(reuse=...)`); False: a
         #: one-task accumulator, which frees what it can as soon as the task closes
-        self.keeps_buffers = False
+        self.keeps_buffers = keeps_buffers
 
     def _zeros(self, *shape: int) -> torch.Tensor:
         return torch.zeros(*shape, dtype=DTYPE, device=self.device)

@@ -154,3 +154,26 @@ def test_statistics_of_another_task_or_block_are_refused(tmp_path):
     save_file({"a": torch.zeros(1)}, str(not_stats))
     with pytest.raises(FeatCalError, match="holds no FeatCal task statistics"):
         TaskStatistics.load(not_stats)
+
+
+def test_only_the_spill_mode_turns_on_the_compact_allocator(tmp_path, monkeypatch):
+    """The mmap threshold costs page faults (docs/benchmarks.md, session 20): the in-memory mode
+    leaves glibc's default, the memory-bounded mode (statistics in files) sets it; both give
+    the same block."""
+    from featcal_core.method import block as block_module
+
+    calls = []
+    monkeypatch.setattr(block_module, "compact_allocator", lambda: calls.append(1) or True)
+    zoo = factories.clip_zoo(tmp_path / "zoo", tasks=("a", "b"))
+    results = {}
+    for mode in ("memory", "files"):
+        cal = Calibration(zoo.base, zoo.merged, zoo.experts, zoo.calib)
+        streams = HiddenStreams(None)
+        masks = cal.stems(streams)
+        scratch = tmp_path / mode if mode == "files" else None
+        if scratch is not None:
+            scratch.mkdir()
+        results[mode] = cal.block(0, streams, streams, masks, scratch_dir=scratch)
+        assert len(calls) == (1 if mode == "files" else 0)
+    for name, tensor in results["memory"].tensors.items():
+        assert torch.equal(results["files"].tensors[name], tensor), name

@@ -339,8 +339,8 @@ class BlockRunner:
         and then folded group by group, each group solved before the next is read (peak memory:
         one task's statistics while it runs, then two copies of the largest group; each task's
         buffers are freed before the next, and `compact_allocator` is turned on); None folds
-        them in memory as they come (one task's buffers serve every task of the block). Every way folds the contributions in task order, so all give
-        the same block, bit for bit."""
+        them in memory as they come (one task's buffers serve every task of the block). Every
+        way folds the contributions in task order, so all give the same block, bit for bit."""
         start = time.perf_counter()
         if scratch_dir is not None:  # the memory-bounded mode: no buffers kept between tasks
             compact_allocator()

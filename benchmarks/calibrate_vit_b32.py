@@ -11,7 +11,7 @@ precisions (default float32 then bfloat16, each T run in both back to back) it p
 wall time as a fraction of the float32 run's.
 
     .venv/bin/python benchmarks/calibrate_vit_b32.py [--experts 2 4 8]
-        [--precision float32 bfloat16] [--work DIR]
+        [--precision float32 bfloat16] [--work DIR] [--device cpu|cuda] [--library]
 """
 
 from __future__ import annotations
@@ -45,11 +45,28 @@ def run_one(num_experts: int, work: Path, args) -> list[dict]:
     return rows
 
 
+#: `--library`: the same calibration through `featcal_core.calibrate` in its own process (for a
+#: machine without the pipeline's packages, e.g. the device tool's GPU image, which has no Prefect)
+LIBRARY_RUN = """import json, sys
+from featcal_core import calibrate
+spec = json.loads(sys.argv[1])
+calibrate(spec["base"], spec["merged"], spec["experts"], spec["calib"], spec["out"],
+          num_per_task=spec["images"], device=spec["device"], precision=spec["precision"],
+          overwrite=True, progress=False)
+"""
+
+
 def _calibrate(pool, num_experts: int, work: Path, args, precision: str, built: float) -> dict:
     out = work / f"out_{num_experts}"
-    cmd = [sys.executable, "-m", "featcal_cli.main", *pool.cli_args(out), "--device", "cpu",
+    cmd = [sys.executable, "-m", "featcal_cli.main", *pool.cli_args(out), "--device", args.device,
            "--num-per-task", str(args.images), "--precision", precision, "--overwrite",
            "--no-progress"]  # fmt: skip
+    if args.library:
+        spec = {"base": str(pool.base), "merged": str(pool.merged), "out": str(out),
+                "experts": {t: str(p) for t, p in pool.experts.items()},
+                "calib": {t: str(p) for t, p in pool.calib.items()}, "images": args.images,
+                "device": args.device, "precision": precision}  # fmt: skip
+        cmd = [sys.executable, "-c", LIBRARY_RUN, json.dumps(spec)]
     started = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - started
@@ -80,14 +97,19 @@ def main() -> None:
         choices=["float64", "float32", "bfloat16", "auto"],
     )
     parser.add_argument("--work", type=Path, default=None, help="scratch directory")
+    parser.add_argument("--library", action="store_true", help="run featcal_core.calibrate "
+                        "instead of the featcal command (no Prefect needed)")  # fmt: skip
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the "
+                        "calibration and the GEMM rates run")  # fmt: skip
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="featcal-bench-"))
     work.mkdir(parents=True, exist_ok=True)
-    rates = {name: gemm_rate(dtype) for name, dtype in
+    rates = {name: gemm_rate(dtype, device=args.device) for name, dtype in
              (("bfloat16", torch.bfloat16), ("float32", torch.float32), ("float64", torch.float64))}  # fmt: skip
     rows = [row for n in args.experts for row in run_one(n, work, args)]
     shown = ", ".join(f"{name} {rate / 1e9:.0f}" for name, rate in rates.items())
-    print(f"\nGEMM rates on this machine ({torch.get_num_threads()} threads), GFLOP/s: {shown}")
+    where = f"{torch.get_num_threads()} threads" if args.device == "cpu" else args.device
+    print(f"\nGEMM rates on this machine ({where}), GFLOP/s: {shown}")
     print("\n| experts | precision | featcal wall (s) | vs float32 | process wall (s) | read / "
           "forward / statistics / solve (s) | peak RSS (MiB) |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")

@@ -40,15 +40,22 @@ def counted_flops(d: int, f: int, seq: int, blocks: int, tasks: int, images: int
     }
 
 
-def gemm_rate(dtype: torch.dtype, size: int = 2048, seconds: float = 2.0) -> float:
-    """Measured FLOP/s of square GEMMs of `size` in `dtype` on the CPU (all threads)."""
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    out = torch.empty(size, size, dtype=dtype)
+def gemm_rate(
+    dtype: torch.dtype, size: int = 2048, seconds: float = 2.0, device: str = "cpu"
+) -> float:
+    """Measured FLOP/s of square GEMMs of `size` in `dtype` on `device` (CPU: all threads)."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    out = torch.empty(size, size, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
     torch.mm(a, b, out=out)  # warm up
+    sync()
     done, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        torch.mm(a, b, out=out)
-        done += 1
+        for _ in range(1 if not a.is_cuda else 50):
+            torch.mm(a, b, out=out)
+            done += 1
+        sync()
     return done * 2 * size**3 / (time.perf_counter() - start)
 
 

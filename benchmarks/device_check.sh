@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# On the device machine (issue 26's GPU checks), as one prepared command of the device tool:
+#   run(command="bash benchmarks/device_check.sh", carry=[".whl"], timeout_s=540)
+# after `benchmarks/device_wheels.sh` here. It installs the carried wheels, then:
+#   1. the CUDA test module (tiny CLIP/BERT end to end, bfloat16 and float32 on the GPU against
+#      float64 on the CPU; prints the weight differences and seconds);
+#   2. ViT-B/32 geometry, 8 experts, 256 images per task (the paper's setting: 53 s and
+#      22.8 GiB reported), float32 (TF32) then bfloat16, with the GPU's GEMM rates (through
+#      featcal_core: the image has no Prefect for the `featcal` command).
+# Logs go to $OUT (they come back). Set STEPS="1" to run only the tests.
+set -uo pipefail
+out="${OUT:-/tmp/device-out}"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH="/tmp/site:$PWD"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, torch.cuda.get_device_name(0))" | tee -a "$out/gpu.txt"
+steps="${STEPS:-1 2}"
+if [[ " $steps " == *" 1 "* ]]; then
+  python3 -m pytest -p no:cacheprovider -m cuda -rA -s tests/test_cuda_precision.py 2>&1 \
+    | tee "$out/cuda_tests.log"
+fi
+if [[ " $steps " == *" 2 "* ]]; then
+  python3 benchmarks/calibrate_vit_b32.py --library --device cuda --experts 8 --images 256 \
+    --precision float32 bfloat16 2>&1 | grep -v "Saving the dataset" | tee "$out/vit_b32_cuda.log"
+fi

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import resource
 from pathlib import Path
 
@@ -39,16 +40,17 @@ def reset_peak_rss() -> bool:
 _M_MMAP_THRESHOLD = -3
 
 
+@functools.cache
 def compact_allocator(mmap_threshold: int = 4 << 20) -> bool:
     """Serve allocations of at least `mmap_threshold` bytes with mmap (glibc only), so memory
     freed between a block's tasks goes back to the system instead of fragmenting the heap.
 
-    Process-wide and kept from then on; the memory-bounded calibration (statistics spilled to
-    files) turns it on. Measured on a 2-core CPU (docs/benchmarks.md, session 20): 1.1 B Llama
-    geometry, bfloat16, 3 blocks: peak RSS 2256 MiB with it against 2438 without; ViT-B/32
-    geometry, 8 experts: 12–14 s of page faults (45–47 s against 33–34 s), so the in-memory mode
-    leaves glibc's default.
-    Returns True when applied."""
+    Process-wide and kept from then on (applied once per process: later calls return the first
+    result); the memory-bounded calibration (statistics spilled to files) turns it on. Measured
+    on a 2-core CPU (docs/benchmarks.md, session 20): 1.1 B Llama geometry, bfloat16, 3 blocks,
+    a block's tasks sharing their buffers: peak RSS 2256 MiB with it against 2438 without;
+    ViT-B/32 geometry, 8 experts: 12–14 s of page faults (45–47 s against 33–34 s), so the
+    in-memory mode leaves glibc's default. Returns True when applied."""
     name = ctypes.util.find_library("c")
     if not name:
         return False

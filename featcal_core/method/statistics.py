@@ -344,7 +344,7 @@ class LinearInputStats:
         if self.via_x:  # Σ ω x_s x_tᵀ, over the per-task buffer (once in float32 if reduced)
             mixed = self._task_mixed.mul_(alpha).add_(gram, alpha=1.0 - alpha)
             left = mixed if self.product == DTYPE else mixed.to(wide)
-            if not self.keeps_buffers:  # one task only: X_t is not needed after the products
+            if not self.keeps_buffers:  # one task only: X_t (float64) is freed before the products
                 self._task_mixed = mixed = None
         out = {
             "scale": torch.tensor([s_t], dtype=DTYPE),
@@ -373,8 +373,6 @@ class LinearInputStats:
             if bias_t is not None:
                 mean_out = mean_out + bias_t.to(DTYPE)
             out[f"target:{name}"] = mean_out.mul_(s_t)
-        if self.via_x:
-            del left
         out["gram"] = gram.mul_(scale)
         self._task_weight = 0.0
         self._task_open = False

@@ -81,6 +81,7 @@ def _calibrate(pool, num_experts: int, work: Path, args, precision: str, built: 
         "block_s_total": round(sum(b["seconds"] for b in record["blocks"]), 1),
         "phases": phases,
         "peak_rss_mb": round(record["peak_rss_bytes"] / 2**20),
+        "peak_device_mb": round(record.get("peak_device_bytes", 0) / 2**20),
         "precision": record["hyperparameters"].get("precision", "float64"),
     }
 
@@ -104,15 +105,18 @@ def main() -> None:
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="featcal-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.device == "cuda":  # the float32 path runs its matmuls in TF32 there (the floor's rate)
+        torch.backends.cuda.matmul.allow_tf32 = True
     rates = {name: gemm_rate(dtype, device=args.device) for name, dtype in
              (("bfloat16", torch.bfloat16), ("float32", torch.float32), ("float64", torch.float64))}  # fmt: skip
     rows = [row for n in args.experts for row in run_one(n, work, args)]
     shown = ", ".join(f"{name} {rate / 1e9:.0f}" for name, rate in rates.items())
-    where = f"{torch.get_num_threads()} threads" if args.device == "cpu" else args.device
+    where = (f"{torch.get_num_threads()} threads" if args.device == "cpu"
+             else f"{args.device}, float32 as TF32")  # fmt: skip
     print(f"\nGEMM rates on this machine ({where}), GFLOP/s: {shown}")
     print("\n| experts | precision | featcal wall (s) | vs float32 | process wall (s) | read / "
-          "forward / statistics / solve (s) | peak RSS (MiB) |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "forward / statistics / solve (s) | peak RSS (MiB) | peak device (MiB) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     reference = {r["experts"]: r["calibrate_wall_s"] for r in rows if r["precision"] == "float32"}
     for r in rows:
         split = " / ".join(f"{r['phases'][p]:.1f}" for p in PHASES)
@@ -120,7 +124,7 @@ def main() -> None:
                  if r["experts"] in reference else "—")  # fmt: skip
         print(
             f"| {r['experts']} | {r['precision']} | {r['calibrate_wall_s']:.1f} | {ratio} "
-            f"| {r['process_wall_s']:.1f} | {split} | {r['peak_rss_mb']} |"
+            f"| {r['process_wall_s']:.1f} | {split} | {r['peak_rss_mb']} | {r['peak_device_mb']} |"
         )
     print("\n| experts | precision | counted TFLOP forward / statistics / solve | floor (s) at the "
           "measured rates | floor / featcal wall |")  # fmt: skip

@@ -123,8 +123,10 @@ def main() -> None:
           f"{args.heads} heads, {args.kv_heads} kv heads, vocab {args.vocab}; {args.experts} "
           f"experts, {args.rows} sequences of <= {args.tokens} tokens per task; device "
           f"{args.device}; pool built in {built:.1f} s, merged in {merged_s:.1f} s")  # fmt: skip
-    print("\n| precision | blocks | s per block | read / forward / statistics / solve (s per "
-          "block) | record wall (s) | process wall (s) | peak device (MiB) | peak RSS (MiB) |")
+    print(
+        "\n| precision | blocks | s per block | read / forward / statistics / solve (s per "
+        "block) | record wall (s) | process wall (s) | peak device (MiB) | peak RSS (MiB) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         split = " / ".join(f"{r['phases'][p]:.2f}" for p in PHASES)

@@ -47,12 +47,20 @@ def run_one(num_experts: int, work: Path, args) -> list[dict]:
 
 #: `--library`: the same calibration through `featcal_core.calibrate` in its own process (for a
 #: machine without the pipeline's packages, e.g. the device tool's GPU image, which has no Prefect)
-LIBRARY_RUN = """import json, sys
+LIBRARY_RUN = """import cProfile, json, pstats, sys
 from featcal_core import calibrate
 spec = json.loads(sys.argv[1])
+profile = cProfile.Profile() if spec["profile"] else None
+if profile:
+    profile.enable()
 calibrate(spec["base"], spec["merged"], spec["experts"], spec["calib"], spec["out"],
           num_per_task=spec["images"], device=spec["device"], precision=spec["precision"],
           overwrite=True, progress=False)
+if profile:
+    profile.disable()
+    print("profile of featcal_core.calibrate,", spec["precision"])
+    for key in ("cumulative", "tottime"):
+        pstats.Stats(profile).sort_stats(key).print_stats(spec["profile"])
 """
 
 
@@ -65,7 +73,7 @@ def _calibrate(pool, num_experts: int, work: Path, args, precision: str, built: 
         spec = {"base": str(pool.base), "merged": str(pool.merged), "out": str(out),
                 "experts": {t: str(p) for t, p in pool.experts.items()},
                 "calib": {t: str(p) for t, p in pool.calib.items()}, "images": args.images,
-                "device": args.device, "precision": precision}  # fmt: skip
+                "device": args.device, "precision": precision, "profile": args.profile}  # fmt: skip
         cmd = [sys.executable, "-c", LIBRARY_RUN, json.dumps(spec)]
     started = time.perf_counter()
     subprocess.run(cmd, check=True)
@@ -102,6 +110,8 @@ def main() -> None:
                         "instead of the featcal command (no Prefect needed)")  # fmt: skip
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the "
                         "calibration and the GEMM rates run")  # fmt: skip
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="with --library: "
+                        "print the N top functions of a cProfile of each calibration")  # fmt: skip
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="featcal-bench-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@
 #   1. the CUDA test module (tiny CLIP/BERT end to end, bfloat16 and float32 on the GPU against
 #      float64 on the CPU; prints the weight differences and seconds);
 #   2. ViT-B/32 geometry, 8 experts, 256 images per task (the paper's setting: 53 s and
-#      22.8 GiB reported), float32 (TF32) then bfloat16, with the GPU's GEMM rates (through
+#      22.8 GiB host RSS reported), float32 (TF32) then bfloat16, with the GPU's GEMM rates (through
 #      featcal_core: the image has no Prefect for the `featcal` command).
 #   3. 1.1 B Llama geometry (TinyLlama), 4 blocks, 4 experts: time per block in float32 and
 #      bfloat16 (benchmarks/llm_block_time.py, through featcal_core).

@@ -61,7 +61,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llm_pool import INDEX, POOL_OPTIONS, build
+from llm_pool import INDEX, POOL_OPTIONS, add_pool_arguments, build
 from measure import MIB, Step, evict, measure
 
 log = logging.getLogger("calibrate_llm_memory")
@@ -299,22 +299,7 @@ def report(info: dict, steps: list[Step], extra_lines: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    geometry = parser.add_argument_group("model geometry (default: TinyLlama 1.1 B)")
-    geometry.add_argument("--hidden", type=int, default=2048)
-    geometry.add_argument("--intermediate", type=int, default=5632)
-    geometry.add_argument("--layers", type=int, default=22)
-    geometry.add_argument("--heads", type=int, default=32)
-    geometry.add_argument("--kv-heads", type=int, default=4)
-    geometry.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--rank", type=int, default=16, help="rank of the expert deltas")
-    parser.add_argument("--delta", type=float, default=0.002, help="std of the delta entries")
-    parser.add_argument("--norm-delta", type=float, default=0.01, help="std of the norm noise")
-    parser.add_argument("--shard-mb", type=float, default=500, help="max shard size (MB)")
-    parser.add_argument("--experts", type=int, default=4)
-    parser.add_argument("--rows", type=int, default=16, help="calibration sequences per task")
-    parser.add_argument("--tokens", type=int, default=128, help="tokens per sequence (max)")
-    parser.add_argument("--scale", type=float, default=0.3, help="Task Arithmetic scale")
-    parser.add_argument("--seed", type=int, default=0)
+    add_pool_arguments(parser, layers=22)
     parser.add_argument("--work", type=Path, default=None, help="scratch directory")
     parser.add_argument("--keep", action="store_true", help="keep what was written under --work "
                         "(a kept pool with the same settings is reused)")  # fmt: skip

@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import library_calibrate
 import torch
 from flops import counted_flops, floor_seconds, gemm_rate
 
@@ -45,36 +46,19 @@ def run_one(num_experts: int, work: Path, args) -> list[dict]:
     return rows
 
 
-#: `--library`: the same calibration through `featcal_core.calibrate` in its own process (for a
-#: machine without the pipeline's packages, e.g. the device tool's GPU image, which has no Prefect)
-LIBRARY_RUN = """import cProfile, json, pstats, sys
-from featcal_core import calibrate
-spec = json.loads(sys.argv[1])
-profile = cProfile.Profile() if spec["profile"] else None
-if profile:
-    profile.enable()
-calibrate(spec["base"], spec["merged"], spec["experts"], spec["calib"], spec["out"],
-          num_per_task=spec["images"], device=spec["device"], precision=spec["precision"],
-          overwrite=True, progress=False)
-if profile:
-    profile.disable()
-    print("profile of featcal_core.calibrate,", spec["precision"])
-    for key in ("cumulative", "tottime"):
-        pstats.Stats(profile).sort_stats(key).print_stats(spec["profile"])
-"""
-
-
 def _calibrate(pool, num_experts: int, work: Path, args, precision: str, built: float) -> dict:
     out = work / f"out_{num_experts}"
     cmd = [sys.executable, "-m", "featcal_cli.main", *pool.cli_args(out), "--device", args.device,
            "--num-per-task", str(args.images), "--precision", precision, "--overwrite",
            "--no-progress"]  # fmt: skip
-    if args.library:
-        spec = {"base": str(pool.base), "merged": str(pool.merged), "out": str(out),
-                "experts": {t: str(p) for t, p in pool.experts.items()},
-                "calib": {t: str(p) for t, p in pool.calib.items()}, "images": args.images,
-                "device": args.device, "precision": precision, "profile": args.profile}  # fmt: skip
-        cmd = [sys.executable, "-c", LIBRARY_RUN, json.dumps(spec)]
+    if args.library:  # featcal_core.calibrate in its own process (no Prefect needed)
+        cmd = library_calibrate.command({
+            "base": str(pool.base), "merged": str(pool.merged), "out": str(out),
+            "experts": {t: str(p) for t, p in pool.experts.items()},
+            "calib": {t: str(p) for t, p in pool.calib.items()}, "profile": args.profile,
+            "options": {"num_per_task": args.images, "device": args.device,
+                        "precision": precision},
+        })  # fmt: skip
     started = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - started

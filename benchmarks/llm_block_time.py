@@ -22,25 +22,15 @@ import json
 import logging
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from llm_pool import build
+import library_calibrate
+from llm_pool import add_pool_arguments, build
 
 PHASES = ("read", "forward", "statistics", "solve")
 MIB = 2**20
-
-#: one calibration in its own process: argv[1] is the spec as JSON
-CALIBRATE = """import json, logging, sys
-from featcal_core import calibrate
-logging.basicConfig(level=logging.WARNING)
-spec = json.loads(sys.argv[1])
-calibrate(spec["base"], spec["merged"], spec["experts"], spec["calib"], spec["out"],
-          num_per_task=spec["rows"], max_length=spec["tokens"], device=spec["device"],
-          precision=spec["precision"], overwrite=True, progress=False)
-"""
 
 
 def _merge(pool: Path, tasks: list[str], merged: Path, scale: float) -> float:
@@ -58,10 +48,11 @@ def _calibrate(pool: Path, tasks: list[str], merged: Path, out: Path, args, prec
         "base": str(pool / "base"), "merged": str(merged), "out": str(out),
         "experts": {t: str(pool / f"expert_{t}") for t in tasks},
         "calib": {t: str(pool / f"calib_{t}") for t in tasks},
-        "rows": args.rows, "tokens": args.tokens, "device": args.device, "precision": precision,
+        "options": {"num_per_task": args.rows, "max_length": args.tokens, "device": args.device,
+                    "precision": precision},
     }  # fmt: skip
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-c", CALIBRATE, json.dumps(spec)], check=True)
+    subprocess.run(library_calibrate.command(spec), check=True)
     wall = time.perf_counter() - started
     record = json.loads((out / "featcal.json").read_text())
     shutil.rmtree(out)
@@ -84,22 +75,7 @@ def _calibrate(pool: Path, tasks: list[str], merged: Path, out: Path, args, prec
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    geometry = parser.add_argument_group("model geometry (default: TinyLlama 1.1 B, 4 layers)")
-    geometry.add_argument("--hidden", type=int, default=2048)
-    geometry.add_argument("--intermediate", type=int, default=5632)
-    geometry.add_argument("--layers", type=int, default=4)
-    geometry.add_argument("--heads", type=int, default=32)
-    geometry.add_argument("--kv-heads", type=int, default=4)
-    geometry.add_argument("--vocab", type=int, default=32000)
-    parser.add_argument("--rank", type=int, default=16, help="rank of the expert deltas")
-    parser.add_argument("--delta", type=float, default=0.002, help="std of the delta entries")
-    parser.add_argument("--norm-delta", type=float, default=0.01, help="std of the norm noise")
-    parser.add_argument("--shard-mb", type=float, default=500, help="max shard size (MB)")
-    parser.add_argument("--experts", type=int, default=4)
-    parser.add_argument("--rows", type=int, default=16, help="calibration sequences per task")
-    parser.add_argument("--tokens", type=int, default=128, help="tokens per sequence (max)")
-    parser.add_argument("--scale", type=float, default=0.3, help="Task Arithmetic scale")
-    parser.add_argument("--seed", type=int, default=0)
+    add_pool_arguments(parser, layers=4)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--precision", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--work", type=Path, default=None, help="scratch directory")

@@ -28,6 +28,28 @@ POOL_OPTIONS = (
 )  # fmt: skip
 
 
+def add_pool_arguments(parser, layers: int) -> None:
+    """The options of POOL_OPTIONS (and Task Arithmetic's --scale) on `parser`: TinyLlama's
+    geometry by default, with `layers` blocks."""
+    geometry = parser.add_argument_group(f"model geometry (default: TinyLlama 1.1 B, {layers} "
+                                         "layers)")  # fmt: skip
+    geometry.add_argument("--hidden", type=int, default=2048)
+    geometry.add_argument("--intermediate", type=int, default=5632)
+    geometry.add_argument("--layers", type=int, default=layers)
+    geometry.add_argument("--heads", type=int, default=32)
+    geometry.add_argument("--kv-heads", type=int, default=4)
+    geometry.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--rank", type=int, default=16, help="rank of the expert deltas")
+    parser.add_argument("--delta", type=float, default=0.002, help="std of the delta entries")
+    parser.add_argument("--norm-delta", type=float, default=0.01, help="std of the norm noise")
+    parser.add_argument("--shard-mb", type=float, default=500, help="max shard size (MB)")
+    parser.add_argument("--experts", type=int, default=4)
+    parser.add_argument("--rows", type=int, default=16, help="calibration sequences per task")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per sequence (max)")
+    parser.add_argument("--scale", type=float, default=0.3, help="Task Arithmetic scale")
+    parser.add_argument("--seed", type=int, default=0)
+
+
 def _seed(*parts: object) -> int:
     """A 63-bit generator seed from its parts (stable across processes and runs)."""
     digest = hashlib.sha256("\0".join(str(p) for p in parts).encode()).digest()

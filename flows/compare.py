@@ -37,7 +37,7 @@ from featcal.flows.variants import (
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.selection import LABEL_FREE
 from featcal_core.params import Params, load_params
-from featcal_core.params.repair import Variant
+from featcal_core.params.repair import Variant, layered, override_key
 from featcal_core.provenance.records import REPORTS_ROOT
 
 configure()  # before prefect is imported
@@ -57,10 +57,17 @@ def _variant(params: Params, name: str) -> Variant:
     return variant
 
 
-def variant_overrides(params: Params, overrides: list[str], name: str) -> list[str]:
-    """The overrides that turn the params file into variant `name`'s params."""
+def variant_set(params: Params, name: str) -> list[str]:
+    """Variant `name`'s overrides of `params`: its own, then the user's `--set` ones of the keys
+    a variant may set, which win (featcal_core.params.repair.layered)."""
+    return layered(_variant(params, name).set, params.user_set)[0]
+
+
+def variant_params(params: Params, name: str) -> Params:
+    """Variant `name`'s params: `params` (the user's overrides applied) with `variant_set`,
+    repaired in `<results>/variants/<name>`."""
     results = Path(params.run.results_dir) / "variants" / name
-    return [*overrides, *_variant(params, name).set, f"run.results_dir={results}"]
+    return params.with_overrides([*variant_set(params, name), f"run.results_dir={results}"])
 
 
 def load_compare(params_path: str, overrides: list[str]) -> tuple[Params, dict[str, Params]]:
@@ -77,9 +84,7 @@ def load_compare(params_path: str, overrides: list[str]) -> tuple[Params, dict[s
             raise FeatCalError(f"{params_path}: compare.variants: the name {variant.name!r} is "
                                f"reserved ({', '.join(RESERVED)}); rename the variant")  # fmt: skip
         try:
-            variants[variant.name] = load_params(
-                params_path, variant_overrides(params, overrides, variant.name)
-            )
+            variants[variant.name] = variant_params(params, variant.name)
         except FeatCalError as exc:
             raise FeatCalError(f"compare variant {variant.name!r}: {exc}") from None
     return params, variants
@@ -103,14 +108,16 @@ def variant_flow(name: str, params_path: str, overrides: list[str], merged: str)
     """One variant's repair into `<results>/variants/<name>/calibrated`; returns its path and
     cost (seconds, peak RSS of the repair in MiB)."""
     base_params = load_params(params_path, overrides)
-    params = load_params(params_path, variant_overrides(base_params, overrides, name))
+    params = variant_params(base_params, name)
     shared = Steps(base_params)
     steps = shared_steps(shared, params, Path(merged))
     steps.in_flow = True
     with steps.session(f"featcal compare ({name})"):
-        # heads only where the variant itself sets featcal.heads: the params file's own setting
-        # is `featcal run`'s, and compare's rows stay the models' own unless a variant asks
-        return repair(steps, heads=_variant(base_params, name).sets("featcal.heads"))
+        # heads only where the variant (or the user's --set) sets featcal.heads: the params
+        # file's own setting is `featcal run`'s, and compare's rows stay the models' own unless
+        # asked
+        heads = any(override_key(o) == "featcal.heads" for o in variant_set(base_params, name))
+        return repair(steps, heads=heads)
 
 
 @flow(name="featcal-compare", flow_run_name=compare_run_name)
@@ -216,7 +223,7 @@ def _rows(evaluation: dict, variants: dict[str, Params], merges: dict, costs: di
         described.append({
             "name": name, "row": row_of(name, variant, merges, costs),
             "merge": {"method": merge["method"], "hyperparameters": merge["hyperparameters"]},
-            "repair": variant.repair_method, "set": _variant(variant, name).set,
+            "repair": variant.repair_method, "set": variant_set(variant, name),
             "cost": {"merge_seconds": merge["seconds"], "repair_seconds": cost["repair_seconds"],
                      "peak_rss_mb": max(peaks) if peaks else None},
             "label_free": (label_free or {}).get(name),

@@ -30,6 +30,7 @@ from featcal.flows.variants import (
 from featcal_core.errors import FeatCalError
 from featcal_core.io.outputs import write_json
 from featcal_core.params import Params
+from featcal_core.params.repair import Variant, layered
 from featcal_core.provenance.records import RESULTS_LAYOUT
 
 log = logging.getLogger(__name__)
@@ -47,13 +48,22 @@ _KEYED = {
 
 
 def selection_key(params: Params) -> str:
-    """sha256 of what the choice depends on: select: and the sections its candidates override."""
+    """sha256 of what the choice depends on: select:, the sections its candidates override and
+    the user's `--set` overrides that every candidate takes."""
     data = params.model_dump(mode="json", include={**_KEYED, "select": True})
+    data["user_set"] = layered([], params.user_set)[0]
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
+def candidate_overrides(params: Params, candidate: Variant) -> tuple[list[str], list[str]]:
+    """(the overrides that make `candidate`'s params: its own, then the user's `--set` ones of
+    the keys a candidate may set, which win; its own overrides that the user's replace)."""
+    return layered(candidate.set, params.user_set)
+
+
 def candidate_params(params: Params, name: str, overrides: list[str]) -> Params:
-    """Candidate `name`'s params: `params` with its overrides, repaired in candidates/<name>."""
+    """Candidate `name`'s params: `params` with `overrides` (`candidate_overrides`' first),
+    repaired in candidates/<name>."""
     results = Path(params.run.results_dir) / RESULTS_LAYOUT["candidates"] / name
     bare = params.model_copy(update={"select": None})
     return bare.with_overrides([*overrides, f"run.results_dir={results}"])
@@ -64,7 +74,7 @@ def check_candidates(params: Params) -> None:
 
     for candidate in params.select.candidates if params.select is not None else ():
         try:
-            candidate_params(params, candidate.name, candidate.set)
+            candidate_params(params, candidate.name, candidate_overrides(params, candidate)[0])
         except FeatCalError as exc:
             raise FeatCalError(f"select.candidates {candidate.name!r}: {exc}") from None
 
@@ -140,7 +150,15 @@ def select(steps: Steps, step_run) -> dict:
             "left to hold out for select:'s scores; lower featcal.num_per_task or use a larger "
             "calibration source"
         )
-    candidates = {c.name: candidate_params(params, c.name, c.set) for c in settings.candidates}
+    layers = {c.name: candidate_overrides(params, c) for c in settings.candidates}
+    candidates = {name: candidate_params(params, name, sets) for name, (sets, _) in layers.items()}
+    replaced = {name: dropped for name, (_, dropped) in layers.items() if dropped}
+    if replaced:
+        log.info(
+            "select: --set %s applies to every candidate (it replaces %s)",
+            " ".join(layered([], params.user_set)[0]),
+            "; ".join(f"{name}'s {', '.join(d)}" for name, d in replaced.items()),
+        )
     merges = run_merges(steps, [(None, p) for p in candidates.values()], step_run)
     costs = {}
     for name, candidate in candidates.items():
@@ -156,7 +174,6 @@ def select(steps: Steps, step_run) -> dict:
         for name, c in candidates.items() if c.repair_method in TASK_MODULE_REPAIRS
     }  # fmt: skip
     choice = choose(scores, settings.score, ineligible)
-    by_name = {c.name: c for c in settings.candidates}
     # what the scores were computed on: a task with fewer rows left than requested holds them all
     held_out = {t: r["n_rows"] for t, r in sets.items()}
     why = choice["why"]
@@ -173,13 +190,15 @@ def select(steps: Steps, step_run) -> dict:
         "held_out": held_out,
         "selection_sets": {t: r["digest"] for t, r in sets.items()},
         "winner": choice["winner"],
-        "set": list(by_name[choice["winner"]].set),
+        "set": layers[choice["winner"]][0],  # its own, then the user's --set (they win)
+        "user_set": layered([], params.user_set)[0],
         "why": why,
         "ranking": choice["ranking"],
         "candidates": [
             {
                 "name": name,
-                "set": list(by_name[name].set),
+                "set": layers[name][0],
+                "replaced_by_user_set": layers[name][1],
                 "merge": {
                     "method": candidate.merge.method,
                     "hyperparameters": merges[merge_key(candidate.merge)]["hyperparameters"],

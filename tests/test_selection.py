@@ -14,6 +14,7 @@ import math
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -149,6 +150,50 @@ def test_a_candidate_override_that_does_not_validate_is_named(tmp_path):
         check_candidates(params)
 
 
+def test_the_users_set_wins_over_every_candidate_of_the_demo_params():
+    """`--set featcal.alpha=0.5` on the root params.yaml: every candidate runs with α 0.5 (its own
+    α is replaced, and the record says so); a key under a candidate's mapping merges into it."""
+    from featcal.flows.selection import candidate_overrides, candidate_params
+
+    root = Path(__file__).resolve().parents[1] / "params.yaml"
+    plain = load_params(root)
+    assert {c.name for c in plain.select.candidates if any("featcal.alpha" in o for o in c.set)}
+    params = load_params(root, ["featcal.alpha=0.5", "merge.hyperparameters.scale=0.7",
+                                "tracking.enabled=false"])  # fmt: skip
+    for candidate in params.select.candidates:
+        sets, replaced = candidate_overrides(params, candidate)
+        assert sets[-2:] == ["featcal.alpha=0.5", "merge.hyperparameters.scale=0.7"]
+        assert all(o in replaced for o in candidate.set if o.startswith("featcal.alpha="))
+        chosen = candidate_params(params, candidate.name, sets)
+        own = candidate_params(plain, candidate.name, candidate_overrides(plain, candidate)[0])
+        assert chosen.featcal.alpha == 0.5
+        assert chosen.merge.hyperparameters.get("scale") == 0.7
+        # everything else stays the candidate's own
+        assert chosen.merge.method == own.merge.method
+        assert chosen.repair.method == own.repair.method
+        assert chosen.featcal.lam == own.featcal.lam
+        hps = {k: v for k, v in own.merge.hyperparameters.items() if k != "scale"}
+        assert {k: v for k, v in chosen.merge.hyperparameters.items() if k != "scale"} == hps
+
+
+def test_the_users_set_wins_over_every_compare_variant(tmp_path):
+    from featcal.flows.compare import load_compare, variant_set
+
+    path = _params(tmp_path, None)
+    data = yaml.safe_load(path.read_text())
+    data["compare"] = {"variants": [
+        {"name": "a", "set": ["featcal.alpha=1.0", "merge.method=ties"]},
+        {"name": "b", "set": ["merge.method=ties", "merge.hyperparameters={scale: 0.5, top_k: 20}"]}]}  # fmt: skip
+    path.write_text(yaml.safe_dump(data))
+    params, variants = load_compare(str(path), ["featcal.alpha=0.5",
+                                                "merge.hyperparameters.scale=0.9"])  # fmt: skip
+    assert variants["a"].featcal.alpha == variants["b"].featcal.alpha == 0.5
+    assert variants["a"].merge.method == "ties"
+    assert variants["b"].merge.hyperparameters == {"scale": 0.9, "top_k": 20}
+    assert variant_set(params, "a") == ["merge.method=ties", "featcal.alpha=0.5",
+                                        "merge.hyperparameters.scale=0.9"]  # fmt: skip
+
+
 def test_validation_data_may_not_be_the_evaluation_data(tmp_path):
     path = _params(tmp_path, None)
     with pytest.raises(FeatCalError, match="tasks.t.validation.*tuned-on-test"):
@@ -175,10 +220,19 @@ def test_run_chooses_a_candidate_and_runs_it(tmp_path, prefect_api):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": uri,
            "PREFECT_API_URL": prefect_api}  # fmt: skip
-    proc = _cli(tmp_path, env, "run", "--params", str(params_path))
+    # the user's --set wins over a candidate's own setting of the same key
+    user = ["featcal.alpha=0.3"]
+    proc = _cli(tmp_path, env, "run", "--params", str(params_path), "--set", user[0])
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = tmp_path / "results"
     record = json.loads((results / "selection.json").read_text())
+    assert record["user_set"] == user
+    by_name = {c["name"]: c for c in record["candidates"]}
+    assert by_name["ties-featcal"]["replaced_by_user_set"] == ["featcal.alpha=0.5"]
+    assert by_name["ties-featcal"]["set"] == ["merge.method=ties", *user]
+    for name in ("ta-featcal", "ties-featcal"):
+        calibrated = results / "candidates" / name / "calibrated" / "featcal.json"
+        assert json.loads(calibrated.read_text())["hyperparameters"]["alpha"] == 0.3
     names = [c["name"] for c in CANDIDATES]
     assert sorted(record["ranking"]) == sorted(names) and record["winner"] == record["ranking"][0]
     means = {c["name"]: c["mean"] for c in record["candidates"]}
@@ -220,10 +274,12 @@ def test_run_chooses_a_candidate_and_runs_it(tmp_path, prefect_api):
     # select step again before writing anything
     from featcal.flows.steps import Steps
 
-    steps = Steps(load_params(params_path))
+    steps = Steps(load_params(params_path, user))
     assert steps.selection["winner"] == record["winner"] and steps.params.select is None
-    assert steps.params.merge.method == expected
-    stale = Steps(load_params(params_path, ["select.holdout_per_task=5"]))
+    assert steps.params.merge.method == expected and steps.params.featcal.alpha == 0.3
+    # the choice was made under the user's --set: without it, it is not this params' choice
+    assert Steps(load_params(params_path)).selection is None
+    stale = Steps(load_params(params_path, [*user, "select.holdout_per_task=5"]))
     with pytest.raises(FeatCalError, match="featcal select --params FILE"):
         stale.merge()
     assert json.loads((results / "merged" / "merge.json").read_text())["method"] == expected
@@ -236,7 +292,7 @@ def test_run_chooses_a_candidate_and_runs_it(tmp_path, prefect_api):
         again = steps.select()
     assert again["key"] == record["key"] and again["winner"] == record["winner"]
     assert [c["mean"] for c in again["candidates"]] == [c["mean"] for c in record["candidates"]]
-    assert Steps(load_params(params_path)).selection["winner"] == record["winner"]
+    assert Steps(load_params(params_path, user)).selection["winner"] == record["winner"]
 
 
 def test_scores_of_an_expert_against_itself_and_on_validation_data(tmp_path):

@@ -73,7 +73,10 @@ def load_params(path: str | Path, overrides: Iterable[str] = ()) -> Params:
             f"{name}: expected a mapping of sections (models:, tasks:, ...) at the top level, "
             f"got a {type(data).__name__}"
         )
-    return _overridden(data, [overrides] if isinstance(overrides, str) else list(overrides), name)
+    overrides = [overrides] if isinstance(overrides, str) else list(overrides)
+    params = _overridden(data, overrides, name)
+    params._user_set = tuple(overrides)
+    return params
 
 
 def apply_overrides(params: Params, overrides: Iterable[str], name: str = "params") -> Params:

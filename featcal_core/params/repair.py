@@ -3,6 +3,7 @@ compare` runs side by side)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -67,6 +68,32 @@ def override_key(override: str) -> str:
     return override.partition("=")[0].strip()
 
 
+def is_variant_key(key: str) -> bool:
+    """Whether a variant (or a select: candidate) may set `key` (VARIANT_KEYS)."""
+    return any(key.startswith(p) if p.endswith(".") else key == p for p in VARIANT_KEYS)
+
+
+def keys_overlap(first: str, second: str) -> bool:
+    """Whether setting one key changes the other: equal, or one holds the other
+    ("merge.hyperparameters" and "merge.hyperparameters.scale")."""
+    return first == second or first.startswith(second + ".") or second.startswith(first + ".")
+
+
+def layered(own: list[str], user: Iterable[str]) -> tuple[list[str], list[str]]:
+    """A variant's (or candidate's) overrides under the user's `--set` ones: (the overrides that
+    make its params: its own, less those a user's key covers whole, then the user's of the keys a
+    variant may set, which therefore win; its own overrides that the user's replace in whole or
+    in part)."""
+    mine = [o for o in user if is_variant_key(override_key(o))]
+    keys = [override_key(o) for o in mine]
+
+    def covered(key: str) -> bool:
+        return any(key == k or key.startswith(k + ".") for k in keys)
+
+    replaced = [o for o in own if any(keys_overlap(override_key(o), k) for k in keys)]
+    return [*(o for o in own if not covered(override_key(o))), *mine], replaced
+
+
 class Variant(_Section):
     """One variant of `featcal compare`: a name and `--set` style overrides of the params."""
 
@@ -95,8 +122,7 @@ class Variant(_Section):
     @classmethod
     def _variant_keys(cls, overrides: list[str]) -> list[str]:
         for override in overrides:
-            key = override_key(override)
-            if not any(key.startswith(p) if p.endswith(".") else key == p for p in VARIANT_KEYS):
+            if not is_variant_key(override_key(override)):
                 raise _error(
                     f"{override!r}: a variant may set only merge.*, repair.* and "
                     "featcal.alpha/rho/lam/eps/precision/num_per_task/heads (the download and "

@@ -111,17 +111,25 @@ class Params(_Section):
                 spec["validation"] = {**spec["evaluation"], "split": "validation"}
         data = self.model_dump(mode="json", exclude={"zoo", "models", "tasks"})
         resolved = Params.model_validate({**data, "models": models, "tasks": tasks})
-        resolved._zoo = self.zoo
+        resolved._zoo, resolved._user_set = self.zoo, self._user_set
         return resolved
 
     _zoo: ZooSettings | None = PrivateAttr(None)
+    #: the `--set` overrides these params were loaded with, in order (see `user_set`)
+    _user_set: tuple[str, ...] = PrivateAttr(())
+
+    @property
+    def user_set(self) -> tuple[str, ...]:
+        """The user's `--set` overrides, in order: they win over every `select:` candidate's and
+        `compare:` variant's own overrides (featcal_core.params.repair.layered)."""
+        return self._user_set
 
     def with_overrides(self, overrides: list[str]) -> Params:
         """These params with `--set`-style overrides applied (a chosen candidate's), validated."""
         from featcal_core.params.loading import apply_overrides
 
         resolved = apply_overrides(self, overrides)
-        resolved._zoo = self._zoo
+        resolved._zoo, resolved._user_set = self._zoo, self._user_set
         return resolved
 
     @property

@@ -194,6 +194,35 @@ def test_the_users_set_wins_over_every_compare_variant(tmp_path):
                                         "merge.hyperparameters.scale=0.9"]  # fmt: skip
 
 
+def test_a_dvc_experiments_changed_params_win_as_a_set_does(tmp_path, monkeypatch):
+    """Inside `dvc exp run -S featcal.alpha=0.5` (DVC_EXP_BASELINE_REV set), the keys the
+    experiment changed against the baseline commit's params file are the user's --set."""
+    from featcal.flows.selection import candidate_overrides
+    from featcal_cli.step_runner import BASELINE, experiment_set
+
+    root = Path(__file__).resolve().parents[1] / "params.yaml"
+    path = tmp_path / "params.yaml"
+    path.write_text(root.read_text())
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    for cmd in (["init", "-q"], ["add", "params.yaml"], ["commit", "-qm", "p"]):
+        subprocess.run([*git, *cmd], check=True, capture_output=True)
+    data = yaml.safe_load(path.read_text())
+    data["featcal"]["alpha"] = 0.5  # what `-S featcal.alpha=0.5` writes
+    data["merge"]["hyperparameters"] = {"scale": 0.7}
+    data["evaluation"]["batch_size"] = 7  # not a candidate key: stays the file's own
+    path.write_text(yaml.safe_dump(data))
+    assert experiment_set(path) == []  # outside an experiment
+    monkeypatch.setenv(BASELINE, "HEAD")
+    found = experiment_set(path)
+    assert found == ['merge.hyperparameters={"scale": 0.7}', "featcal.alpha=0.5"]
+    params = load_params(path, found)
+    for candidate in params.select.candidates:
+        sets, _ = candidate_overrides(params, candidate)
+        assert sets[-2:] == found
+    monkeypatch.setenv(BASELINE, "0" * 40)  # an unknown commit: a warning, no overrides
+    assert experiment_set(path) == []
+
+
 def test_validation_data_may_not_be_the_evaluation_data(tmp_path):
     path = _params(tmp_path, None)
     with pytest.raises(FeatCalError, match="tasks.t.validation.*tuned-on-test"):

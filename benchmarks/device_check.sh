@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the device machine (issue 26's GPU checks), as one prepared command of the device tool:
+# On the device machine (the GPU checks), as one prepared command of the device tool:
 #   run(command="bash benchmarks/device_check.sh", carry=[".whl"], timeout_s=580)
 # after `benchmarks/device_wheels.sh` here. It installs the carried wheels, then:
 #   1. the CUDA test module (tiny CLIP/BERT end to end, bfloat16 and float32 on the GPU against

@@ -1,5 +1,5 @@
 """Does the tower's shape hold FeatCal back in the paper's regime? The vision-paper zoo with a
-deeper or wider base (issue 27): FeatCal alone at the paper's defaults against Task Arithmetic 0.3.
+deeper or wider base: FeatCal alone at the paper's defaults against Task Arithmetic 0.3.
 
     python benchmarks/paper_regime_shape.py [--layers 8] [--width 128] [--pretrain-steps 400]
                                             [--drop TASK ...]

@@ -47,7 +47,7 @@ def compact_allocator(mmap_threshold: int = 4 << 20) -> bool:
 
     Process-wide and kept from then on (applied once per process: later calls return the first
     result); the memory-bounded calibration (statistics spilled to files) turns it on. Measured
-    on a 2-core CPU (docs/benchmarks.md, session 20): 1.1 B Llama geometry, bfloat16, 3 blocks,
+    on a 2-core CPU (docs/benchmarks.md): 1.1 B Llama geometry, bfloat16, 3 blocks,
     a block's tasks sharing their buffers: peak RSS 2256 MiB with it against 2438 without;
     ViT-B/32 geometry, 8 experts: 12–14 s of page faults (45–47 s against 33–34 s), so the
     in-memory mode leaves glibc's default. Returns True when applied."""

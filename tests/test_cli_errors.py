@@ -1,4 +1,4 @@
-"""Command-line errors (reliability issue #29, cases 8a–8c): every error is one line on stderr,
+"""Command-line errors: every error is one line on stderr,
 `featcal: error: ...`, exit status 2, naming the flag the user typed; numbers in flags, `--hp`
 and `--set` are read by params.yaml's one rule (YAML 1.2 / Python: 1e-3, 1E3, -2e-1, .5, +1.5).
 

@@ -540,7 +540,7 @@ def test_shared_leftovers_of_live_processes_are_kept(tmp_path):
     assert mine.is_dir()  # a live writer's temporary folder is never swept
 
 
-# ------------------------------------------ round three: ownership, symlinks, records (#29)
+# ------------------------------------------ ownership, symlinks, records
 
 
 def _tree(folder: Path) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""What a record claims is what happened (reliability issue #29, case 4b): a set drawn from fewer
+"""What a record claims is what happened: a set drawn from fewer
 rows than asked for (`select.holdout_per_task`, `featcal.num_per_task`) holds every row there
 is, its record and the select step's `selection.json` give the count actually used beside the
 one requested, the log warns once per task naming the task and both counts, and the printed

@@ -132,7 +132,7 @@ def test_float64_models_always_use_float64_products(tmp_path):
                   precision="half", progress=False)  # fmt: skip
 
 
-# ------------------------------------------------------------------ bfloat16 and auto (#26)
+# ------------------------------------------------------------------ bfloat16 and auto
 
 #: the measured bounds of the bfloat16 path against float64 on the tiny pools (three tasks,
 #: eight inputs each; measured 2.2e-2 worst and 1.3e-3–1.5e-3 median per calibrated tensor, the

@@ -1,4 +1,4 @@
-"""Process lifecycle (reliability issue 29, cases 6, 7 and 7b): a featcal command's helper
+"""Process lifecycle: a featcal command's helper
 processes die with it, its temporary Prefect API takes the project's token, and SIGTERM ends it
 cleanly in every phase.
 
@@ -246,7 +246,7 @@ def test_sigterm_at_the_run_lock(tmp_path, project, record_property):
 
 def test_sigterm_just_after_merged_appears(tmp_path, project, prefect_api, record_property):
     """Stopped the moment merged/ is renamed into place (the run goes on to MLflow tags and the
-    calibration flow; Prefect's own handler used to swallow the signal here and exit 0): merged/
+    calibration flow; Prefect's own handler would swallow the signal here and exit 0): merged/
     stays complete, nothing else is left half-written."""
     params = _params(project, tmp_path)
     results = tmp_path / "results"

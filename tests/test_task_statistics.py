@@ -157,7 +157,7 @@ def test_statistics_of_another_task_or_block_are_refused(tmp_path):
 
 
 def test_only_the_spill_mode_turns_on_the_compact_allocator(tmp_path, monkeypatch):
-    """The mmap threshold costs page faults (docs/benchmarks.md, session 20): the in-memory mode
+    """The mmap threshold costs page faults (docs/benchmarks.md): the in-memory mode
     leaves glibc's default, the memory-bounded mode (statistics in files) sets it; both give
     the same block."""
     from featcal_core.method import block as block_module

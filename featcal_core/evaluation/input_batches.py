@@ -2,7 +2,7 @@
 scored on it, so that each row is decoded and preprocessed once rather than once per model (a
 task's rows go through three to five models in the evaluate step, eight in the demo's select
 step). On the offline vision zoo the tower's forward pass still dominates: the demo's evaluation
-step went from 41 s to 34 s with it, its scoring of 8 models did not measurably change (session 12).
+step went from 41 s to 34 s with it, its scoring of 8 models did not measurably change.
 """
 
 from __future__ import annotations

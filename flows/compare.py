@@ -147,8 +147,8 @@ def shared_count(params: Params, variants: dict[str, Params]) -> int:
 def _compare(params_path: str, overrides: list[str], params: Params, steps: Steps,
              count: int | None = None) -> dict:  # fmt: skip
     from featcal.tasks.evaluate import evaluate_models, evaluation_inputs
-    from featcal.tasks.tracking import parent_run, step_run
-    from featcal.tasks.tracking_log import log_artifacts, log_datasets, log_metrics, log_tags
+    from featcal.tracking.log import log_artifacts, log_datasets, log_metrics, log_tags
+    from featcal.tracking.runs import parent_run, step_run
 
     root = working_project()
     tags = {"prefect_flow_run_id": flow_run.get_id(), "params_digest": params_digest(params),

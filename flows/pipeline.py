@@ -72,8 +72,7 @@ def run_pipeline(params_path: str | Path, overrides: list[str] | None = None) ->
 
 def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
     from featcal.tasks.evaluate import evaluation_inputs
-    from featcal.tasks.tracking import parent_run, step_run
-    from featcal.tasks.tracking_log import (
+    from featcal.tracking.log import (
         log_artifacts,
         log_calibration_record,
         log_datasets,
@@ -82,7 +81,8 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
         log_selection,
         log_tags,
     )
-    from featcal.tasks.tracking_store import git_commit
+    from featcal.tracking.runs import parent_run, step_run
+    from featcal.tracking.store import git_commit
     from featcal_core.provenance.lock import lock_digest
 
     summary: dict = {"name": params.run.name,

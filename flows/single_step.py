@@ -35,7 +35,7 @@ def run_single_step(params: Params, step: str, what: str) -> Any:
     """Run `Steps.<step>` for validated `params` inside the run lock and an MLflow run; returns
     the step's result. `what` names the command for the lock's one-line refusal."""
     from featcal.flows.run_tags import lineage_tags, params_digest
-    from featcal.tasks.tracking import parent_run, step_run
+    from featcal.tracking.runs import parent_run, step_run
 
     steps = Steps(params)
     if step == "calibrate":
@@ -55,7 +55,7 @@ def run_single_step(params: Params, step: str, what: str) -> Any:
                 result = getattr(steps, step)()
             _log_outputs(steps, step, result)
             if steps.paths["lock"].is_file():
-                from featcal.tasks.tracking_log import log_tags
+                from featcal.tracking.log import log_tags
 
                 log_tags(lineage_tags(steps.lock()))
     log.info("%s: done (%s)", step, steps.paths["root"])
@@ -64,7 +64,7 @@ def run_single_step(params: Params, step: str, what: str) -> Any:
 
 def _log_outputs(steps: Steps, step: str, result: Any) -> None:
     """What the flow logs after the same step."""
-    from featcal.tasks.tracking_log import (
+    from featcal.tracking.log import (
         log_artifacts,
         log_calibration_record,
         log_datasets,
@@ -76,7 +76,7 @@ def _log_outputs(steps: Steps, step: str, result: Any) -> None:
         log_datasets({"name": f"calibration/{t}", "context": "calibration", "sha256": r["digest"],
                       "path": steps.paths["calibration_sets"] / t} for t, r in result.items())  # fmt: skip
     elif step == "select":
-        from featcal.tasks.tracking_log import log_selection
+        from featcal.tracking.log import log_selection
 
         log_selection(result)
     elif step == "calibrate" and steps.params.repair_method == "featcal":

@@ -226,7 +226,7 @@ class Steps:
         """The select step (flows.selection): score select:'s candidates, choose, write
         selection.json; from then on these steps run the winner's params."""
         from featcal.flows.selection import select
-        from featcal.tasks.tracking import step_run
+        from featcal.tracking.runs import step_run
 
         self.params, self.selection = self.requested, None  # a rerun chooses afresh
         record = select(self, step_run)

@@ -158,7 +158,7 @@ def _base_source(root: Path, base: Path) -> dict[str, Any]:
 
 
 def evaluation_inputs(params: Any, results_dir: str) -> list[dict[str, Any]]:
-    """Each task's evaluation set as an MLflow dataset input (tracking_log.log_datasets): name
+    """Each task's evaluation set as an MLflow dataset input (featcal.tracking.log.log_datasets): name
     `evaluation/<task>`, its save_to_disk folder, split and the sha256 over its files."""
     from featcal_core.io.checkpoint import sha256_tree
 

@@ -1,8 +1,8 @@
 """featcal as an installed tool: `pip install .` (not editable) into a fresh virtual environment,
 then `featcal run --params my.yaml` from a user's own folder. Results, the MLflow store and
 Prefect's home go under that folder (the working directory), never under the installed package;
-the design's `tasks/` and `flows/` install as `featcal.tasks` and `featcal.flows`, not as
-top-level modules.
+`tasks/`, `tracking/` and `flows/` install as `featcal.tasks`, `featcal.tracking` and
+`featcal.flows`, not as top-level modules.
 
 The fresh environment sees the test environment's packages through a `.pth` line (installing
 torch, Prefect and the rest again would need the network), and featcal itself is installed with
@@ -24,7 +24,8 @@ import yaml
 import factories
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["pyproject.toml", "README.md", "featcal_core", "featcal_cli", "flows", "tasks"]
+SOURCES = ["pyproject.toml", "README.md", "featcal_core", "featcal_cli", "flows", "tasks",
+           "tracking"]  # fmt: skip
 
 
 def _fresh_environment(tmp_path: Path) -> Path:
@@ -101,19 +102,20 @@ def test_installed_featcal_runs_from_a_user_folder(tmp_path):
     assert (site / "featcal" / "flows" / "pipeline.py").is_file()
     assert (site / "featcal" / "flows" / "params_example.yaml").is_file()
     assert (site / "featcal_core" / "evaluation" / "prompt_sets.yaml").is_file()
-    assert not (site / "flows").exists() and not (site / "tasks").exists()
-    installed = {"flows": "featcal/flows", "tasks": "featcal/tasks"}
+    assert not any((site / top).exists() for top in ("flows", "tasks", "tracking"))
+    installed = {top: f"featcal/{top}" for top in ("flows", "tasks", "tracking")}
     for init in [p for name in SOURCES[2:] for p in (ROOT / name).rglob("__init__.py")]:
         package = init.parent.relative_to(ROOT).as_posix()
         top, _, rest = package.partition("/")
         target = installed.get(top, top) + (f"/{rest}" if rest else "")
         assert (site / target / "__init__.py").is_file(), f"{package} is not installed"
     probe = (
-        "import importlib.util as u; print([u.find_spec(m) is None for m in ('flows', 'tasks')])"
+        "import importlib.util as u; "
+        "print([u.find_spec(m) is None for m in ('flows', 'tasks', 'tracking')])"
     )
     names = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
                            check=True, cwd=tmp_path)  # fmt: skip
-    assert names.stdout.strip() == "[True, True]"
+    assert names.stdout.strip() == "[True, True, True]"
 
     user = _user_folder(tmp_path)
     installed_before = sorted(p.relative_to(site) for p in site.rglob("*") if p.is_file())

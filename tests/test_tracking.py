@@ -1,4 +1,4 @@
-"""MLflow tracking helpers (tasks/tracking*.py) against a local SQLite store in tmp_path."""
+"""MLflow tracking helpers (featcal.tracking) against a local SQLite store in tmp_path."""
 
 import json
 import mmap
@@ -10,16 +10,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from featcal.tasks import tracking, tracking_log
-from featcal.tasks.tracking import parent_run, step_run
-from featcal.tasks.tracking_log import (
+from featcal.tracking import log as tracking_log
+from featcal.tracking import runs as tracking
+from featcal.tracking.log import (
     log_artifacts,
     log_calibration_record,
     log_datasets,
     log_evaluation,
     log_model,
 )
-from featcal.tasks.tracking_store import artifact_root, ensure_experiment, git_commit, tracking_uri
+from featcal.tracking.runs import parent_run, step_run
+from featcal.tracking.store import artifact_root, ensure_experiment, git_commit, tracking_uri
 from featcal_core.params import Params, TrackingSettings, flatten, load_params
 
 ROOT = Path(__file__).resolve().parents[1]

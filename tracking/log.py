@@ -1,5 +1,5 @@
 """What the pipeline logs to its MLflow runs: the calibration record, tags, the evaluation table,
-artifacts. Each goes to the parent run (featcal.tasks.tracking.parent_run) or the given `run_id`,
+artifacts. Each goes to the parent run (featcal.tracking.runs.parent_run) or the given `run_id`,
 and does nothing without a parent run (e.g. in a Dask worker process).
 """
 
@@ -12,8 +12,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from featcal.tasks.tracking import run_target
-from featcal.tasks.tracking_batches import (
+from featcal.tracking.batches import (
     MAX_TAG_VALUE,
     batch_metric_steps,
     batch_metrics,
@@ -21,6 +20,7 @@ from featcal.tasks.tracking_batches import (
     clean,
     now_ms,
 )
+from featcal.tracking.runs import run_target
 from featcal_core.provenance.records import FEATCAL_RECORD
 from featcal_core.report import gap_closed
 

@@ -1,15 +1,15 @@
 """MLflow tracking for the pipeline: one parent run per pipeline run, one nested run per step.
 
-    uri = tracking_uri(params.tracking, project_root)          # tracking_store
+    uri = tracking_uri(params.tracking, project_root)          # store
     with parent_run(params, run_name=params.run.name, tags={"prefect.flow_run_id": id}):
         with step_run("calibrate"):
             record = calibrate(...)
-        log_calibration_record(record)                          # tracking_log
+        log_calibration_record(record)                          # log
         log_artifacts([report_path, plot_dir])
 
-Where runs go: see featcal.tasks.tracking_store (MLFLOW_TRACKING_URI, else
+Where runs go: see featcal.tracking.store (MLFLOW_TRACKING_URI, else
 `tracking.mlflow_tracking_uri`, else `<project_root>/mlruns`). Everything works offline. What is
-logged to a run: featcal.tasks.tracking_log; MLflow's limits and batches: tracking_batches.
+logged to a run: featcal.tracking.log; MLflow's limits and batches: featcal.tracking.batches.
 
 When `tracking.enabled` is false, `parent_run` yields None without touching MLflow, and `step_run`,
 `log_calibration_record` and `log_artifacts` do nothing. They also do nothing outside a parent run
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from featcal.tasks.tracking_batches import MAX_TAG_VALUE, batch_metrics, batch_params, clean
-from featcal.tasks.tracking_store import artifact_root, ensure_experiment, git_commit, tracking_uri
+from featcal.tracking.batches import MAX_TAG_VALUE, batch_metrics, batch_params, clean
+from featcal.tracking.store import artifact_root, ensure_experiment, git_commit, tracking_uri
 from featcal_core.memory import peak_rss_bytes, reset_peak_rss
 from featcal_core.params import Params, flatten
 

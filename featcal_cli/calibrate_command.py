@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from featcal_cli.arguments import Command, pairs, refuse_with_params, setting_flags, task_path
 from featcal_cli.step_runner import run_step
 from featcal_core.errors import FeatCalError
+
+if TYPE_CHECKING:
+    from featcal_core.params import FeatCalSettings
 
 
 def add_arguments(cal: argparse.ArgumentParser) -> None:
@@ -64,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
     )
 
     # the flags that are params.yaml's featcal: and run: fields, checked by those sections' models
-    featcal_from_flags({name: getattr(args, name) for name in FeatCalSettings.model_fields
-                        if hasattr(args, name)})  # fmt: skip
+    featcal = featcal_from_flags({name: getattr(args, name) for name in FeatCalSettings.model_fields
+                                  if hasattr(args, name)})  # fmt: skip
     settings_from_flags(RunSettings, "run", {"seed": args.seed})
     if args.results_dir is not None:
         if args.spill_dir is not None:
@@ -73,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
                 "--spill-dir has no effect with --results-dir: the flow keeps every hidden-state "
                 "stream on disk in the results directory already; drop --spill-dir"
             )
-        return _flow(args)
+        return _flow(args, featcal)
     if args.runner != "local" or args.dask_address is not None:
         raise FeatCalError("--runner dask / --dask-address need --results-dir (the Prefect flow)")
     if args.memory_budget is not None:
@@ -81,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
             "--memory-budget applies to the resumable flow (--results-dir); without it the "
             "statistics are folded in memory already (--spill-dir writes the streams to disk)"
         )
-    from featcal_core import FeatCalParams, calibrate
+    from featcal_core import calibrate
 
     experts, calib = pairs("--expert", args.expert), pairs("--calib", args.calib)
     _check_heads(args, experts)
@@ -91,15 +96,8 @@ def run(args: argparse.Namespace) -> int:
         experts=experts,
         calib=calib,
         out=args.out,
-        params=FeatCalParams(alpha=args.alpha, rho=args.rho, lam=args.lam, eps=args.eps),
-        num_per_task=args.num_per_task,
-        batch_size=args.batch_size,
-        seed=args.seed,
-        device=args.device,
-        max_length=args.max_length,
-        pooling=args.pooling,
-        token_weighting=args.token_weighting,
-        precision=args.precision,
+        params=featcal.core_params(),
+        **asdict(featcal.core_settings(args.seed)),
         spill_dir=args.spill_dir,
         overwrite=args.overwrite,
         progress=not args.no_progress,
@@ -140,14 +138,13 @@ def _refit_heads(args: argparse.Namespace, experts: dict[str, str], calib: dict[
     logging.getLogger("featcal").info("refit heads: %s", ", ".join(heads.values()))
 
 
-def _flow(args: argparse.Namespace) -> int:
-    """`--results-dir`: the resumable Prefect flow (one cached task per block)."""
+def _flow(args: argparse.Namespace, featcal: FeatCalSettings) -> int:
+    """`--results-dir`: the resumable Prefect flow (one cached task per block), with the
+    validated `featcal:` flags."""
     from featcal.flows.environment import configure
 
     configure()
     from featcal.flows.calibration import calibration_flow, make_spec
-    from featcal_core import FeatCalParams
-    from featcal_core.method.settings import Settings
 
     experts, calib = pairs("--expert", args.expert), pairs("--calib", args.calib)
     from featcal_core.io.outputs import check_root
@@ -163,9 +160,8 @@ def _flow(args: argparse.Namespace) -> int:
         experts,
         calib,
         args.results_dir,
-        FeatCalParams(alpha=args.alpha, rho=args.rho, lam=args.lam, eps=args.eps),
-        Settings(args.num_per_task, args.batch_size, args.seed, args.device, args.max_length,
-                 args.pooling, args.token_weighting, args.precision),
+        featcal.core_params(),
+        featcal.core_settings(args.seed),
         args.runner, args.dask_address, args.dask_workers, args.memory_budget,
     )  # fmt: skip
     record = calibration_flow(spec, args.out, args.overwrite)

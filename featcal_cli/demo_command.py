@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from featcal.flows.summary import run_summary
 
     started = time.perf_counter()
-    summary = run_pipeline(args.params, args.set)
+    summary = run_pipeline(args.params, args.set, params)
     print(run_summary(summary))
     print(f"wall time:   {time.perf_counter() - started:.0f} s")
     return 0

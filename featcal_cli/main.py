@@ -17,7 +17,6 @@ import typing
 from collections.abc import Iterator
 
 from featcal_cli import (
-    adamerging_command,
     calibrate_command,
     check_command,
     compare_command,
@@ -27,8 +26,7 @@ from featcal_cli import (
     open_clip_command,
     params_command,
     pipeline_commands,
-    regmean_command,
-    surgery_command,
+    repair_commands,
     zoo_command,
 )
 from featcal_cli.arguments import Command, hub_models
@@ -46,9 +44,7 @@ MODULES = (
     merge_command,
     calibrate_command,
     compare_command,
-    regmean_command,
-    surgery_command,
-    adamerging_command,
+    repair_commands,
     lineage_command,
     open_clip_command,
     zoo_command,
@@ -112,7 +108,7 @@ class FeatCalParser(argparse.ArgumentParser):
         print(f"featcal: error: {usage_line(prog, message)}", file=sys.stderr)
         raise UsageError(EXIT_BAD_INPUT)
 
-    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_args(self, args=None, namespace=None):
         parsed, extra = self.parse_known_args(args, namespace)
         if extra:  # argparse names the top level here; name the command they were given to
             command = getattr(parsed, "command", None)

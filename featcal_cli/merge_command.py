@@ -24,7 +24,7 @@ from featcal_core.errors import FeatCalError
 class _MethodNames:
     """The registered merge methods as argparse `choices`, looked up only when `--method` is
     checked or the help is printed, and read from the method modules' source
-    (`featcal_core.merging.declared_names`): importing the registry imports torch, which
+    (`featcal_core.merging.declared_names`): importing the methods imports torch, which
     `featcal merge --help` would otherwise pay for."""
 
     def __iter__(self):

@@ -34,7 +34,7 @@ def _run(args: argparse.Namespace) -> int:
     from featcal.flows.pipeline import run_pipeline
     from featcal.flows.summary import run_summary
 
-    summary = run_pipeline(args.params, args.set)
+    summary = run_pipeline(args.params, args.set, params)
     print(json.dumps(summary, indent=2) if args.json else run_summary(summary))
     return 0
 

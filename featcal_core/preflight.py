@@ -117,7 +117,7 @@ def _family(role: str, config: Path, problems: list[Finding]):
 
 def _unreachable(exc: BaseException) -> bool:
     """A failure the download step retries (network, HTTP 429/5xx): the check cannot tell."""
-    from featcal_core.provenance.resolve import _is_transient
+    from featcal_core.provenance.hub import _is_transient
 
     return _is_transient(exc)
 
@@ -128,7 +128,8 @@ def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: l
     from huggingface_hub import HfApi, hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from featcal_core.provenance.resolve import _conversion_revision, _offline
+    from featcal_core.provenance.hub import _offline
+    from featcal_core.provenance.resolve import _conversion_revision
 
     repo_id, revision = ref.repo_id, ref.revision
     where = f"Hub model {ref.ref!r}"
@@ -167,8 +168,8 @@ def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: l
 def _hub_failure(exc: BaseException, role: str, ref: Any, offline: bool, unanswered: str,
                  problems: list[Finding], notes: list[Finding]) -> None:  # fmt: skip
     """A Hub look-up that failed: a note when the Hub did not answer (the download step retries
-    those), else a problem worded as the download step words it (resolve._hub_error)."""
-    from featcal_core.provenance.resolve import _hub_error
+    those), else a problem worded as the download step words it (hub._hub_error)."""
+    from featcal_core.provenance.hub import _hub_error
 
     if _unreachable(exc):
         notes.append((role, f"Hub model {ref.ref!r}: {unanswered} ({type(exc).__name__}); not "
@@ -257,9 +258,9 @@ def _remembered(memo: dict, key: tuple, call):
             memo[key] = (call(), None)
         except Exception as exc:
             memo[key] = (None, exc)
-    value, exc = memo[key]
-    if exc is not None:
-        raise exc
+    value, error = memo[key]
+    if error is not None:
+        raise error
     return value
 
 

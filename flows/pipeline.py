@@ -22,11 +22,13 @@ from featcal.flows.environment import command_api, configure
 from featcal.flows.environment import project_root as working_project
 from featcal.flows.progress import run_progress
 from featcal.flows.run_tags import checkpoint_digest, lineage_tags, params_digest
-from featcal.flows.selection import check_candidates
+from featcal.flows.selection import select_step
+from featcal.flows.selection_record import check_candidates
 from featcal.flows.steps import Steps
 from featcal_core.io import failpoints
 from featcal_core.io.outputs import write_json
 from featcal_core.params import Params, load_params
+from featcal_core.repair.registry import get as get_repair
 
 configure()  # before prefect is imported
 from prefect import flow  # noqa: E402
@@ -38,19 +40,33 @@ log = logging.getLogger(__name__)
 FLOW_NAME = "featcal-run"
 
 
+def flow_params(parameters: dict) -> Params:
+    """The validated params of a `featcal_run` call: the `params` its caller validated, or (a
+    deployment's scheduled run) the params file and overrides read now."""
+    given = parameters.get("params")
+    if isinstance(given, Params):
+        return given
+    return load_params(parameters["params_path"], parameters.get("overrides") or [])
+
+
 def flow_run_name() -> str:
     """`<run.name>-<params digest prefix>` for the flow run being started."""
-    parameters = flow_run.parameters
-    params = load_params(parameters["params_path"], parameters.get("overrides") or [])
+    params = flow_params(flow_run.parameters)
     return f"{params.run.name}-{params_digest(params)[:8]}"
 
 
 @flow(name=FLOW_NAME, flow_run_name=flow_run_name)
-def featcal_run(params_path: str = "params.yaml", overrides: list[str] | None = None) -> dict:
+def featcal_run(
+    params_path: str = "params.yaml",
+    overrides: list[str] | None = None,
+    params: Params | None = None,
+) -> dict:
     """The whole pipeline for the params file `params_path` (relative paths: from the working
     directory) with `--set`-style `overrides`; returns a summary (paths, results, MLflow run id).
+    `params`: those params as the caller already validated them (the file is then not read
+    again); a scheduled run of a deployment reads the file at each run.
     """
-    params = load_params(params_path, overrides or [])
+    params = flow_params({"params_path": params_path, "overrides": overrides, "params": params})
     steps = Steps(params, in_flow=True)
     with steps.session():  # re-entrant: `run_pipeline` took it before the flow started
         summary = _pipeline(params, steps, working_project())
@@ -58,16 +74,20 @@ def featcal_run(params_path: str = "params.yaml", overrides: list[str] | None = 
     return summary
 
 
-def run_pipeline(params_path: str | Path, overrides: list[str] | None = None) -> dict:
-    """Validate params.yaml (before any heavy work), take the run lock (a second run on the same
-    results stops in one line, before Prefect starts a flow run or a server), then run
-    `featcal_run` (`FEATCAL_FAILPOINT=locked:run` stops it in between)."""
-    params = load_params(params_path, overrides or [])
+def run_pipeline(
+    params_path: str | Path, overrides: list[str] | None = None, params: Params | None = None
+) -> dict:
+    """Validate params.yaml (before any heavy work; `params`: already validated by the caller,
+    from `params_path` and `overrides`), take the run lock (a second run on the same results
+    stops in one line, before Prefect starts a flow run or a server), then run `featcal_run`
+    (`FEATCAL_FAILPOINT=locked:run` stops it in between). The file is read once."""
+    if params is None:
+        params = load_params(params_path, overrides or [])
     check_candidates(params)
     with Steps(params).session():
         failpoints.hit("locked", "run")
         with command_api():  # Prefect's API for the flow (this command's own server by default)
-            return featcal_run(str(Path(params_path).resolve()), list(overrides or []))
+            return featcal_run(str(Path(params_path).resolve()), list(overrides or []), params)
 
 
 def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
@@ -124,14 +144,15 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
                       "path": steps.paths["calibration_sets"] / t} for t, r in sets.items())  # fmt: skip
         if params.select is not None:
             with step_run("select"), display.step("select"):
-                summary["selection"] = steps.select()
+                summary["selection"] = select_step(steps)
             log_selection(summary["selection"])
             params = steps.params  # the winner's, from here on
         with step_run("merge"), display.step("merge"):
             steps.merge()
         log_tags({"merged.sha256": checkpoint_digest(steps.paths["merged"])})
-        if params.repair_method == "featcal":
-            with step_run("calibrate"), display.step("calibrate"):
+        repair = steps.repair
+        if repair.blockwise:
+            with step_run(repair.step), display.step(repair.step):
                 record = steps.calibrate()
             log_calibration_record(record)
             log_tags({"calibration.inputs_digest": record.get("inputs_digest")})
@@ -140,10 +161,10 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
                 "restored": sum(b["restored"] for b in record["blocks"]),
                 "wall_seconds": record["wall_seconds"],
             }
-        elif params.repair_method != "none":  # regmean, surgery
-            with step_run(params.repair_method), display.step(params.repair_method):
+        elif repair.run is not None:
+            with step_run(repair.step), display.step(repair.step):
                 record = steps.calibrate()
-            summary["repair"] = {"method": params.repair_method,
+            summary["repair"] = {"method": repair.name,
                                  "wall_seconds": record.get("wall_seconds")}  # fmt: skip
         log_tags({"repair.method": params.repair_method})
         if params.featcal.heads:
@@ -159,8 +180,8 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
                 files = steps.report()
             log_artifacts(list(files.values()), artifact_path="report")
             summary["report"] = str(files["report.html"].resolve())
-        if params.repair_method != "none":  # with its model card (rewritten after evaluation)
-            log_model(steps.paths["calibrated"], artifact_path=model_artifact(params),
+        if repair.output != "none":  # with its model card (rewritten after evaluation)
+            log_model(steps.paths["calibrated"], artifact_path=repair.artifact,
                       weights=params.tracking.log_model)  # fmt: skip
     return summary
 
@@ -171,16 +192,11 @@ def _step_names(params: Params) -> list[str]:
     names += ["download-experts", "calibration-sets"]
     names += ["select"] if params.select is not None else []
     names += ["merge"]
-    if params.repair_method != "none":
-        names.append("calibrate" if params.repair_method == "featcal" else params.repair_method)
+    repair = get_repair(params.repair_method)
+    names += [repair.step] if repair.run is not None else []
     names += ["calibrate-heads"] if params.featcal.heads else []
     names += ["evaluate", "report"] if params.evaluation.enabled else []
     return names
-
-
-def model_artifact(params: Params) -> str:
-    """Where the repaired model goes among the MLflow run's artifacts."""
-    return "surgery_modules" if params.repair_method == "surgery" else "calibrated_model"
 
 
 def _result_artifact(params: Params, summary: dict) -> None:

@@ -13,11 +13,17 @@ matches, and otherwise ask for `featcal select` again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from pathlib import Path
 
+from featcal.flows.selection_record import (
+    FORMAT,
+    candidate_overrides,
+    candidate_params,
+    check_candidates,
+    selection_key,
+)
 from featcal.flows.steps import Steps
 from featcal.flows.variants import (
     evaluation_rows,
@@ -30,65 +36,9 @@ from featcal.flows.variants import (
 from featcal_core.errors import FeatCalError
 from featcal_core.io.outputs import write_json
 from featcal_core.params import Params
-from featcal_core.params.repair import Variant, layered
-from featcal_core.provenance.records import RESULTS_LAYOUT
+from featcal_core.params.repair import layered
 
 log = logging.getLogger(__name__)
-
-FORMAT = "featcal-selection-v1"
-#: what the choice depends on besides select: (a candidate overrides these)
-_KEYED = {
-    "run": {"seed"},
-    "models": True,
-    "tasks": True,
-    "merge": True,
-    "featcal": True,
-    "repair": True,
-}  # fmt: skip  (dvc.yaml's select stage: the same params)
-
-
-def selection_key(params: Params) -> str:
-    """sha256 of what the choice depends on: select:, the sections its candidates override and
-    the user's `--set` overrides that every candidate takes."""
-    data = params.model_dump(mode="json", include={**_KEYED, "select": True})
-    data["user_set"] = layered([], params.user_set)[0]
-    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
-
-
-def candidate_overrides(params: Params, candidate: Variant) -> tuple[list[str], list[str]]:
-    """(the overrides that make `candidate`'s params: its own, then the user's `--set` ones of
-    the keys a candidate may set, which win; its own overrides that the user's replace)."""
-    return layered(candidate.set, params.user_set)
-
-
-def candidate_params(params: Params, name: str, overrides: list[str]) -> Params:
-    """Candidate `name`'s params: `params` with `overrides` (`candidate_overrides`' first),
-    repaired in candidates/<name>."""
-    results = Path(params.run.results_dir) / RESULTS_LAYOUT["candidates"] / name
-    bare = params.model_copy(update={"select": None})
-    return bare.with_overrides([*overrides, f"run.results_dir={results}"])
-
-
-def check_candidates(params: Params) -> None:
-    """Every candidate's overrides applied and validated (before any work)."""
-
-    for candidate in params.select.candidates if params.select is not None else ():
-        try:
-            candidate_params(params, candidate.name, candidate_overrides(params, candidate)[0])
-        except FeatCalError as exc:
-            raise FeatCalError(f"select.candidates {candidate.name!r}: {exc}") from None
-
-
-def chosen(params: Params, record: dict | None) -> Params | None:
-    """`params` with the record's winner applied (select: cleared), when the record is this
-    params' current choice; None otherwise."""
-    if record is None or record.get("format") != FORMAT:
-        return None
-    if record.get("key") != selection_key(params) or record.get("winner") is None:
-        return None
-    bare = params.model_copy(update={"select": None})
-    return bare.with_overrides(record["set"])
-
 
 def exhausted_tasks(steps: Steps) -> dict[str, int]:
     """{task: its source's row count} for the tasks whose calibration set holds every row of its
@@ -129,7 +79,7 @@ def score_held_out(steps: Steps, variants: dict[str, Params], merges: dict, cost
 def select(steps: Steps, step_run) -> dict:
     """The select step for `steps` (its params' select:); writes and returns the record."""
     from featcal_core.evaluation.selection import choose
-    from featcal_core.params.repair import TASK_MODULE_REPAIRS
+    from featcal_core.repair.registry import get as get_repair
     from featcal_core.report.selection import held_out_text
 
     params = steps.params
@@ -171,7 +121,7 @@ def select(steps: Steps, step_run) -> dict:
     ineligible = {} if settings.allow_task_modules else {
         name: f"{c.repair_method} adds a module per task; select.allow_task_modules: true "
               "lets it win"
-        for name, c in candidates.items() if c.repair_method in TASK_MODULE_REPAIRS
+        for name, c in candidates.items() if get_repair(c.repair_method).output == "task_modules"
     }  # fmt: skip
     choice = choose(scores, settings.score, ineligible)
     # what the scores were computed on: a task with fewer rows left than requested holds them all
@@ -215,4 +165,16 @@ def select(steps: Steps, step_run) -> dict:
     }
     write_json(steps.paths["selection"], record)
     log.info("select (%s): %s", settings.score, record["why"])
+    return record
+
+
+def select_step(steps: Steps) -> dict:
+    """The select step for `steps`: score select:'s candidates, choose, write selection.json;
+    from then on `steps` run the winner's params. A rerun chooses afresh from the params as
+    asked for."""
+    from featcal.tracking.runs import step_run
+
+    steps.params, steps.selection = steps.requested, None
+    record = select(steps, step_run)
+    steps.apply_selection()
     return record

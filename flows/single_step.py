@@ -13,6 +13,7 @@ import os
 from typing import Any
 
 from featcal.flows.environment import project_root
+from featcal.flows.selection import select_step
 from featcal.flows.steps import Steps
 from featcal_core.params import Params
 
@@ -52,7 +53,7 @@ def run_single_step(params: Params, step: str, what: str) -> Any:
             if step == "calibrate":
                 steps.check_heads()
             with step_run(STEP_NAMES[step]):
-                result = getattr(steps, step)()
+                result = select_step(steps) if step == "select" else getattr(steps, step)()
             _log_outputs(steps, step, result)
             if steps.paths["lock"].is_file():
                 from featcal.tracking.log import log_tags
@@ -79,16 +80,15 @@ def _log_outputs(steps: Steps, step: str, result: Any) -> None:
         from featcal.tracking.log import log_selection
 
         log_selection(result)
-    elif step == "calibrate" and steps.params.repair_method == "featcal":
+    elif step == "calibrate" and steps.repair.blockwise:
         log_calibration_record(result)
     elif step == "evaluate":
         from featcal.tasks.evaluate import evaluation_inputs
 
         log_evaluation(result)
         log_datasets(evaluation_inputs(steps.params, str(steps.paths["root"])))
-        if steps.params.repair_method != "none" and steps.paths["calibrated"].is_dir():
-            artifact = "surgery_modules" if steps.params.repair_method == "surgery" else None
-            log_model(steps.paths["calibrated"], artifact_path=artifact or "calibrated_model",
+        if steps.repair.output != "none" and steps.paths["calibrated"].is_dir():
+            log_model(steps.paths["calibrated"], artifact_path=steps.repair.artifact,
                       weights=steps.params.tracking.log_model)  # fmt: skip
     elif step == "report":
         log_artifacts(list(result.values()), artifact_path="report")

@@ -30,6 +30,8 @@ from featcal_core.provenance.records import (
     REPORTS_ROOT,
     results_layout,
 )
+from featcal_core.repair.registry import Repair, RepairInputs
+from featcal_core.repair.registry import get as get_repair
 
 __all__ = ["Steps", "layout", "write_json"]
 
@@ -73,12 +75,12 @@ class Steps:
 
     def apply_selection(self) -> None:
         """With select: and a record (selection.json) of the choice for these very params: the
-        winner's params from now on (flows.selection). Without one, the steps that need the
+        winner's params from now on (flows.selection_record). Without one, the steps that need the
         choice stop and ask for the select step."""
         self.params, self.selection = self.requested, None
         if self.params.select is None or self.params.models is None:
             return
-        from featcal.flows.selection import chosen
+        from featcal.flows.selection_record import chosen
 
         path = self.paths["selection"]
         record = None
@@ -222,17 +224,6 @@ class Steps:
             params = params.model_copy(update={"featcal": featcal})
         return self.call(build_calibration_sets, params, modality, root)
 
-    def select(self) -> dict:
-        """The select step (flows.selection): score select:'s candidates, choose, write
-        selection.json; from then on these steps run the winner's params."""
-        from featcal.flows.selection import select
-        from featcal.tracking.runs import step_run
-
-        self.params, self.selection = self.requested, None  # a rerun chooses afresh
-        record = select(self, step_run)
-        self.apply_selection()
-        return record
-
     def merge(self) -> dict:
         from featcal.tasks.merge import merge_task
 
@@ -261,38 +252,57 @@ class Steps:
 
     def calibration_settings(self):
         """featcal: as `featcal_core.method.settings.Settings` (what the repairs share)."""
-        from featcal_core.method.settings import Settings
-
-        featcal, seed = self.params.featcal, self.params.run.seed
-        return Settings(featcal.num_per_task, featcal.batch_size, seed, featcal.device,
-                        featcal.max_length, featcal.pooling, featcal.token_weighting,
-                        featcal.precision)  # fmt: skip
+        return self.params.featcal.core_settings(self.params.run.seed)
 
     def calibration_spec(self) -> dict:
         from featcal.flows.calibration import make_spec
-        from featcal_core.method.hyperparameters import FeatCalParams
 
         base, experts = self.models()
         featcal = self.params.featcal
         return make_spec(
             base, self.paths["merged"], experts, self.calibration_set_dirs(),
-            self.paths["calibration"],
-            FeatCalParams(featcal.alpha, featcal.rho, featcal.lam, featcal.eps),
-            self.calibration_settings(),
+            self.paths["calibration"], featcal.core_params(), self.calibration_settings(),
             featcal.runner, featcal.dask_address, featcal.dask_workers, featcal.memory_budget,
         )  # fmt: skip
 
+    @property
+    def repair(self) -> Repair:
+        """The repair that runs (`repair.method`; featcal.enabled false: none), from the repair
+        registry."""
+        return get_repair(self.params.repair_method)
+
     def calibrate(self) -> dict:
-        """The repair of the merged model (`repair.method`) into `calibrated/`: FeatCal, resumable
-        block by block, with its model card; or RegMean (`regmean`), Surgery (`surgery`) or
-        AdaMerging (`adamerging`), whose record it returns."""
+        """The repair of the merged model (`repair.method`) into `calibrated/`, dispatched
+        through the repair registry: a blockwise repair (FeatCal) runs resumable block by block,
+        with its model card; any other runs its `run` on the pipeline's inputs. Returns the
+        repair's record."""
         self._require_selection()
-        if self.params.repair_method == "regmean":
-            return self.regmean()
-        if self.params.repair_method == "surgery":
-            return self.surgery()
-        if self.params.repair_method == "adamerging":
-            return self.adamerging()
+        repair = self.repair
+        if repair.run is None:
+            raise FeatCalError(f"repair.method {repair.name}: nothing to run")
+        if repair.blockwise:
+            return self._calibrate_blockwise()
+        base, experts = self.models()
+        if repair.classification_only:
+            from featcal_core.evaluation.language_model import generation_kind
+
+            if generation_kind(base) is not None:
+                raise FeatCalError(
+                    f"repair.method {repair.name} fits to classification heads; language models "
+                    "are evaluated by label continuation and have none; use featcal or regmean"
+                )
+        options = {o.key: getattr(getattr(self.params, o.section), o.key)
+                   for o in repair.options if o.in_params}  # fmt: skip
+        return repair.run(RepairInputs(
+            base=base, merged=str(self.paths["merged"]), experts=experts,
+            calibration_sets=self.calibration_set_dirs(), out=str(self.paths["calibrated"]),
+            settings=self.calibration_settings(), options=options,
+            heads=self._task_heads if repair.needs_heads else None, overwrite=True,
+            progress=False,
+        ))  # fmt: skip
+
+    def _calibrate_blockwise(self) -> dict:
+        """FeatCal through the resumable calibration flow, then its model card."""
         from featcal.flows.calibration import calibration_flow, calibration_flow_fn
         from featcal_core.provenance.lineage import trace
         from featcal_core.provenance.model_card import model_card_fields, write_model_card
@@ -305,17 +315,6 @@ class Steps:
         write_model_card(self.paths["calibrated"], **{**fields, "evaluation": None, "heads": None})
         return record
 
-    def regmean(self) -> dict:
-        """RegMean (featcal_core.repair) of the merged checkpoint into `calibrated/`."""
-        from featcal_core.repair import regmean_checkpoint
-
-        base, experts = self.models()
-        return regmean_checkpoint(
-            base, self.paths["merged"], experts, self.calibration_set_dirs(),
-            self.paths["calibrated"], alpha=self.params.repair.regmean_alpha,
-            settings=self.calibration_settings(), overwrite=True, progress=False,
-        )  # fmt: skip
-
     def _task_heads(self) -> dict:
         """{task: its evaluation head} (tasks.evaluate.task_head): what the trained repairs
         (Surgery, AdaMerging) fit to."""
@@ -326,46 +325,11 @@ class Steps:
                                 self.paths["root"])[0]
                 for task, spec in self.params.tasks.items()}  # fmt: skip
 
-    def adamerging(self) -> dict:
-        """AdaMerging (featcal_core.repair) into `calibrated/`: the Task Arithmetic coefficients
-        learnt per task and tower tensor on the calibration sets, under each task's evaluation
-        head; the merged checkpoint is the template of every other tensor."""
-        from featcal_core.evaluation.language_model import generation_kind
-        from featcal_core.repair import adamerge_checkpoint
-
-        base, experts = self.models()
-        if generation_kind(base) is not None:
-            raise FeatCalError(
-                "repair.method adamerging minimises the entropy of classification heads; language "
-                "models are evaluated by label continuation and have none; use featcal or regmean"
-            )
-        repair = self.params.repair
-        return adamerge_checkpoint(
-            base, self.paths["merged"], experts, self.calibration_set_dirs(),
-            self.paths["calibrated"], heads=self._task_heads(), steps=repair.adamerging_steps,
-            lr=repair.adamerging_lr, init=repair.adamerging_init,
-            settings=self.calibration_settings(), seed=self.params.run.seed, tokenizer_dir=base,
-            overwrite=True, progress=False,
-        )  # fmt: skip
-
-    def surgery(self) -> dict:
-        """Representation Surgery (featcal_core.repair): one module per task, on the features
-        that task's evaluation head reads from the merged model, into `calibrated/<task>/`."""
-        from featcal_core.repair.surgery import train_surgery
-
-        base, experts = self.models()
-        repair = self.params.repair
-        return train_surgery(
-            self.paths["merged"], experts, self.calibration_set_dirs(), self.paths["calibrated"],
-            heads=self._task_heads(), rank=repair.surgery_rank, steps=repair.surgery_steps,
-            lr=repair.surgery_lr, settings=self.calibration_settings(), seed=self.params.run.seed,
-            tokenizer_dir=base, overwrite=True, progress=False,
-        )  # fmt: skip
-
     def surgeries(self) -> dict[str, tuple[str, str]] | None:
-        """With repair.method surgery: {"calibrated": (merged checkpoint, surgery folder)}, the
-        evaluation row of the merged model under each task's module."""
-        if self.params.repair_method != "surgery":
+        """With a repair that yields a module per task (Surgery): {"calibrated": (merged
+        checkpoint, modules folder)}, the evaluation row of the merged model under each task's
+        module."""
+        if self.repair.output != "task_modules":
             return None
         folder = self.verified(self.paths["calibrated"], "the surgery modules",
                                "featcal calibrate --params FILE")  # fmt: skip
@@ -374,7 +338,7 @@ class Steps:
     def _evaluated_models(self) -> dict[str, str]:
         """The merged (and calibrated) checkpoint, each verified against its marker."""
         models = {"merged": self.paths["merged"]}
-        if self.params.repair_method not in ("none", "surgery"):  # surgery: `surgeries`
+        if self.repair.output == "checkpoint":  # task modules: `surgeries`
             models["calibrated"] = self.paths["calibrated"]
         step = {
             "merged": "featcal merge --params FILE",
@@ -476,7 +440,7 @@ class Steps:
         write_json(self.paths["evaluation"], table)
         write_json(self.paths["metrics"], headline(table))  # the headline of `dvc metrics`
         calibrated = self.paths["calibrated"]
-        if self.params.repair_method == "featcal" and (calibrated / FEATCAL_RECORD).is_file():
+        if self.repair.blockwise and (calibrated / FEATCAL_RECORD).is_file():
             if in_dvc_stage():
                 logging.getLogger(__name__).info(
                     "model card of %s left as the calibrate stage wrote it (a DVC stage writes "

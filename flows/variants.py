@@ -16,6 +16,7 @@ from typing import Any
 from featcal.flows.steps import Steps
 from featcal_core.memory import peak_rss_bytes, reset_peak_rss
 from featcal_core.params import Params
+from featcal_core.repair.registry import get as get_repair
 
 _MIB = 1024 * 1024
 
@@ -63,19 +64,19 @@ def run_merges(steps: Steps, sources: list[tuple[str | None, Params]], step_run)
 def repair(steps: Steps, heads: bool = False) -> dict:
     """`steps`' repair (repair.method) of its merge into its calibrated folder; {"path" (None:
     no repair), "repair_seconds", "peak_rss_mb", "heads"}. heads: with featcal.heads true, also refit
-    the task heads on the repaired model (on the merge when there is no repair; not for Surgery,
-    whose modules feed the tasks' own heads), as `featcal run` does: "heads" {task: folder},
+    the task heads on the repaired model (on the merge when there is no repair; not for a repair
+    of per-task modules, which feed the tasks' own heads), as `featcal run` does: "heads" {task: folder},
     else None. The seconds and the peak RSS cover both."""
-    method = steps.params.repair_method
+    output = steps.repair.output
     reset_peak_rss()
     started = time.perf_counter()
-    if method != "none":
+    if output != "none":
         steps.calibrate()
     refit = None
-    if heads and steps.params.featcal.heads and method != "surgery":
-        refit = steps.heads("merged" if method == "none" else "calibrated")
+    if heads and steps.params.featcal.heads and output != "task_modules":
+        refit = steps.heads("merged" if output == "none" else "calibrated")
     seconds = time.perf_counter() - started
-    path = None if method == "none" else str(steps.paths["calibrated"])
+    path = None if output == "none" else str(steps.paths["calibrated"])
     peak = peak_rss_bytes() / _MIB if path is not None or refit else None
     return {"path": path, "repair_seconds": seconds, "peak_rss_mb": peak, "heads": refit}
 
@@ -93,7 +94,7 @@ def evaluation_rows(variants: dict[str, Params], merges: dict, costs: dict):
     models = {merge["row"]: str(merge["path"]) for merge in merges.values()}
     surgeries, refit = {}, {}
     for name, cost in costs.items():
-        if variants[name].repair_method == "surgery":
+        if get_repair(variants[name].repair_method).output == "task_modules":
             surgeries[name] = (str(merges[merge_key(variants[name].merge)]["path"]), cost["path"])
         elif cost["path"] is not None:
             models[name] = cost["path"]

@@ -69,21 +69,22 @@ def test_linear_stats_with_a_dead_input_feature_fall_back_per_module(caplog):
     """A feature that is zero in every token (λ = ε = 0): Cholesky fails at column 1; every
     module sharing the input is solved by least squares, equal to lstsq on the same system."""
     gen = torch.Generator().manual_seed(3)
-    stats = LinearInputStats(5, {"q": (3, True), "k": (2, False)}, CPU)
+    stats = LinearInputStats(5, {"q": (3, True), "k": (2, False)}, CPU,
+                             params=FeatCalParams(alpha=0.0, lam=0.0, eps=0.0))  # fmt: skip
     gram, cross_q = torch.zeros(5, 5, dtype=D64), torch.zeros(5, 3, dtype=D64)
     for _ in range(2):
         x_s, x_e = torch.randn(20, 5, generator=gen, dtype=D64), torch.randn(20, 5, generator=gen)
         x_s[:, 0] = 0
         w_q, w_k = torch.randn(3, 5, generator=gen, dtype=D64), torch.randn(2, 5, generator=gen)
         params = {"q": (w_q, torch.zeros(3, dtype=D64)), "k": (w_k, None)}
-        stats.add(x_s, x_e, None, 0.0, params)  # α = 0: the teacher input is x_s
+        stats.add(x_s, x_e, None, params)  # α = 0: the teacher input is x_s
         s_t = 1.0 / float(torch.linalg.matrix_norm(x_s.T @ x_s / 20))
         gram += s_t * x_s.T @ x_s / 20
         cross_q += s_t * x_s.T @ x_s @ w_q.T / 20
-        stats.end_task(0.0, 0.0, params)
+        stats.end_task(params)
     found = Fallbacks("block 0")
     with caplog.at_level(logging.WARNING, logger="featcal_core"):
-        weight_q = stats.solve(0.0, 0.0, {}, found)["q"][0]
+        weight_q = stats.solve({}, found)["q"][0]
     assert [(e["kind"], e["module"]) for e in found.entries] == [("lstsq", "q"), ("lstsq", "k")]
     assert "column 1 " in found.entries[0]["reason"]
     expected = torch.linalg.lstsq(gram, cross_q, driver="gelsd").solution.T
@@ -117,10 +118,10 @@ def test_clamped_task_scale_names_the_task(caplog):
     stats = LinearInputStats(3, {"fc": (2, True)}, CPU)
     x = 1e-6 * torch.randn(8, 3, generator=gen, dtype=D64)  # ‖C_t‖_F ≈ 1e-12 < ε
     params = {"fc": (torch.ones(2, 3, dtype=D64), torch.zeros(2, dtype=D64))}
-    stats.add(x, x, None, 0.25, params)
+    stats.add(x, x, None, params)  # α 0.25, ε 1e-8: the defaults
     found = Fallbacks("block 2")
     with caplog.at_level(logging.WARNING, logger="featcal_core"):
-        contribution = stats.task_contribution(1e-8, 0.25, params, fallbacks=found, task="mnist")
+        contribution = stats.task_contribution(params, fallbacks=found, task="mnist")
     assert float(contribution["scale"][0]) == pytest.approx(1e8)
     (entry,) = found.entries
     assert (entry["kind"], entry["module"], entry["task"]) == ("clamped_task_scale", "fc", "mnist")
@@ -139,7 +140,7 @@ def test_task_without_weighted_tokens(caplog):
     stats = LinearInputStats(3, {"fc": (2, False)}, CPU)
     with pytest.raises(FeatCalError, match="task 'svhn' gives no weighted tokens to fc in block 4"):
         with tokens_needed(4, "svhn", "fc"):
-            stats.task_contribution(1e-8, 0.0, {})
+            stats.task_contribution({})
 
 
 def test_task_statistics_carry_their_fallbacks_through_a_file(tmp_path):

@@ -22,7 +22,7 @@ from featcal_core.merging.base import Place
 from featcal_core.merging.breadcrumbs import band_counts
 from featcal_core.merging.dare import keep_mask
 from featcal_core.merging.iso import subspace_sizes
-from featcal_core.merging.selection import kth_smallest_abs
+from featcal_core.merging.order_statistics import kth_smallest_abs
 from featcal_core.merging.ties import kept_count
 
 EXACT = dict(rtol=1e-12, atol=1e-12)

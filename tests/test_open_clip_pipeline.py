@@ -30,7 +30,7 @@ from featcal_core.evaluation.accuracy import evaluate
 from featcal_core.method.head_calibration import calibrate_head
 from featcal_core.open_clip.zero_shot import OpenCLIPZeroShotHead
 from featcal_core.params import ModelRef, load_params
-from featcal_core.provenance import resolve
+from featcal_core.provenance import hub
 from featcal_core.provenance.lock import models_from_lock, read_lock, verify_lock, write_lock
 from featcal_core.provenance.resolve import ResolvedModel, check_pool, resolve_model
 
@@ -170,15 +170,15 @@ def test_lock_of_other_models_keeps_its_layout(tmp_path):
 
 def test_hub_open_clip_repo_from_offline_cache(pool, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(resolve, "model_info", _no_network)
+    monkeypatch.setattr(hub, "model_info", _no_network)
     calls = []
-    real = resolve.snapshot_download
+    real = hub.snapshot_download
 
     def recording(repo_id, **kwargs):
         calls.append((repo_id, kwargs))
         return real(repo_id, **kwargs)
 
-    monkeypatch.setattr(resolve, "snapshot_download", recording)
+    monkeypatch.setattr(hub, "snapshot_download", recording)
     cache, imports = tmp_path / "hf", tmp_path / "imports"
     snapshot, commit = hub_cache(cache, "owner/tiny-open-clip", pool["dirs"]["base"])
     base = resolve_model(_ref("owner/tiny-open-clip"), "models.base", cache_dir=cache,

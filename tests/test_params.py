@@ -423,28 +423,23 @@ def test_merge_hyperparameters_take_words_and_methods_check_them():
         MergeSettings(method="ties", hyperparameters={"trim": "glob"})
 
 
-def test_repair_defaults_match_the_repair_code():
-    """params' repair defaults (kept without importing the repair code) equal the code's own."""
-    from featcal_core.params.repair import (
-        ADAMERGING_INIT,
-        ADAMERGING_LR,
-        ADAMERGING_STEPS,
-        REGMEAN_ALPHA,
-        SURGERY_LR,
-        SURGERY_RANK,
-        SURGERY_STEPS,
-    )
-    from featcal_core.repair import DEFAULT_ALPHA, adamerging
-    from featcal_core.repair.surgery import DEFAULT_LR, DEFAULT_RANK, DEFAULT_STEPS
+def test_the_repair_section_is_built_from_the_repair_registry():
+    """Every `repair:` key is a registered repair's option, with the option's default; the
+    algorithms' own defaults are the same values (both read featcal_core.repair.defaults)."""
+    from featcal_core.params.repair import RepairSettings
+    from featcal_core.repair import DEFAULT_ALPHA, adamerging, surgery
+    from featcal_core.repair.registry import available, get
 
-    assert (REGMEAN_ALPHA, SURGERY_RANK, SURGERY_STEPS, SURGERY_LR) == (
-        DEFAULT_ALPHA,
-        DEFAULT_RANK,
-        DEFAULT_STEPS,
-        DEFAULT_LR,
-    )
-    assert (ADAMERGING_STEPS, ADAMERGING_LR, ADAMERGING_INIT) == (
-        adamerging.DEFAULT_STEPS,
-        adamerging.DEFAULT_LR,
-        adamerging.DEFAULT_INIT,
-    )
+    options = {o.key: o for name in available() for o in get(name).params_options()}
+    fields = RepairSettings.model_fields
+    assert set(fields) == {"method", *options}
+    assert all(fields[key].default == option.default for key, option in options.items())
+    defaults = {key: option.default for key, option in options.items()}
+    assert defaults["regmean_alpha"] == DEFAULT_ALPHA
+    assert (defaults["surgery_rank"], defaults["surgery_steps"], defaults["surgery_lr"]) == (
+        surgery.DEFAULT_RANK, surgery.DEFAULT_STEPS, surgery.DEFAULT_LR)  # fmt: skip
+    assert (
+        defaults["adamerging_steps"], defaults["adamerging_lr"], defaults["adamerging_init"]
+    ) == (adamerging.DEFAULT_STEPS, adamerging.DEFAULT_LR, adamerging.DEFAULT_INIT)  # fmt: skip
+    with pytest.raises(ValueError, match="unknown repair 'nope'; one of: featcal"):
+        RepairSettings(method="nope")

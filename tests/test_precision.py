@@ -16,6 +16,7 @@ import factories
 from featcal_core import calibrate
 from featcal_core.errors import FeatCalError
 from featcal_core.method import statistics
+from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.statistics import LinearInputStats
 
 CPU = torch.device("cpu")
@@ -31,7 +32,8 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def _solve(precision: str, d_in: int, d_out: int, via_x: bool, tokens: int, weighted: bool):
     g = torch.Generator().manual_seed(7)
     hint = tokens if via_x else None
-    stats = LinearInputStats(d_in, {"fc": (d_out, True)}, CPU, hint, precision=precision)
+    hp = FeatCalParams(alpha=0.25, lam=0.05, eps=1e-8)
+    stats = LinearInputStats(d_in, {"fc": (d_out, True)}, CPU, hint, precision=precision, params=hp)
     assert stats.via_x == via_x
     for _ in range(3):  # tasks
         params = {"fc": (torch.randn(d_out, d_in, generator=g) / d_in**0.5,
@@ -41,11 +43,11 @@ def _solve(precision: str, d_in: int, d_out: int, via_x: bool, tokens: int, weig
             x_s = mean + torch.randn(700, d_in, generator=g)
             x_e = x_s + 0.1 * torch.randn(700, d_in, generator=g)
             w = torch.rand(700, generator=g) if weighted else None
-            stats.add(x_s.float(), x_e.float(), w, 0.25, params)
-        stats.end_task(1e-8, 0.25, params)
+            stats.add(x_s.float(), x_e.float(), w, params)
+        stats.end_task(params)
     anchors = {"fc": (torch.zeros(d_out, d_in, dtype=torch.float64),
                       torch.zeros(d_out, dtype=torch.float64))}  # fmt: skip
-    return stats.solve(0.05, 1e-8, anchors)["fc"]
+    return stats.solve(anchors)["fc"]
 
 
 @pytest.mark.parametrize(
@@ -71,22 +73,23 @@ def test_wide_contributions_are_full_and_fold_anywhere(precision):
     g = torch.Generator().manual_seed(3)
     d_in, d_out = 1600, 8
     params = {"fc": (torch.randn(d_out, d_in, generator=g) / 40, torch.randn(d_out, generator=g))}
-    in_place = LinearInputStats(d_in, {"fc": (d_out, True)}, CPU, precision=precision)
-    elsewhere = LinearInputStats(d_in, {"fc": (d_out, True)}, CPU)  # float64 layout
+    hp = FeatCalParams(alpha=0.25, lam=0.05, eps=1e-8)
+    in_place = LinearInputStats(d_in, {"fc": (d_out, True)}, CPU, precision=precision, params=hp)
+    elsewhere = LinearInputStats(d_in, {"fc": (d_out, True)}, CPU, params=hp)  # float64 layout
     for _ in range(2):
         x_s = torch.randn(600, d_in, generator=g)
         x_e = x_s + 0.1 * torch.randn(600, d_in, generator=g)
-        apart = LinearInputStats(d_in, {"fc": (d_out, True)}, CPU, precision=precision)
-        apart.add(x_s, x_e, None, 0.25, params)
-        contribution = apart.task_contribution(1e-8, 0.25, params)
+        apart = LinearInputStats(d_in, {"fc": (d_out, True)}, CPU, precision=precision, params=hp)
+        apart.add(x_s, x_e, None, params)
+        contribution = apart.task_contribution(params)
         torch.testing.assert_close(contribution["gram"], contribution["gram"].T, rtol=0, atol=0)
         elsewhere.merge({k: v.clone() for k, v in contribution.items()})
-        in_place.add(x_s, x_e, None, 0.25, params)
-        in_place.end_task(1e-8, 0.25, params)
+        in_place.add(x_s, x_e, None, params)
+        in_place.end_task(params)
     anchors = {"fc": (torch.zeros(d_out, d_in, dtype=torch.float64),
                       torch.zeros(d_out, dtype=torch.float64))}  # fmt: skip
-    a = in_place.solve(0.05, 1e-8, anchors)["fc"]
-    b = elsewhere.solve(0.05, 1e-8, anchors)["fc"]
+    a = in_place.solve(anchors)["fc"]
+    b = elsewhere.solve(anchors)["fc"]
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 

@@ -20,7 +20,7 @@ from featcal_core.architectures import detect
 from featcal_core.data.synthetic import build_pool
 from featcal_core.errors import FeatCalError
 from featcal_core.params import ModelRef
-from featcal_core.provenance import resolve
+from featcal_core.provenance import hub
 from featcal_core.provenance.lock import (
     lock_digest,
     models_from_lock,
@@ -75,13 +75,13 @@ def bert(tmp_path_factory):
 @pytest.fixture
 def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(resolve, "model_info", _no_network)
+    monkeypatch.setattr(hub, "model_info", _no_network)
 
 
 @pytest.fixture
 def no_sleep(monkeypatch):
     delays = []
-    monkeypatch.setattr(resolve.time, "sleep", delays.append)
+    monkeypatch.setattr(hub.time, "sleep", delays.append)
     return delays
 
 
@@ -234,8 +234,8 @@ def test_safetensors_conversion_pull_request_from_the_hub(clip, tmp_path, monkey
         return str(Path(cache_dir) / "models--openai--clip" / "snapshots" / ref_file.read_text())
 
     monkeypatch.setattr(HfApi, "get_repo_discussions", discussions)
-    monkeypatch.setattr(resolve, "snapshot_download", snapshot)
-    monkeypatch.setattr(resolve, "model_info", _no_network)
+    monkeypatch.setattr(hub, "snapshot_download", snapshot)
+    monkeypatch.setattr(hub, "model_info", _no_network)
     model = resolve_model(ref("openai/clip"), "models.base", cache_dir=tmp_path / "hf")
     assert model.revision == "refs/pr/66" and model.commit == "c" * 40
     assert asked == [("openai/clip", {"author": "SFconvertbot", "discussion_type": "pull_request",
@@ -265,8 +265,8 @@ def test_transient_errors_are_retried(clip, tmp_path, monkeypatch, no_sleep, err
             raise error
         return str(snapshot)
 
-    monkeypatch.setattr(resolve, "snapshot_download", flaky)
-    monkeypatch.setattr(resolve, "model_info", _no_network)
+    monkeypatch.setattr(hub, "snapshot_download", flaky)
+    monkeypatch.setattr(hub, "model_info", _no_network)
     model = resolve_model(ref("owner/tiny-clip@main"), "models.base", retries=3, backoff=1.0)
     assert len(calls) == 3
     assert no_sleep == [1.0, 2.0]  # exponential backoff
@@ -287,7 +287,7 @@ def test_unreachable_hub_fails_clearly_after_retries(monkeypatch, no_sleep):
             "refused"
         )
 
-    monkeypatch.setattr(resolve, "snapshot_download", down)
+    monkeypatch.setattr(hub, "snapshot_download", down)
     with pytest.raises(FeatCalError) as info:
         resolve_model(ref("owner/tiny-clip"), "models.experts.mnist", retries=1, backoff=0.5)
     assert len(calls) == 2 and no_sleep == [0.5]
@@ -303,7 +303,7 @@ def test_missing_repository_is_not_retried(monkeypatch, no_sleep):
         calls.append(repo_id)
         raise RepositoryNotFoundError("404 Repository Not Found", response=_response(404))
 
-    monkeypatch.setattr(resolve, "snapshot_download", missing)
+    monkeypatch.setattr(hub, "snapshot_download", missing)
     with pytest.raises(FeatCalError, match=r"models\.base: Hub model 'owner/nope'.*does not exist"):
         resolve_model(ref("owner/nope"), "models.base")
     assert len(calls) == 1 and no_sleep == []
@@ -451,7 +451,7 @@ def test_merge_and_calibrate_take_hub_ids(clip, tmp_path, monkeypatch, capsys):
         hub_cache(cache, f"owner/expert-{task}", path)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))  # read when fetching
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(resolve, "model_info", _no_network)
+    monkeypatch.setattr(hub, "model_info", _no_network)
 
     experts = [f"--expert={t}=owner/expert-{t}" for t in clip.experts]
     assert main(["merge", "--base", "owner/base", *experts, "--method", "task_arithmetic",

@@ -142,7 +142,7 @@ def test_bad_select_sections_fail_with_the_key(tmp_path, select, message):
 
 
 def test_a_candidate_override_that_does_not_validate_is_named(tmp_path):
-    from featcal.flows.selection import check_candidates
+    from featcal.flows.selection_record import check_candidates
 
     params = load_params(_params(tmp_path, {"candidates": [
         {"name": "a", "set": []}, {"name": "b", "set": ["featcal.alpha=-1"]}]}))  # fmt: skip
@@ -153,7 +153,7 @@ def test_a_candidate_override_that_does_not_validate_is_named(tmp_path):
 def test_the_users_set_wins_over_every_candidate_of_the_demo_params():
     """`--set featcal.alpha=0.5` on the root params.yaml: every candidate runs with α 0.5 (its own
     α is replaced, and the record says so); a key under a candidate's mapping merges into it."""
-    from featcal.flows.selection import candidate_overrides, candidate_params
+    from featcal.flows.selection_record import candidate_overrides, candidate_params
 
     root = Path(__file__).resolve().parents[1] / "params.yaml"
     plain = load_params(root)
@@ -197,7 +197,7 @@ def test_the_users_set_wins_over_every_compare_variant(tmp_path):
 def test_a_dvc_experiments_changed_params_win_as_a_set_does(tmp_path, monkeypatch):
     """Inside `dvc exp run -S featcal.alpha=0.5` (DVC_EXP_BASELINE_REV set), the keys the
     experiment changed against the baseline commit's params file are the user's --set."""
-    from featcal.flows.selection import candidate_overrides
+    from featcal.flows.selection_record import candidate_overrides
     from featcal_cli.step_runner import BASELINE, experiment_set
 
     root = Path(__file__).resolve().parents[1] / "params.yaml"
@@ -317,8 +317,10 @@ def test_run_chooses_a_candidate_and_runs_it(tmp_path, prefect_api):
     # again from the params as asked for, and keeps the record's key (it once wrote "no select:")
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    from featcal.flows.selection import select_step
+
     with temporary_settings(updates={PREFECT_API_URL: prefect_api}):
-        again = steps.select()
+        again = select_step(steps)
     assert again["key"] == record["key"] and again["winner"] == record["winner"]
     assert [c["mean"] for c in again["candidates"]] == [c["mean"] for c in record["candidates"]]
     assert Steps(load_params(params_path, user)).selection["winner"] == record["winner"]

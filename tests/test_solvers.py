@@ -7,6 +7,7 @@ import torch
 
 from featcal_core.errors import FeatCalError
 from featcal_core.method import solvers, statistics
+from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.norm_statistics import NormStats
 from featcal_core.method.solvers import anchor
 from featcal_core.method.statistics import LinearInputStats
@@ -77,16 +78,17 @@ def test_linear_weight_and_bias_match_brute_force(lam, alpha, via_x, token_chunk
     tasks, (mw, bw, mb, bb) = _tasks(1, d_in, d_out)
     a_w, a_b = anchor(mw, bw, rho), anchor(mb, bb, rho)
     stats = LinearInputStats(
-        d_in, {"lin": (d_out, True)}, torch.device("cpu"), tokens_hint=40 if via_x else None
-    )
+        d_in, {"lin": (d_out, True)}, torch.device("cpu"), tokens_hint=40 if via_x else None,
+        params=FeatCalParams(alpha=alpha, rho=rho, lam=lam, eps=eps),
+    )  # fmt: skip
     assert stats.via_x == via_x
     for t in tasks:
         params = {"lin": (t["W"], t["b"])}
         for part in range(2):  # two batches per task: accumulation across batches
             sl = slice(part * 20, (part + 1) * 20)
-            stats.add(t["x_s"][sl], t["x_e"][sl], t["w"][sl], alpha, params)
-        stats.end_task(eps, alpha, params)
-    weight, bias = stats.solve(lam, eps, {"lin": (a_w, a_b)})["lin"]
+            stats.add(t["x_s"][sl], t["x_e"][sl], t["w"][sl], params)
+        stats.end_task(params)
+    weight, bias = stats.solve({"lin": (a_w, a_b)})["lin"]
     ref_w, ref_b = _brute_linear(tasks, alpha, lam, eps, a_w, a_b)
     torch.testing.assert_close(weight, ref_w, rtol=1e-7, atol=1e-9)
     torch.testing.assert_close(bias, ref_b, rtol=1e-7, atol=1e-9)
@@ -95,20 +97,22 @@ def test_linear_weight_and_bias_match_brute_force(lam, alpha, via_x, token_chunk
 def test_linear_shared_input_matches_separate_groups():
     """q/k/v sharing one Gram matrix gives the same result as solving each alone."""
     tasks, _ = _tasks(2, 5, 3)
-    together = LinearInputStats(5, {"q": (3, True), "k": (3, False)}, torch.device("cpu"))
-    alone = {n: LinearInputStats(5, {n: (3, n == "q")}, torch.device("cpu")) for n in ("q", "k")}
+    hp = FeatCalParams(alpha=0.3, lam=0.0, eps=1e-8)
+    together = LinearInputStats(5, {"q": (3, True), "k": (3, False)}, torch.device("cpu"), params=hp)
+    alone = {n: LinearInputStats(5, {n: (3, n == "q")}, torch.device("cpu"), params=hp)
+             for n in ("q", "k")}  # fmt: skip
     for t in tasks:
         params = {"q": (t["W"], t["b"]), "k": (2 * t["W"], None)}
-        together.add(t["x_s"], t["x_e"], t["w"], 0.3, params)
+        together.add(t["x_s"], t["x_e"], t["w"], params)
         for n, s in alone.items():
-            s.add(t["x_s"], t["x_e"], t["w"], 0.3, {n: params[n]})
-        together.end_task(1e-8, 0.3, params)
+            s.add(t["x_s"], t["x_e"], t["w"], {n: params[n]})
+        together.end_task(params)
         for n, s in alone.items():
-            s.end_task(1e-8, 0.3, {n: params[n]})
-    solved = together.solve(0.0, 1e-8, {})
+            s.end_task({n: params[n]})
+    solved = together.solve({})
     for n in ("q", "k"):
         w1, b1 = solved[n]
-        w2, b2 = alone[n].solve(0.0, 1e-8, {})[n]
+        w2, b2 = alone[n].solve({})[n]
         torch.testing.assert_close(w1, w2)
         assert (b1 is None) == (n == "k")
 
@@ -184,12 +188,13 @@ def test_large_lambda_tends_to_anchor():
     a_w, a_b = anchor(mw, bw, 2.0), anchor(mb, bb, 2.0)
     errors = []
     for lam in (1e0, 1e3, 1e6):
-        stats = LinearInputStats(4, {"lin": (3, True)}, torch.device("cpu"))
+        hp = FeatCalParams(alpha=0.25, lam=lam, eps=1e-8)
+        stats = LinearInputStats(4, {"lin": (3, True)}, torch.device("cpu"), params=hp)
         for t in tasks:
             params = {"lin": (t["W"], t["b"])}
-            stats.add(t["x_s"], t["x_e"], t["w"], 0.25, params)
-            stats.end_task(1e-8, 0.25, params)
-        weight, bias = stats.solve(lam, 1e-8, {"lin": (a_w, a_b)})["lin"]
+            stats.add(t["x_s"], t["x_e"], t["w"], params)
+            stats.end_task(params)
+        weight, bias = stats.solve({"lin": (a_w, a_b)})["lin"]
         errors.append(float((weight - a_w).abs().max() + (bias - a_b).abs().max()))
     assert errors[0] > errors[1] > errors[2]
     assert errors[2] < 1e-4

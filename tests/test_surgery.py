@@ -117,7 +117,7 @@ def test_surgery_head_puts_the_module_between_features_and_head(pool, trained):
         want = linear(module(features(**inputs)))
         got = SurgeryHead(head, module).classifier(pool.merged, CPU)(**inputs)
     torch.testing.assert_close(got, want)
-    narrow, _ = fit_surgery(torch.randn(4, 8), torch.randn(4, 8), steps=1,
+    narrow, _ = fit_surgery(torch.randn(4, 8), torch.randn(4, 8), rank=4, steps=1,
                             generator=torch.Generator().manual_seed(0))  # fmt: skip
     with pytest.raises(FeatCalError, match="width 8 but the head reads 32 features"):
         SurgeryHead(head, narrow).parts(pool.merged, CPU)
@@ -172,5 +172,5 @@ def test_cli_writes_what_the_api_writes(pool, tmp_path, capsys):
         cli, api = (tmp_path / d / task / SURGERY_WEIGHTS for d in ("cli", "api"))
         assert cli.read_bytes() == api.read_bytes()
     assert main([*args, "--out", str(tmp_path / "bad"), "--rank", "0"]) == 2
-    assert "--rank must be a positive integer" in capsys.readouterr().err
+    assert "--rank must be a whole number >= 1 (got 0)" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()

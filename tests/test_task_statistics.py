@@ -9,6 +9,7 @@ import torch
 import factories
 from featcal_core.errors import FeatCalError
 from featcal_core.method.calibration import Calibration
+from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.norm_statistics import NormStats
 from featcal_core.method.statistics import LinearInputStats
 from featcal_core.method.streams import EXPERT, STUDENT, HiddenStreams
@@ -32,22 +33,23 @@ def _batches(seed: int, tasks: int, d_in: int, d_out: int):
 def test_linear_contributions_merged_elsewhere_equal_end_task(via_x):
     hint = 30 if via_x else None
     tasks = _batches(0, 3, 6, 4)
-    in_place = LinearInputStats(6, {"q": (4, True)}, CPU, hint)
-    merged_only = LinearInputStats(6, {"q": (4, True)}, CPU, hint)
+    hp = FeatCalParams(alpha=0.3, lam=0.05, eps=1e-8)
+    in_place = LinearInputStats(6, {"q": (4, True)}, CPU, hint, params=hp)
+    merged_only = LinearInputStats(6, {"q": (4, True)}, CPU, hint, params=hp)
     for x_s, x_e, w, params in tasks:
-        in_place.add(x_s, x_e, w, 0.3, params)
-        in_place.end_task(1e-8, 0.3, params)
-        apart = LinearInputStats(6, {"q": (4, True)}, CPU, hint)  # a fresh one per task
-        apart.add(x_s, x_e, w, 0.3, params)
+        in_place.add(x_s, x_e, w, params)
+        in_place.end_task(params)
+        apart = LinearInputStats(6, {"q": (4, True)}, CPU, hint, params=hp)  # one per task
+        apart.add(x_s, x_e, w, params)
         merged_only.merge(
-            {k: v.clone() for k, v in apart.task_contribution(1e-8, 0.3, params).items()}
+            {k: v.clone() for k, v in apart.task_contribution(params).items()}
         )
     assert merged_only._task_gram is None  # an accumulator that only merges has no task buffers
     assert torch.equal(in_place.gram, merged_only.gram)
     assert in_place.scale_sum == merged_only.scale_sum
     anchors = {"q": (torch.ones(4, 6, dtype=torch.float64), torch.ones(4, dtype=torch.float64))}
-    a = in_place.solve(0.05, 1e-8, anchors)["q"]
-    b = merged_only.solve(0.05, 1e-8, anchors)["q"]
+    a = in_place.solve(anchors)["q"]
+    b = merged_only.solve(anchors)["q"]
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -66,14 +68,16 @@ def test_one_accumulator_reused_across_tasks_equals_a_fresh_one_per_task(via_x, 
         params = {name: (torch.randn(d, 6, generator=g), torch.randn(d, generator=g))
                   for name, (d, _) in modules.items()}  # fmt: skip
         tasks.append((x_s, x_e, torch.rand(30, generator=g), params))
-    reused = LinearInputStats(6, modules, CPU, hint, precision=precision, keeps_buffers=True)
+    hp = FeatCalParams(alpha=0.3, eps=1e-8)
+    reused = LinearInputStats(6, modules, CPU, hint, precision=precision, keeps_buffers=True,
+                              params=hp)  # fmt: skip
     for x_s, x_e, w, params in tasks:
-        fresh = LinearInputStats(6, modules, CPU, hint, precision=precision)
+        fresh = LinearInputStats(6, modules, CPU, hint, precision=precision, params=hp)
         for acc in (reused, fresh):
-            acc.add(x_s[:20], x_e[:20], w[:20], 0.3, params)
-            acc.add(x_s[20:], x_e[20:], w[20:], 0.3, params)
-        mine = {k: v.clone() for k, v in reused.task_contribution(1e-8, 0.3, params).items()}
-        theirs = fresh.task_contribution(1e-8, 0.3, params)
+            acc.add(x_s[:20], x_e[:20], w[:20], params)
+            acc.add(x_s[20:], x_e[20:], w[20:], params)
+        mine = {k: v.clone() for k, v in reused.task_contribution(params).items()}
+        theirs = fresh.task_contribution(params)
         assert mine.keys() == theirs.keys()
         for key, value in theirs.items():
             assert torch.equal(mine[key], value), key

@@ -268,7 +268,7 @@ def test_default_params_use_the_vision_zoo_and_dvc_builds_it():
     assert params.select is not None and params.select.score == "agreement"
     names = [c.name for c in params.select.candidates]
     assert "paper" in names and "tuned-ties" in names
-    from featcal.flows.selection import check_candidates
+    from featcal.flows.selection_record import check_candidates
 
     check_candidates(params)
     with open(os.path.join(root, "dvc.yaml")) as handle:

@@ -9,7 +9,7 @@ keeps all real tokens at 1 (sentence-transformers models such as all-MiniLM-L6-v
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -62,7 +62,7 @@ class HFBert(Architecture):
         token_types = inputs.get("token_type_ids")
         if token_types is None:
             token_types = torch.zeros_like(ids)
-        return stem.embeddings(input_ids=ids, token_type_ids=token_types)
+        return cast(_Stem, stem).embeddings(input_ids=ids, token_type_ids=token_types)
 
     def build_block(self, dtype: torch.dtype) -> nn.Module:
         from transformers.models.bert.modeling_bert import BertLayer

@@ -8,7 +8,7 @@ Stem: patch + class + position embeddings, then `pre_layrnorm`. Blocks: `CLIPEnc
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -63,8 +63,9 @@ class HFCLIPVision(Architecture):
         return _Stem(self.hf_config).to(dtype).eval()
 
     def run_stem(self, stem: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        pixels = inputs["pixel_values"].to(stem.pre_layrnorm.weight.dtype)
-        return stem.pre_layrnorm(stem.embeddings(pixels))
+        own = cast(_Stem, stem)  # what build_stem built
+        pixels = inputs["pixel_values"].to(own.pre_layrnorm.weight.dtype)
+        return own.pre_layrnorm(own.embeddings(pixels))
 
     def build_block(self, dtype: torch.dtype) -> nn.Module:
         from transformers.models.clip.modeling_clip import CLIPEncoderLayer
@@ -89,7 +90,9 @@ class HFCLIPVision(Architecture):
             ) from exc
         images = [_as_rgb(row) for row in rows]
         pixels = processor(images=images, return_tensors="pt")["pixel_values"]
-        tokens = 1 + (self.hf_config.image_size // self.hf_config.patch_size) ** 2
+        cfg = self.hf_config
+        side = cfg.image_size // cfg.patch_size  # type: ignore[operator]  # ints in CLIP configs
+        tokens = 1 + side**2
         return {"pixel_values": pixels, "attention_mask": torch.ones(len(images), tokens)}
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 import transformers
@@ -99,7 +99,7 @@ class HFLlama(Architecture):
         return _Stem(cfg.vocab_size, cfg.hidden_size, cfg.pad_token_id).to(dtype).eval()
 
     def run_stem(self, stem: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return stem.embed_tokens(inputs["input_ids"])
+        return cast(_Stem, stem).embed_tokens(inputs["input_ids"])
 
     def build_block(self, dtype: torch.dtype) -> nn.Module:
         return self._layer_cls(self.hf_config, layer_idx=0).to(dtype).eval()

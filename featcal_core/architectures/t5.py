@@ -18,7 +18,7 @@ other token 1; the cross-attention k/v are weighted by the encoder tokens' mask.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -121,10 +121,10 @@ class HFT5(Architecture):
         return _Stem(cfg.vocab_size, cfg.d_model).to(dtype).eval()
 
     def run_stem(self, stem: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return stem.shared(inputs["input_ids"])
+        return cast(_Stem, stem).shared(inputs["input_ids"])
 
     def run_decoder_stem(self, stem: nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return stem.shared(inputs["input_ids"])
+        return cast(_Stem, stem).shared(inputs["input_ids"])
 
     def build_block(self, dtype: torch.dtype, kind: str = "encoder") -> nn.Module:
         from transformers.models.t5.modeling_t5 import T5Block

@@ -38,6 +38,7 @@ EVALUATION_BATCH = 256
 
 def _local_identity(source: DataSource) -> tuple[str, str | None]:
     """(resolved directory, split); the split is None for a plain Dataset directory."""
+    assert source.path is not None  # a local source (as_data_source checks it)
     path = os.path.realpath(os.path.expanduser(source.path))
     if not os.path.isfile(os.path.join(path, "dataset_dict.json")):
         return path, None  # one Dataset: every split name means the same rows
@@ -50,6 +51,7 @@ def same_data(first: DataSource, second: DataSource) -> bool:
     if first.kind != second.kind:
         return False
     if first.kind == "hub":
+        assert first.hub is not None and second.hub is not None  # what kind "hub" means
         return (first.hub.lower(), first.config, first.split) == (
             second.hub.lower(),
             second.config,

@@ -121,7 +121,7 @@ def _resolve_columns(
     configured = input_column(data, source, key, modality, configured)
     available = data.column_names
     label_named = label_override or source.label_column
-    label = label_named or LABEL
+    label: str | None = label_named or LABEL
     if label not in available:
         if label_named is not None:
             raise FeatCalError(
@@ -190,6 +190,7 @@ def draw_calibration_set(
             )
     out_dir = Path(out_dir)
     if source.kind == "local":
+        assert source.path is not None  # a local source (as_data_source checks it)
         _check_no_overlap(Path(os.path.expanduser(source.path)), out_dir, key)
 
     data, split = open_rows(source, key, trust_remote_code)
@@ -231,7 +232,7 @@ def draw_calibration_set(
         {new: data.features[old] for old, new in zip(kept, names, strict=True)}
         | {SOURCE_ROW: datasets.Value("int64")}
     )
-    description = {
+    description: dict[str, Any] = {
         "task": task,
         "source": source.describe(),
         "source_identity": list(source.identity()),

@@ -32,6 +32,7 @@ class DataSource:
         if self.hub is not None:  # (a revision only when given: older records stay equal)
             pinned = () if self.revision is None else (self.revision,)
             return ("hub", self.hub, self.config, self.split, *pinned)
+        assert self.path is not None  # a local source (as_data_source checks it)
         return ("local", os.path.normpath(os.path.expanduser(self.path)), self.split)
 
     def describe(self) -> str:

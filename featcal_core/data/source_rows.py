@@ -87,7 +87,7 @@ def dataset_commit(source: DataSource) -> str | None:
 
 def _datasets_offline() -> bool:
     """True under HF_HUB_OFFLINE or HF_DATASETS_OFFLINE (the Hub is not asked)."""
-    from featcal_core.provenance.resolve import _TRUE, _offline
+    from featcal_core.provenance.hub import _TRUE, _offline
 
     return _offline() or (os.environ.get("HF_DATASETS_OFFLINE") or "").upper() in _TRUE
 
@@ -95,6 +95,7 @@ def _datasets_offline() -> bool:
 def _open_hub(source: DataSource, key: str, trust_remote_code: bool) -> datasets.Dataset:
     import datasets
 
+    assert source.hub is not None  # what kind "hub" means
     try:
         data = load_hub_split(source.hub, source.config, source.split, source.revision,
                               trust_remote_code=trust_remote_code)  # fmt: skip
@@ -189,6 +190,7 @@ def _cached_split(name: str, config: str | None, split: str) -> datasets.Dataset
 def _open_local(source: DataSource, key: str) -> tuple[datasets.Dataset, str | None]:
     import datasets
 
+    assert source.path is not None  # a local source (as_data_source checks it)
     path = Path(os.path.expanduser(source.path))
     split = source.split
     if not path.exists():

@@ -174,7 +174,7 @@ def _t5(config: dict, base_dir: Path):
 
     tokenizer = t5_tokenizer()
     settings = {k: v for k, v in config.items() if k not in T5_POOL_KEYS}
-    hf_config = T5Config(
+    hf_config = T5Config(  # type: ignore[call-arg]  # decoder_start_token_id: a **kwargs key
         vocab_size=len(tokenizer),
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

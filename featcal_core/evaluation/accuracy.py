@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.dataset import _check_labels, _load_split
@@ -121,6 +122,7 @@ def evaluate_linears(
     data = data.select_columns([input_column])
 
     target = _device(device)
+    heads: dict[str, nn.Linear | None]
     if list(linears.values()) == [None]:  # the head's own classifier (an expert: its forward)
         features, heads = head.classifier(model_dir, target), {name: None for name in linears}
     else:  # the tower once, then each Linear on its features
@@ -136,8 +138,11 @@ def evaluate_linears(
     bar = tqdm(starts, desc=f"evaluate {Path(model_dir).name}", unit="batch", disable=not progress)
     for start in bar:
         key = (str(dataset_dir), split, total, input_column, start, batch_size)
-        prepared = batches.get(key, lambda start=start: head.preprocess(
-            data[start : start + batch_size][input_column]))  # fmt: skip
+
+        def make(start: int = start) -> dict[str, torch.Tensor]:
+            return head.preprocess(data[start : start + batch_size][input_column])
+
+        prepared = batches.get(key, make)
         with autocast(precision, target):
             found = features(**{k: v.to(target) for k, v in prepared.items()}).float()
         batch_labels = labels[start : start + batch_size].to(target)

@@ -77,8 +77,11 @@ def head_outputs(
     batches = batches if batches is not None else InputBatches(0)
     for start in range(0, len(data), batch_size):
         key = (str(inputs_dir), len(data), column, start, batch_size)
-        prepared = batches.get(key, lambda start=start: head.preprocess(
-            data[start : start + batch_size][column]))  # fmt: skip
+
+        def make(start: int = start) -> dict[str, torch.Tensor]:
+            return head.preprocess(data[start : start + batch_size][column])
+
+        prepared = batches.get(key, make)
         with autocast(precision, target):
             found = features_of(**{k: v.to(target) for k, v in prepared.items()}).float()
         features.append(found.cpu())

@@ -198,6 +198,7 @@ class ExpertHead(Head):
 
     def parts(self, model_dir: str | Path, device: torch.device) -> tuple[nn.Module, nn.Linear]:
         model = self._with_tower(model_dir)
+        linear: nn.Linear | None
         if self.linear_file is not None:
             features: nn.Module = _PooledOutput(model)
             linear = _linear(self.linear_file.weight, self.linear_file.bias)

@@ -56,7 +56,7 @@ def load_causal_lm(
     kind = kind or generation_kind(model_dir)
     loader = AutoModelForSeq2SeqLM if kind == "seq2seq" else AutoModelForCausalLM
     try:
-        model = loader.from_pretrained(str(model_dir), dtype=torch.float32)
+        model: torch.nn.Module = loader.from_pretrained(str(model_dir), dtype=torch.float32)
     except Exception as exc:
         raise FeatCalError(
             f"{model_dir}: cannot load a causal language model ({exc}); pass a save_pretrained "

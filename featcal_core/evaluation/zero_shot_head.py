@@ -153,7 +153,7 @@ class ZeroShotHead(Head):
                 f"CLIP base {self.clip_dir}: cannot load CLIPModel ({exc}); re-save the base "
                 "CLIPModel with save_pretrained"
             ) from exc
-        model = model.to(device).eval()
+        model = model.to(device).eval()  # type: ignore[arg-type]  # @wraps(to) loses self
         tokenizer = _tokenizer(self.clip_dir, "CLIP base")
         limit = int(model.config.text_config.max_position_embeddings)
         texts = [t.format(name) for name in self.class_names for t in self.templates]

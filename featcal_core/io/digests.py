@@ -1,4 +1,5 @@
-"""File digests that outlive the process: a small SQLite store of sha256 by file identity.
+"""File digests: `sha256_file`, remembered in the process and, through a small SQLite store of
+sha256 by file identity, across processes.
 
 Every pipeline step runs in a new process and checks the weight files it reads against their
 recorded sha256 (reuse only what verifies). At LLM scale that is gigabytes read per step just to
@@ -14,6 +15,7 @@ it through SQLite's own locking; any failure to read or write it only costs a re
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sqlite3
@@ -87,3 +89,31 @@ def record(identity: Identity, sha256: str) -> None:
         log.debug("digest store: not recorded (%s)", exc)
     finally:
         connection.close()
+
+
+#: digests of files this process has hashed, keyed by (device, inode, size, mtime, ctime): any
+#: write or rename changes ctime, so a changed file is always read again
+_DIGESTS: dict[Identity, str] = {}
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    """Hex sha256 of a file's bytes, remembered while the file is unchanged: in this process and,
+    for files of at least `MIN_BYTES`, across processes (the store)."""
+    with open(path, "rb") as handle:
+        st = os.fstat(handle.fileno())
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        cached = _DIGESTS.get(key)
+        if cached is not None:
+            return cached
+        stored = st.st_size >= MIN_BYTES
+        cached = lookup(key) if stored else None
+        if cached is not None:
+            _DIGESTS[key] = cached
+            return cached
+        digest = hashlib.sha256()
+        while block := handle.read(chunk):
+            digest.update(block)
+    _DIGESTS[key] = digest.hexdigest()
+    if stored:
+        record(key, _DIGESTS[key])
+    return _DIGESTS[key]

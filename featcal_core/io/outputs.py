@@ -1,6 +1,6 @@
 """The one guarded writer: every file and directory featcal writes goes through this module.
 
-Guarantees, each kept here and nowhere else:
+Guarantees, each kept here (or in the `featcal_core/io` module named) and nowhere else:
 - **Checked before any work** (`check_target`): an output is never `/`, the home directory, an
   input, the inside of an input, a folder that holds an input, or outside its declared root.
 - **Only our own files are replaced**: a directory written here carries a marker, `MARKER`
@@ -23,9 +23,9 @@ Guarantees, each kept here and nowhere else:
   one whose folder, resolved, leaves that marked folder (a symlinked subfolder pointing at the
   user's files).
 - **Reuse only what verifies**: `verify_output` re-hashes a marked directory against its marker;
-  `verify_file` a record against its folder's marker.
+  `verify_file` a record against its folder's marker (both in `markers.py`, with the marker).
 - **OSError becomes one line**: a failed write (disk full, read-only, permission) raises
-  FeatCalError naming the target and what is needed.
+  FeatCalError naming the target and what is needed (`write_errors.oserror`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import contextlib
 import ctypes
 import errno
 import glob
-import hashlib
 import json
 import logging
 import os
@@ -44,41 +43,19 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from featcal_core.errors import FeatCalError
-from featcal_core.io import digests, failpoints
+from featcal_core.io import failpoints
+from featcal_core.io.digests import sha256_file
+from featcal_core.io.markers import MARKER, RESULTS, foreign_files, read_marker
+from featcal_core.io.markers import verify_file as verify_file
+from featcal_core.io.markers import verify_output as verify_output
+from featcal_core.io.restored import restored_files
 from featcal_core.io.run_lock import LOCK_NAME
+from featcal_core.io.write_errors import oserror
 
 log = logging.getLogger(__name__)
 
-#: the marker file of every directory this tool writes
-MARKER = ".featcal-output.json"
 TEMP_TAG = ".featcal-tmp-"
 OLD_TAG = ".featcal-old-"
-#: digests of files this process has hashed, keyed by (device, inode, size, mtime, ctime): any
-#: write or rename changes ctime, so a changed file is always read again
-_DIGESTS: dict[tuple[int, int, int, int, int], str] = {}
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
-    """Hex sha256 of a file's bytes, remembered while the file is unchanged: in this process and,
-    for files of at least `digests.MIN_BYTES`, across processes (featcal_core/io/digests.py)."""
-    with open(path, "rb") as handle:
-        st = os.fstat(handle.fileno())
-        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-        cached = _DIGESTS.get(key)
-        if cached is not None:
-            return cached
-        stored = st.st_size >= digests.MIN_BYTES
-        cached = digests.lookup(key) if stored else None
-        if cached is not None:
-            _DIGESTS[key] = cached
-            return cached
-        digest = hashlib.sha256()
-        while block := handle.read(chunk):
-            digest.update(block)
-    _DIGESTS[key] = digest.hexdigest()
-    if stored:
-        digests.record(key, _DIGESTS[key])
-    return _DIGESTS[key]
 
 
 # ------------------------------------------------------------------------------ temporary names
@@ -220,42 +197,6 @@ def check_target(
     return path
 
 
-def read_marker(directory: Path) -> dict | None:
-    """The marker of `directory` ({"tool", "files": {relative path: sha256}}), or None."""
-    try:
-        marker = json.loads((Path(directory) / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(marker, dict) or marker.get("tool") != "featcal":
-        return None
-    if not isinstance(marker.get("files"), dict):
-        return None
-    return marker
-
-
-def foreign_files(directory: Path) -> list[Path]:
-    """Files under `directory` that no marker lists (the nearest marked folder above each file
-    decides); all of them when `directory` itself has no marker."""
-    directory = Path(directory)
-    foreign: list[Path] = []
-
-    def visit(folder: Path, marker: dict | None, prefix: Path) -> None:
-        own = read_marker(folder)
-        if own is not None:
-            marker, prefix = own, Path()
-        for path in sorted(folder.iterdir()):
-            name = prefix / path.name
-            if path.is_dir() and not path.is_symlink():
-                visit(path, marker, name)
-            elif path.name == MARKER and own is not None:
-                continue
-            elif marker is None or str(name) not in marker["files"]:
-                foreign.append(path)
-
-    visit(directory, None, Path())
-    return foreign
-
-
 def check_replaceable(out: Path, flag: str = "--out") -> None:
     """An existing `out` may be replaced: a directory holding only files this tool wrote."""
     out = Path(out)
@@ -279,41 +220,6 @@ def check_replaceable(out: Path, flag: str = "--out") -> None:
             f"{flag} {out} holds {foreign[0]}, which featcal did not write; move that file away "
             f"or choose another {flag} (left untouched)"
         )
-
-
-def verify_output(directory: Path) -> str | None:
-    """None when every file the marker lists exists with its sha256 and nothing else is there;
-    otherwise one line saying what is wrong (a missing, changed or unlisted file)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return f"{directory} does not exist"
-    marker = read_marker(directory)
-    if marker is None:
-        return f"{directory} has no {MARKER}"
-    for name, digest in sorted(marker["files"].items()):
-        path = directory / name
-        if not path.is_file():
-            return f"{path} is missing"
-        if sha256_file(path) != digest:
-            return f"{path} changed since it was written (sha256 differs)"
-    foreign = foreign_files(directory)
-    if foreign:
-        return f"{foreign[0]} was not written by featcal"
-    return None
-
-
-def verify_file(path: str | Path) -> str | None:
-    """None when `path` is a file its folder's marker lists with this sha256; otherwise one line
-    saying what is wrong (missing, not written by featcal, changed since written)."""
-    path = Path(path)
-    if not path.is_file():
-        return f"{path} is missing"
-    marker = read_marker(path.parent)
-    if marker is None or path.name not in marker["files"]:
-        return f"{path} was not written by featcal (its folder's {MARKER} does not list it)"
-    if sha256_file(path) != marker["files"][path.name]:  # through a DVC cache link too
-        return f"{path} changed since featcal wrote it (sha256 differs from {MARKER})"
-    return None
 
 
 def _absolute(path: Path) -> Path:
@@ -404,19 +310,6 @@ def mark_directory(directory: Path) -> None:
 
     visit(directory, Path())
     _write_marker(directory, files)
-
-
-def oserror(exc: OSError, target: Path, flag: str) -> FeatCalError:
-    """The one line for a failed write of `target`: what failed and what is needed."""
-    need = {
-        errno.ENOSPC: "free space on that filesystem",
-        errno.EDQUOT: "free space on that filesystem (quota)",
-        errno.EROFS: "the filesystem is read-only; choose a writable place",
-        errno.EACCES: "you lack permission there; choose a place you can write",
-        errno.EPERM: "you lack permission there; choose a place you can write",
-    }.get(exc.errno, "check the path")
-    what = exc.strerror or str(exc)
-    return FeatCalError(f"cannot write {flag} {target}: {what}; {need} (left as it was)")
 
 
 def check_output(
@@ -589,10 +482,6 @@ def write_json(path: str | Path, data: object, flag: str = "output file") -> Pat
     return write_file(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n", flag)
 
 
-#: the `kind` of a results folder's root marker (`featcal run`, the steps, the calibration flow)
-RESULTS = "results"
-
-
 def _leftover(name: str) -> bool:
     """A name featcal leaves in a folder it writes: the run lock, a temporary or an old output."""
     return name == LOCK_NAME or (name.startswith(".") and (TEMP_TAG in name or OLD_TAG in name))
@@ -628,8 +517,6 @@ def check_root(root: str | Path, *, inputs: Iterable[str | Path | None] = (),
     if not entries:
         return None
     if kind == RESULTS:
-        from featcal_core.io.restored import restored_files
-
         return restored_files(path, entries, flag)
     raise FeatCalError(
         f"{flag} {root} is a folder featcal did not create (it holds {entries[0]}); choose a new "

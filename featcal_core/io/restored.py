@@ -7,7 +7,7 @@ is adopted only when **every** entry in it is one of:
 
 - a file that the DVC project's `dvc.lock` records as a stage output, with the same md5;
 - a folder that `dvc.lock` records as a stage output, every file of which a featcal marker inside
-  it lists with its sha256 (`outputs.verify_output` on each marked folder: the calibration sets,
+  it lists with its sha256 (`markers.verify_output` on each marked folder: the calibration sets,
   the checkpoints, the plots), or whose own marker says it is a results folder (the calibration
   flow's `calibration/`, checked when it is used).
 
@@ -26,7 +26,8 @@ from pathlib import Path
 import yaml
 
 from featcal_core.errors import FeatCalError
-from featcal_core.io import outputs
+from featcal_core.io import markers
+from featcal_core.io.digests import sha256_file
 
 LOCK_FILE = "dvc.lock"
 
@@ -70,11 +71,11 @@ def _md5(path: Path) -> str:
 def _marked_tree_problem(folder: Path) -> str | None:
     """None when every file below `folder` is listed, with its sha256, by a featcal marker inside
     it; else what is wrong."""
-    marker = outputs.read_marker(folder)
-    if marker is not None and marker.get("kind") == outputs.RESULTS:
+    marker = markers.read_marker(folder)
+    if marker is not None and marker.get("kind") == markers.RESULTS:
         return None  # a results folder of its own (the calibration flow's): checked when used
     if marker is not None:
-        return outputs.verify_output(folder)
+        return markers.verify_output(folder)
     for entry in sorted(folder.iterdir()):
         if entry.is_symlink() or not entry.is_dir():
             return f"{entry} is not inside a folder featcal marked"
@@ -122,7 +123,7 @@ def restored_files(root: Path, entries: list[Path], flag: str) -> dict[str, str]
         elif not entry.is_file() or _md5(entry) != md5:  # a file: by content (a cache link too)
             problem = f"it holds {entry}, which differs from what {lock_file} records"
         else:
-            files[entry.name] = outputs.sha256_file(entry)
+            files[entry.name] = sha256_file(entry)
         if problem is not None:
             raise FeatCalError(
                 f"{flag} {root} is a folder featcal did not create ({problem}); choose a new or "

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from featcal_core.errors import FeatCalError
+from featcal_core.io.write_errors import oserror
 
 LOCK_NAME = ".featcal.lock"
 _held: dict[Path, tuple[int, int]] = {}  # lock path -> (depth, open file descriptor)
@@ -45,8 +46,6 @@ def _failed(exc: OSError, path: Path) -> FeatCalError:
             f"the run lock {path} is a symlink; featcal never writes through one; remove the "
             "link (its target is left untouched) and run again"
         )
-    from featcal_core.io.outputs import oserror
-
     return oserror(exc, path, "run lock")
 
 

@@ -122,14 +122,17 @@ class Reader:
         return self
 
     def __exit__(self, *exc) -> None:
+        assert self._fd is not None  # opened by __enter__
         os.close(self._fd)
         self._fd = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        assert self._fd is not None  # used inside `with` (opened by __enter__)
         return read_tensor(self._fd, self.entries[name])
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows start..stop-1 of tensor `name` (see `read_rows`)."""
+        assert self._fd is not None  # used inside `with` (opened by __enter__)
         return read_rows(self._fd, self.entries[name], start, stop)
 
 
@@ -176,7 +179,7 @@ def write_streaming(
                 if chunk.dtype != DTYPES[dtype]:
                     raise ValueError(f"{name}: expected {dtype} chunks, got {chunk.dtype}")
                 flat = chunk.detach().to("cpu").contiguous().reshape(-1)
-                handle.write(memoryview(flat.view(torch.uint8).numpy()))
+                handle.write(flat.view(torch.uint8).numpy().data)  # the bytes, as a memoryview
                 written += flat.numel()
             if written != math.prod(shape):
                 raise ValueError(f"{name}: wrote {written} entries, expected {math.prod(shape)}")

@@ -1,5 +1,6 @@
-"""Registry of merge methods. Adding a method means adding one module in this package that
-defines a `MergeMethod` subclass decorated with `@register`; it is imported automatically.
+"""Registry of merge methods, listed in `METHODS`: each method name and the module of this
+package that defines it (a `MergeMethod` subclass decorated with `@register`). Adding a method
+means adding one module and its line in `METHODS`.
 
     from featcal_core.merging import available, get
     from featcal_core.merging.run import merge_checkpoints
@@ -7,21 +8,28 @@ defines a `MergeMethod` subclass decorated with `@register`; it is imported auto
 
 from __future__ import annotations
 
-import ast
 import importlib
-import pkgutil
 import typing
-from pathlib import Path
 
 from featcal_core.errors import FeatCalError
 
 if typing.TYPE_CHECKING:
     from featcal_core.merging.base import MergeMethod
 
-REGISTRY: dict[str, type[MergeMethod]] = {}
+#: every built-in merge method: its name and the module that defines it
+METHODS: dict[str, str] = {
+    "average": "average",
+    "breadcrumbs": "breadcrumbs",
+    "dare_task_arithmetic": "dare",
+    "dare_ties": "dare",
+    "iso_c": "iso",
+    "iso_cts": "iso",
+    "task_arithmetic": "task_arithmetic",
+    "ties": "ties",
+    "tsv_m": "tsv",
+}
 
-#: modules of this package that define no method
-_NOT_METHODS = {"base", "run", "selection"}
+REGISTRY: dict[str, type[MergeMethod]] = {}
 
 
 def register(cls: type[MergeMethod]) -> type[MergeMethod]:
@@ -41,9 +49,8 @@ def register(cls: type[MergeMethod]) -> type[MergeMethod]:
 
 
 def _import_all() -> None:
-    for info in pkgutil.iter_modules(__path__):
-        if info.name not in _NOT_METHODS:
-            importlib.import_module(f"{__name__}.{info.name}")
+    for module in sorted(set(METHODS.values())):
+        importlib.import_module(f"{__name__}.{module}")
 
 
 def available() -> list[str]:
@@ -63,26 +70,10 @@ def __getattr__(name: str):
 
 
 def declared_names() -> list[str]:
-    """The names `available()` returns, read from the method modules' source without importing
-    them (no torch): each `@register` class's literal `name = "..."`. For the command line's
-    `--method` choices and help; `available()` stays the authority (a test keeps them equal)."""
-    names = set()
-    for info in pkgutil.iter_modules(__path__):
-        if info.name in _NOT_METHODS:
-            continue
-        tree = ast.parse(Path(__path__[0], f"{info.name}.py").read_text(encoding="utf-8"))
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ClassDef) and any(
-                isinstance(d, ast.Name) and d.id == "register" for d in node.decorator_list
-            ):
-                names.update(
-                    item.value.value
-                    for item in node.body
-                    if isinstance(item, ast.Assign)
-                    and any(isinstance(t, ast.Name) and t.id == "name" for t in item.targets)
-                    and isinstance(item.value, ast.Constant)
-                )
-    return sorted(names)
+    """The built-in methods' names (`METHODS`), without importing them (no torch): for the
+    command line's `--method` choices and help; `available()` also holds methods registered at
+    run time (a test keeps the built-in ones equal)."""
+    return sorted(METHODS)
 
 
 def get(name: str) -> MergeMethod:

@@ -17,7 +17,7 @@ class Average(MergeMethod):
     name = "average"
     defaults: dict[str, Any] = {}
 
-    def merge_tensor(
+    def merge_tensor(  # type: ignore[override]  # no `place`: takes_place is False
         self, base: torch.Tensor, experts: list[torch.Tensor], hp: dict[str, Any]
     ) -> torch.Tensor:
         """base (S, ignored), experts T × (S) → mean over experts, float64 (S)."""

@@ -30,7 +30,7 @@ import torch
 
 from featcal_core.merging import register
 from featcal_core.merging.base import MergeMethod, as_compute, real
-from featcal_core.merging.selection import gather_abs
+from featcal_core.merging.order_statistics import gather_abs
 
 
 def band_counts(numel: int, density: float, gamma: float) -> tuple[int, int, int]:
@@ -61,7 +61,7 @@ class Breadcrumbs(MergeMethod):
         real(hp, "gamma", self.name, at_least=0.0, below=1.0)
         real(hp, "scale", self.name)
 
-    def prepare(
+    def prepare(  # type: ignore[override]  # no `place`: takes_place is False
         self,
         task_vectors: Callable[[int], Iterator[torch.Tensor]],
         count: int,
@@ -86,7 +86,7 @@ class Breadcrumbs(MergeMethod):
             del magnitudes
         return bands
 
-    def merge_chunk(
+    def merge_chunk(  # type: ignore[override]  # no `place`: takes_place is False
         self,
         base: torch.Tensor,
         experts: list[torch.Tensor],

@@ -78,7 +78,7 @@ class _Isotropic(MergeMethod):
         """The merged update of one matrix (m × n), float64."""
         raise NotImplementedError
 
-    def merge_tensor(
+    def merge_tensor(  # type: ignore[override]  # no `place`: takes_place is False
         self, base: torch.Tensor, experts: list[torch.Tensor], hp: dict[str, Any]
     ) -> torch.Tensor:
         """base (S), experts T × (S) → θ0 + α · update (matrices) or mean τ_t, float64 (S)."""

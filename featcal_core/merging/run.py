@@ -23,7 +23,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ _OTHER_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5",
 
 def merge_checkpoints(
     base: str | Path,
-    experts: dict[str, str | Path],
+    experts: Mapping[str, str | Path],
     out: str | Path,
     method: str,
     hyperparameters: dict[str, Any] | None = None,
@@ -289,16 +289,20 @@ def _write_weights(
         def pairs_of(name: str) -> list[tuple[Checkpoint, str]] | None:
             """(expert, its tensor name) per expert when `name` is merged; None: copied."""
             others = [key_maps[task][name] for task in experts]
-            if not _is_float(base.tensors[name].dtype) or any(o is None for o in others):
+            found = [o for o in others if o is not None]
+            if not _is_float(base.tensors[name].dtype) or len(found) < len(others):
                 return None
-            return list(zip(experts.values(), others, strict=True))
+            return list(zip(experts.values(), found, strict=True))
 
         def task_vector_chunks(
             name: str, t: int, spans: list[tuple[int, int]] | None
         ) -> Iterator[torch.Tensor]:
             """Expert t's τ_t of tensor `name` in float64, whole or in the given row spans."""
-            expert, other = pairs_of(name)[t]
-            for span in spans or [None]:
+            pairs = pairs_of(name)
+            assert pairs is not None  # only merged tensors have task vectors
+            expert, other = pairs[t]
+            each: Sequence[tuple[int, int] | None] = spans or [None]
+            for span in each:
                 theta0 = as_compute(readers.read(base, name, span))
                 yield as_compute(readers.read(expert, other, span)).sub_(theta0)
 

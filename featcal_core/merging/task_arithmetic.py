@@ -23,7 +23,7 @@ class TaskArithmetic(MergeMethod):
     def validate(self, hp: dict[str, Any]) -> None:
         real(hp, "scale", self.name)
 
-    def merge_tensor(
+    def merge_tensor(  # type: ignore[override]  # no `place`: takes_place is False
         self, base: torch.Tensor, experts: list[torch.Tensor], hp: dict[str, Any]
     ) -> torch.Tensor:
         """base (S), experts T × (S) → θ0 + s · Σ_t (θ_t − θ0), float64 (S)."""

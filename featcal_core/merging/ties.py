@@ -20,7 +20,7 @@ Defaults: top_k 20 and λ = 1.0, the paper's. Differences from the paper's refer
 default trim is per tensor (`trim: global` is the paper's; "tensor" stays the default so earlier
 results do not change, and is left out of the record unless given); k rounds up (the reference
 code keeps int(n · top_k/100) + 1 at its threshold); an exact zero sign sum is not replaced by a
-majority sign. The global thresholds are exact (featcal_core.merging.selection: radix selection
+majority sign. The global thresholds are exact (featcal_core.merging.order_statistics: radix selection
 over a few streaming passes, never the whole task vector in memory).
 """
 
@@ -29,13 +29,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
 
 from featcal_core.merging import register
 from featcal_core.merging.base import MergeMethod, Place, as_compute, choice, real
-from featcal_core.merging.selection import gather_abs, kth_smallest_abs
+from featcal_core.merging.order_statistics import gather_abs, kth_smallest_abs
 
 log = logging.getLogger(__name__)
 
@@ -123,9 +124,7 @@ class Ties(MergeMethod):
             return [None] * count
         thresholds: list[float | None] = []
         for t in range(count):
-            thresholds.append(
-                kth_smallest_abs(lambda t=t: task_vectors(t), numel, numel - keep + 1)
-            )
+            thresholds.append(kth_smallest_abs(partial(task_vectors, t), numel, numel - keep + 1))
             log.info("ties: expert %d of %d: global trim threshold %.6g (%d of %d entries kept)",
                      t + 1, count, thresholds[-1], keep, numel)  # fmt: skip
         return thresholds
@@ -172,8 +171,9 @@ class Ties(MergeMethod):
 
         def trimmed(t: int) -> torch.Tensor:
             tau = as_compute(experts[t]).sub_(theta0)
-            if prepared[t] is not None:
-                tau.masked_fill_(tau.abs() < prepared[t], 0.0)
+            threshold = prepared[t]
+            if threshold is not None:
+                tau.masked_fill_(tau.abs() < threshold, 0.0)
             return tau
 
         merged = disjoint_mean(trimmed, len(experts), theta0)

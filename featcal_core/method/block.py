@@ -99,7 +99,8 @@ class BlockRunner:
             return
         if kind not in self._kinds:
             build = (lambda: self.arch.build_block(self.dtype)) if kind is None else (
-                lambda: self.arch.build_block(self.dtype, kind))  # fmt: skip
+                lambda: self.arch.build_block(  # type: ignore[call-arg]  # its arch takes a kind
+                    self.dtype, kind))  # fmt: skip
             merged = build().to(self.device).requires_grad_(False)
             expert = build().to(self.device).requires_grad_(False)
             norm_types = self.arch.norm_types + self.arch.rms_norm_types
@@ -111,7 +112,7 @@ class BlockRunner:
         (self.merged_block, self.expert_block, self.linears, self.norms, self.local_names,
          self.merged_capture, self.expert_capture) = self._kinds[kind]  # fmt: skip
         self._kind = kind
-        self._merged_index = None
+        self._merged_index: int | None = None
 
     def load(self, module: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         state = {name: tensors[name].to(self.device, self.dtype) for name in self.local_names}
@@ -283,12 +284,13 @@ class BlockRunner:
                 tokens = min(int(m.sum()) for m in masks.values())  # a hint for the cost
                 linear_stats, groups = linear_groups(self.arch, self.merged_block, self.linears,
                                                      x_s, last, tokens, self.device, self.products,
-                                                     self._reused if reuse else None)  # fmt: skip
+                                                     self._reused if reuse else None,
+                                                     params=params)  # fmt: skip
                 norm_stats = self._norm_stats()
             context_mask = None if context_s is None else context_s[1]
             with self.timed("statistics"):
                 accumulate(self.arch, self.linears, x_s, x_e, weighted, context_mask, last,
-                           params.alpha, groups, linear_stats, norm_stats, expert_params)  # fmt: skip
+                           groups, linear_stats, norm_stats, expert_params)  # fmt: skip
             del x_s, x_e
             sq, tok = drift_sums(out_m, out_e, self._drift_mask(weighted, last))
             sq_sum, tok_sum = sq_sum + sq, tok_sum + tok
@@ -304,13 +306,14 @@ class BlockRunner:
             for label, stats in linear_stats.items():
                 members = {name: expert_params[name] for name in stats.targets}
                 with tokens_needed(index, task, label):
-                    linear[label] = stats.task_contribution(params.eps, params.alpha, members,
-                                                            fallbacks=found, task=task)  # fmt: skip
-            for name, stats in norm_stats.items():
+                    linear[label] = stats.task_contribution(members, fallbacks=found,
+                                                            task=task)  # fmt: skip
+            for name, norm in norm_stats.items():
                 module = self.expert_block.get_submodule(name)
+                assert isinstance(module.weight, torch.Tensor)  # a norm's own γ
                 with tokens_needed(index, task, name):
-                    norms[name] = stats.task_contribution(module.weight,
-                                                          getattr(module, "bias", None))  # fmt: skip
+                    norms[name] = norm.task_contribution(module.weight,
+                                                         getattr(module, "bias", None))  # fmt: skip
         layout = {
             label: {"d_in": stats.d_in, "tokens": tokens, "modules": stats.modules}
             for label, stats in linear_stats.items()
@@ -355,6 +358,7 @@ class BlockRunner:
         norm_sums = self._norm_stats()
         stored: list[StoredStatistics] = []
         for number, task in enumerate(self.models.experts):
+            stats: TaskStatistics | StoredStatistics | Path
             if precomputed is None:
                 stats = self.task_statistics(index, task, source, target, masks, params,
                                              batch_size, reuse=scratch_dir is None)  # fmt: skip
@@ -379,7 +383,7 @@ class BlockRunner:
             else:
                 with self.timed("statistics"):
                     fold(linear_sums, norm_sums, stats.layout, stats.linear.get, stats.norms.get,
-                         self.device)  # fmt: skip
+                         self.device, params)  # fmt: skip
             del stats
         self._reused.clear()  # the per-task buffers: not held through the solves
 

@@ -17,14 +17,15 @@ from featcal_core.method.solvers import anchor
 from featcal_core.method.statistics import LinearInputStats
 
 
-def fold(linear_sums, norm_sums, layout, linear_of, norm_of, device, adopt=False) -> None:
+def fold(linear_sums, norm_sums, layout, linear_of, norm_of, device, params, adopt=False) -> None:
     """Add one task's contribution: for each group label in `layout`, linear_of(label) into
-    linear_sums[label] (created from the layout on `device` on first use); for each norm in
-    norm_sums, norm_of(name) into it (norm_of None: no norms). adopt: see LinearInputStats.merge."""
+    linear_sums[label] (created from the layout on `device` with FeatCal's `params` on first
+    use); for each norm in norm_sums, norm_of(name) into it (norm_of None: no norms). adopt: see
+    LinearInputStats.merge."""
     for label, lay in layout.items():
         if label not in linear_sums:
             linear_sums[label] = LinearInputStats(lay["d_in"], lay["modules"], device,
-                                                  lay["tokens"])  # fmt: skip
+                                                  lay["tokens"], params=params)  # fmt: skip
         linear_sums[label].merge(linear_of(label), adopt=adopt)
     if norm_of is not None:
         for name, sums in norm_sums.items():
@@ -40,19 +41,21 @@ def fold_and_solve(stored, norm_sums, merged_sd, base_sd, params, device, fallba
         linear_sums: dict[str, LinearInputStats] = {}
         for stats in stored:
             fold(linear_sums, {}, {label: stats.layout[label]},
-                 lambda g, stats=stats: stats.group("linear", g), None, device,
+                 lambda g, stats=stats: stats.group("linear", g), None, device, params,
                  adopt=True)  # fmt: skip
         solved.update(solve(linear_sums, {}, merged_sd, base_sd, params, device, fallbacks))
         del linear_sums
     for stats in stored:
-        fold({}, norm_sums, {}, None, lambda n, stats=stats: stats.group("norm", n), device)
+        fold({}, norm_sums, {}, None, lambda n, stats=stats: stats.group("norm", n), device,
+             params)  # fmt: skip
     solved.update(solve({}, norm_sums, merged_sd, base_sd, params, device, fallbacks))
     return solved
 
 
 def solve(linear_stats, norm_stats, merged_sd, base_sd, params, device, fallbacks=None):
-    """Solve every Linear group, then every norm; fallbacks and clamps go to `fallbacks`
-    (a `Fallbacks`; None: logged only)."""
+    """Solve every Linear group (with the λ and ε its accumulator holds), then every norm (with
+    `params`' λ and ε); fallbacks and clamps go to `fallbacks` (a `Fallbacks`; None: logged
+    only)."""
     lam, rho, eps = params.lam, params.rho, params.eps
     solved: dict[str, torch.Tensor] = {}
 
@@ -70,7 +73,7 @@ def solve(linear_stats, norm_stats, merged_sd, base_sd, params, device, fallback
         anchors = {
             name: (anchored(f"{name}.weight"), anchored(f"{name}.bias")) for name in stats.targets
         }
-        for name, (weight, bias) in stats.solve(lam, eps, anchors, fallbacks).items():
+        for name, (weight, bias) in stats.solve(anchors, fallbacks).items():
             keep(f"{name}.weight", weight)
             if bias is not None:
                 keep(f"{name}.bias", bias)

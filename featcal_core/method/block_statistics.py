@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from featcal_core.errors import FeatCalError
+from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.norm_statistics import NormStats
 from featcal_core.method.statistics import LinearInputStats, Scratch
 
@@ -65,10 +66,12 @@ def _pooled(arch, name: str, last: bool) -> bool:
 def linear_groups(
     arch, block: nn.Module, linears: list[str], captured: dict[str, torch.Tensor], last: bool,
     tokens: int, device: torch.device, precision: str = "float64", reuse: dict | None = None,
+    *, params: FeatCalParams,
 ):  # fmt: skip
     """Group Linear modules that read the same tensor with the same token weights; each group
     is labelled by its first module's name (stable across processes). `precision`: of the
-    token products (statistics.py). `reuse`: accumulators (and their scratch) kept from an
+    token products (statistics.py); `params`: FeatCal's α, λ, ε, which the accumulators hold
+    (statistics.py). `reuse`: accumulators (and their scratch) kept from an
     earlier task with the same group layout are taken from it, and new ones put in it, so the
     tasks of a block share their per-task buffers instead of allocating them (tens of MB per
     task: page faults and zeroing); the caller must fold or save one task's contributions (they
@@ -80,16 +83,19 @@ def linear_groups(
         label = labels.setdefault((id(captured[name]), _pooled(arch, name, last)), name)
         groups[name] = label
         module = block.get_submodule(name)
+        assert isinstance(module, nn.Linear)  # `linears` names Linear modules
         members.setdefault(label, {})[name] = (module.out_features, module.bias is not None)
     stats = {}
     kept = {} if reuse is None else reuse
     scratch = kept.setdefault("scratch", Scratch(device))
     for label, modules in members.items():
-        d_in = block.get_submodule(label).in_features
-        key = (label, d_in, tuple(modules.items()), tokens, precision)
+        first = block.get_submodule(label)
+        assert isinstance(first, nn.Linear)  # a label is a Linear's name
+        d_in = first.in_features
+        key = (label, d_in, tuple(modules.items()), tokens, precision, params)
         if key not in kept:
             kept[key] = LinearInputStats(d_in, modules, device, tokens, scratch, precision,
-                                         keeps_buffers=reuse is not None)  # fmt: skip
+                                         keeps_buffers=reuse is not None, params=params)  # fmt: skip
         stats[label] = kept[key]
     return stats, groups
 
@@ -104,12 +110,13 @@ def new_norm_stats(
         eps = float(getattr(module, "eps", getattr(module, "variance_epsilon", 1e-6)))
         rms = isinstance(module, rms_norm_types)
         has_bias = getattr(module, "bias", None) is not None
+        assert isinstance(module.weight, torch.Tensor)  # a norm's own γ
         out[name] = NormStats(module.weight.shape[0], eps, rms, has_bias, device)
     return out
 
 
 def accumulate(
-    arch, linears, x_s, x_e, mask, context_mask, last, alpha, groups, linear_stats, norm_stats,
+    arch, linears, x_s, x_e, mask, context_mask, last, groups, linear_stats, norm_stats,
     expert_params,
 ):  # fmt: skip
     """Add one batch's captured inputs (student x_s, expert x_e: module → (B, S, d)) to the
@@ -124,7 +131,7 @@ def accumulate(
         tokens = context_mask if arch.reads_context(name) else mask
         (xs, xe), w = _weighted_tokens(arch.token_weights(name, last, tokens), x_s[name], x_e[name])
         params = {member: expert_params[member] for member in stats.targets}
-        stats.add(xs, xe, w, alpha, params)
+        stats.add(xs, xe, w, params)
     for name, stats in norm_stats.items():
         (xs,), w = _weighted_tokens(arch.token_weights(name, last, mask), x_s[name])
         stats.add(xs, w)

@@ -6,7 +6,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import asdict
 from pathlib import Path
@@ -32,7 +32,6 @@ from featcal_core.memory import peak_rss_bytes
 from featcal_core.method.block import BlockResult, BlockRunner
 from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.model_set import ModelSet
-from featcal_core.method.settings import SETTING_DEFAULTS as _DEFAULT
 from featcal_core.method.settings import Settings
 from featcal_core.method.streams import (
     EXPERT,
@@ -51,6 +50,8 @@ log = logging.getLogger(__name__)
 
 RECORD_NAME = FEATCAL_RECORD
 RECORD_VERSION = 1
+#: the default of each setting (calibrate's keyword defaults)
+_DEFAULT = Settings()
 
 
 def resolve_device(device: str) -> torch.device:
@@ -68,7 +69,7 @@ def calibration_inputs(base, merged, experts: dict, calib: dict) -> tuple:
     return (base, merged, *experts.values(), *calib.values())
 
 
-def check_tasks(experts: dict[str, object], calib: dict[str, object]) -> None:
+def check_tasks(experts: Mapping[str, object], calib: Mapping[str, object]) -> None:
     """Every calibration task needs an expert and every expert a calibration set; task names
     are safe names (featcal_core.names)."""
     check_names([*experts, *calib], "task name")
@@ -267,14 +268,14 @@ def calibrate(
     out: str | Path,
     params: FeatCalParams = FeatCalParams(),
     *,
-    num_per_task: int = _DEFAULT["num_per_task"],
-    batch_size: int = _DEFAULT["batch_size"],
-    seed: int = _DEFAULT["seed"],
-    device: str = _DEFAULT["device"],
-    max_length: int = _DEFAULT["max_length"],
-    pooling: str | None = _DEFAULT["pooling"],
-    token_weighting: str = _DEFAULT["token_weighting"],
-    precision: str = _DEFAULT["precision"],
+    num_per_task: int = _DEFAULT.num_per_task,
+    batch_size: int = _DEFAULT.batch_size,
+    seed: int = _DEFAULT.seed,
+    device: str = _DEFAULT.device,
+    max_length: int = _DEFAULT.max_length,
+    pooling: str | None = _DEFAULT.pooling,
+    token_weighting: str = _DEFAULT.token_weighting,
+    precision: str = _DEFAULT.precision,
     spill_dir: str | Path | None = None,
     overwrite: bool = False,
     progress: bool = True,

@@ -18,6 +18,7 @@ calibration inputs per model.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -154,7 +155,7 @@ def calibrate_head(
 
 
 def check_expert_heads(
-    experts: dict[str, str | Path], tokenizer_dir: str | Path | None = None
+    experts: Mapping[str, str | Path], tokenizer_dir: str | Path | None = None
 ) -> None:
     """Before any work: every expert has a head to refit (FeatCalError naming the first that
     has none)."""
@@ -166,8 +167,8 @@ def check_expert_heads(
 
 def refit_expert_heads(
     student_dir: str | Path,
-    experts: dict[str, str | Path],
-    calib: dict[str, str | Path],
+    experts: Mapping[str, str | Path],
+    calib: Mapping[str, str | Path],
     out_dir: str | Path,
     *,
     num_per_task: int = 256,

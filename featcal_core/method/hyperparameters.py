@@ -7,7 +7,7 @@ featcal_core/params/sections.py builds its `featcal:` schema from `DEFAULTS` and
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass
 
 from featcal_core.errors import FeatCalError
 
@@ -40,4 +40,4 @@ class FeatCalParams:
 
 
 #: the default of each hyperparameter
-DEFAULTS: dict[str, float] = {f.name: f.default for f in fields(FeatCalParams)}
+DEFAULTS: dict[str, float] = asdict(FeatCalParams())

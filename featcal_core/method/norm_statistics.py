@@ -28,8 +28,8 @@ class NormStats:
 
     def _reset_task(self) -> None:
         self._task_weight = 0.0
-        self._task_z = None
-        self._task_z2 = None
+        self._task_z: torch.Tensor | None = None
+        self._task_z2: torch.Tensor | None = None
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """z = norm_without_affine(x) in float64 with the merged module's eps; x is (N, d)."""
@@ -60,6 +60,7 @@ class NormStats:
         total = self._task_weight
         if total <= 0 or self._task_z is None:
             raise ValueError("a task contributed no weighted tokens to a norm")
+        assert self._task_z2 is not None  # set together with _task_z
         m_t = self._task_z / total
         e_t = self._task_z2 / total
         gamma_t = gamma_t.to(DTYPE)
@@ -95,9 +96,16 @@ class NormStats:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(γ, β) in float64 (β None for a scale-only norm); clamps are recorded in `fallbacks`
         under `module`."""
-        found = {"fallbacks": fallbacks, "module": module}
         if self.rms or not self.has_bias:
-            return solve_rmsnorm(self.e_sum, self.rhs_gamma, lam, eps, anchor_gamma, **found), None
+            return solve_rmsnorm(
+                self.e_sum,
+                self.rhs_gamma,
+                lam,
+                eps,
+                anchor_gamma,
+                fallbacks=fallbacks,
+                module=module,
+            ), None
         return solve_layernorm(
             self.e_sum,
             self.m_sum,
@@ -108,5 +116,6 @@ class NormStats:
             eps,
             anchor_gamma,
             anchor_beta,
-            **found,
+            fallbacks=fallbacks,
+            module=module,
         )

@@ -79,6 +79,8 @@ class SPDSystem:
         Otherwise the factor is a new matrix and A is kept for the least-squares fallback.
         modules: the Linear modules whose weights this system solves (named in the record)."""
         self.fallback: str | None = None
+        self.factor: torch.Tensor | None
+        self.matrix: torch.Tensor | None  # A, kept for the least-squares fallback
         if not positive_definite:
             factor, info = torch.linalg.cholesky_ex(lhs)
             self.factor, self.matrix = (factor, None) if int(info) == 0 else (None, lhs)
@@ -105,6 +107,7 @@ class SPDSystem:
         the factor). The least-squares fallback runs on the CPU (gelsd, the SVD driver that
         handles rank-deficient A; CUDA offers only gels, which assumes full rank)."""
         if self.factor is None:
+            assert self.matrix is not None  # kept when the factorisation failed
             solution = torch.linalg.lstsq(self.matrix.cpu(), rhs.cpu(), driver="gelsd").solution
             return solution.to(rhs.device)
         for start in range(0, rhs.shape[1], SOLVE_COLUMNS):
@@ -198,6 +201,7 @@ def solve_layernorm(
     r1 = rhs_gamma.clone()
     r2 = rhs_beta.clone()
     if lam > 0:
+        assert anchor_gamma is not None and anchor_beta is not None  # λ > 0: anchored
         r1 += lam * anchor_gamma.to(DTYPE)
         r2 += lam * anchor_beta.to(DTYPE)
     det = a11 * a22 - a12 * a12
@@ -231,6 +235,7 @@ def solve_rmsnorm(
     the denominator clamped at ε (recorded in `fallbacks` as "clamped_denominator")."""
     numerator = rhs_gamma.clone()
     if lam > 0:
+        assert anchor_gamma is not None  # λ > 0: anchored
         numerator += lam * anchor_gamma.to(DTYPE)
     denominator = e_sum + lam
     count = int((denominator < eps).sum())

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.solvers import (
     DTYPE,
     SOLVE_COLUMNS,
@@ -165,8 +166,12 @@ class LinearInputStats:
         scratch: Scratch | None = None,
         precision: str = "float64",
         keeps_buffers: bool = False,
+        params: FeatCalParams = FeatCalParams(),
     ):
         self.d_in = d_in
+        #: α (the teacher's interpolation, in `add` and `task_contribution`), ε (the task scale's
+        #: floor, the solve's jitter) and λ (the solve's ridge), set once here
+        self.params = params
         self.precision = precision
         self.product = product_dtype(precision)
         # the Gram's block layout (add_gram, gram_norm, symmetrize_): None is SYMMETRIC_BLOCK
@@ -219,10 +224,10 @@ class LinearInputStats:
         x_s: torch.Tensor,
         x_e: torch.Tensor,
         w: torch.Tensor | None,
-        alpha: float,
         expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
     ) -> None:
-        """Add one batch of task t's tokens (w None: all weights 1).
+        """Add one batch of task t's tokens (w None: all weights 1); the teacher's input is
+        x_t = α x_e + (1 − α) x_s (α: `self.params.alpha`).
 
         expert_params: name → (W_t (d_out × d_in), b_t or None).
         """
@@ -231,13 +236,16 @@ class LinearInputStats:
             for start in range(0, x_s.shape[0], chunk):
                 stop = start + chunk
                 self.add(x_s[start:stop], x_e[start:stop], None if w is None else w[start:stop],
-                         alpha, expert_params)  # fmt: skip
+                         expert_params)  # fmt: skip
             return
         if not self._task_open:
             self._open_task()
         if self.product != DTYPE:
-            self._add_reduced(x_s, x_e, w, alpha, expert_params)
+            self._add_reduced(x_s, x_e, w, expert_params)
             return
+        # allocated by _open_task
+        assert self._task_gram is not None and self._task_student is not None
+        assert self._task_expert is not None
         tokens = x_s.shape[0]
         x_s = self.scratch.take("x_s", tokens, self.d_in).copy_(x_s)
         x_e = self.scratch.take("x_e", tokens, self.d_in).copy_(x_e)
@@ -254,21 +262,27 @@ class LinearInputStats:
             self._task_weight += float(w.sum())
         add_gram(self._task_gram, xw, x_s)
         if self.via_x:
+            assert self._task_mixed is not None  # allocated by _open_task
             self._task_mixed.addmm_(xw.T, x_e)
             return
         # α x_e + (1 − α) x_s, written over x_e's scratch (x_e is not needed any more)
-        x_t = torch.lerp(x_s, x_e, alpha, out=x_e)
+        x_t = torch.lerp(x_s, x_e, self.params.alpha, out=x_e)
         for name, target in self.targets.items():  # by blocks of W_t's rows (float64 copies)
+            assert target.task_cross is not None  # direct mode: allocated by _open_task
             weight_t = expert_params[name][0]
             for start in range(0, target.d_out, SOLVE_COLUMNS):
                 rows = weight_t[start : start + SOLVE_COLUMNS].to(DTYPE)
                 y = torch.matmul(x_t, rows.T, out=self.scratch.take("y", tokens, rows.shape[0]))
                 target.task_cross[:, start : start + rows.shape[0]].addmm_(xw.T, y)
 
-    def _add_reduced(self, x_s, x_e, w, alpha, expert_params) -> None:
+    def _add_reduced(self, x_s, x_e, w, expert_params) -> None:
         """`add` with the token products in `self.product` (float32 or bfloat16), added row
         block by row block to the float64 sums; token sums accumulate in float64 (from float32
         vector sums over ≤ one chunk of tokens)."""
+        # allocated by _open_task
+        assert self._task_gram is not None and self._task_student is not None
+        assert self._task_expert is not None
+        assert self.block is not None  # reduced products: SYMMETRIC_BLOCK_FP32
         tokens = x_s.shape[0]
         dtype = self.product
         x_s = self.scratch.take("x_s32", tokens, self.d_in, dtype).copy_(x_s)
@@ -289,8 +303,9 @@ class LinearInputStats:
         if self.via_x:
             self._add_product(self._task_mixed, xw, x_e)
             return
-        x_t = torch.lerp(x_s, x_e, alpha, out=x_e)
+        x_t = torch.lerp(x_s, x_e, self.params.alpha, out=x_e)
         for name, target in self.targets.items():
+            assert target.task_cross is not None  # direct mode: allocated by _open_task
             weight_t = expert_params[name][0]
             for start in range(0, target.d_out, SOLVE_COLUMNS):
                 rows = weight_t[start : start + SOLVE_COLUMNS].to(dtype)
@@ -304,6 +319,7 @@ class LinearInputStats:
         blocks of `self.block` rows; symmetric: only the upper block triangle (add_gram's
         layout)."""
         block = self.block
+        assert block is not None  # reduced products: SYMMETRIC_BLOCK_FP32
         for i in range(0, acc.shape[0], block):
             start = i if symmetric else 0
             part = left[:, i : i + block]
@@ -313,8 +329,6 @@ class LinearInputStats:
 
     def task_contribution(
         self,
-        eps: float,
-        alpha: float,
         expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
         *,
         fallbacks: Fallbacks | None = None,
@@ -326,10 +340,14 @@ class LinearInputStats:
 
         The tensors may share memory with the per-task buffers: `merge` (or save) them before
         the next task's first `add`."""
+        alpha, eps = self.params.alpha, self.params.eps
         total = self._task_weight
         if total <= 0 or not self._task_open:
             raise ValueError("a task contributed no weighted tokens to a Linear input")
         gram = self._task_gram  # upper block rows only when wide: linear in the sums below
+        # allocated by _open_task
+        assert gram is not None and self._task_student is not None
+        assert self._task_expert is not None
         norm = gram_norm(gram, self.block) / total
         if norm < eps:
             reason = f"‖C_t‖_F = {norm:.3g} < ε = {eps:g}: the task scale s_t was clamped to 1/ε"
@@ -342,10 +360,12 @@ class LinearInputStats:
         symmetrize_(gram, self.block)
         wide = sums_dtype(self.product)
         if self.via_x:  # Σ ω x_s x_tᵀ, over the per-task buffer (once in float32 if reduced)
+            assert self._task_mixed is not None  # allocated by _open_task
             mixed = self._task_mixed.mul_(alpha).add_(gram, alpha=1.0 - alpha)
             left = mixed if self.product == DTYPE else mixed.to(wide)
             if not self.keeps_buffers:  # one task only: X_t (float64) is freed before the products
-                self._task_mixed = mixed = None
+                self._task_mixed = None
+                del mixed
         out = {
             "scale": torch.tensor([s_t], dtype=DTYPE),
             "student_mean": self._task_student.mul_(scale),
@@ -365,6 +385,7 @@ class LinearInputStats:
                         cross[:, start : start + SOLVE_COLUMNS] = left @ rows.T
                 out[f"cross:{name}"] = cross.mul_(scale)
             else:
+                assert target.task_cross is not None  # direct mode: allocated by _open_task
                 out[f"cross:{name}"] = target.task_cross.mul_(scale)
             mean_out = torch.cat([
                 weight_t[start : start + SOLVE_COLUMNS].to(DTYPE) @ teacher_mean
@@ -398,24 +419,20 @@ class LinearInputStats:
         self.num_tasks += 1
 
     def end_task(
-        self,
-        eps: float,
-        alpha: float,
-        expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]],
+        self, expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]]
     ) -> float:
         """Fold the current task into the running sums; returns its scale s_t."""
-        contribution = self.task_contribution(eps, alpha, expert_params)
+        contribution = self.task_contribution(expert_params)
         self.merge(contribution)
         return float(contribution["scale"][0])
 
     def solve(
         self,
-        lam: float,
-        eps: float,
         anchors: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]],
         fallbacks: Fallbacks | None = None,
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        """Closed-form (W, b) in float64 for every module (b None for a bias-free Linear).
+        """Closed-form (W, b) in float64 for every module (b None for a bias-free Linear), with
+        λ and ε of `self.params`.
 
         anchors: name → (a(W), a(b)), unused when λ = 0. The shared left-hand side is factored
         once, in place: the running sums are consumed. A least-squares fallback (λ = 0, singular
@@ -423,15 +440,18 @@ class LinearInputStats:
         """
         if self.gram is None:
             raise ValueError("no task was merged into this Linear input's statistics")
+        assert self.student_mean_sum is not None  # merged with the gram
         for target in self.targets.values():
             target.task_cross = None
         self._task_gram = self._task_mixed = None
+        lam, eps = self.params.lam, self.params.eps
         system = ridge_system(self.gram, lam, eps, in_place=True,
                               fallbacks=fallbacks, modules=tuple(self.targets))  # fmt: skip
         self.gram = None
         out = {}
         for name, target in self.targets.items():
             anchor_weight, anchor_bias = anchors.get(name, (None, None))
+            assert target.cross is not None and target.target_sum is not None  # merged too
             weight = solve_linear_weight(system, target.cross, lam, eps, anchor_weight)
             bias = None
             if target.has_bias:

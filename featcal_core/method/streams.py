@@ -60,6 +60,7 @@ class HiddenStreams:
             directory.mkdir(parents=True, exist_ok=True)
 
     def path(self, kind: str, task: str) -> Path:
+        assert self.directory is not None  # only streams on disk have files
         return self.directory / stream_file_name(kind, task)
 
     def put(self, kind: str, task: str, tensor: torch.Tensor) -> None:

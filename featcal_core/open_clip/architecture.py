@@ -237,7 +237,7 @@ class OpenCLIPVision(Architecture):
     modality = "image"
     probe_key = "conv1.weight"
     prefix_candidates = ("visual.", "")
-    pooled_position = 0
+    pooled_position: int | None = 0
     pooled_exempt = ("attn.in_proj",)
 
     def __init__(self, config: dict[str, Any], pooling: str | None = None):

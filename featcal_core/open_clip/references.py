@@ -23,14 +23,8 @@ from typing import Any
 
 from featcal_core.errors import FeatCalError
 from featcal_core.io.checkpoint import Checkpoint, sha256_file
-from featcal_core.provenance.resolve import (
-    ResolvedModel,
-    _commit_of,
-    _download,
-    _field,
-    _hash_files,
-    _reference,
-)
+from featcal_core.provenance.hub import _commit_of, _download
+from featcal_core.provenance.resolved import ResolvedModel, _field, _hash_files, _reference
 
 __all__ = [
     "OPEN_CLIP_CONFIG",

@@ -215,8 +215,9 @@ class OpenCLIPZeroShotHead(Head):
         return {"class_embeddings": embeddings, "logit_scale": scale}
 
     # ----- the open_clip model ----------------------------------------------------------------
-    def _model(self, load_weights: bool) -> nn.Module:
-        """The base's open_clip model in float32 (random weights unless `load_weights`)."""
+    def _model(self, load_weights: bool) -> Any:
+        """The base's open_clip model in float32 (random weights unless `load_weights`); typed Any:
+        nn.Module does not declare its towers and encode_text."""
         import open_clip
 
         with _config_folder(self.config_path) as folder, _quiet_random_init():

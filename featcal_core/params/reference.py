@@ -86,7 +86,9 @@ def markdown() -> str:
         "(`featcal calibrate --help`). Back to the [README](../README.md).",
     ]
     for heading, prefix, model in TABLES:
-        out += ["", f"## {heading}", ""] + _table(prefix, model or sections[prefix])
+        table_model = model or sections[prefix]
+        assert table_model is not None  # a None in TABLES stands for a section of Params
+        out += ["", f"## {heading}", ""] + _table(prefix, table_model)
     return "\n".join(out) + "\n"
 
 

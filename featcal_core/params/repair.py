@@ -4,18 +4,15 @@ compare` runs side by side)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
+from typing import TYPE_CHECKING, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, create_model, field_validator
 
 from featcal_core.names import name_problem
-from featcal_core.params.base import FiniteFloat, StrictInt, _error, _Section
-
-#: RegMean's default α and Surgery's rank, steps and learning rate (featcal_core.repair's
-#: defaults, kept equal by a test; params loading does not import the repair code)
-REGMEAN_ALPHA = 0.6
-SURGERY_RANK, SURGERY_STEPS, SURGERY_LR = 16, 1000, 1e-3
-ADAMERGING_STEPS, ADAMERGING_LR, ADAMERGING_INIT = 500, 1e-3, 0.3
+from featcal_core.params.base import FiniteFloat, StrictBool, StrictInt, _error, _Section
+from featcal_core.repair.registry import Option
+from featcal_core.repair.registry import available as available_repairs
+from featcal_core.repair.registry import get as get_repair
 
 #: params a variant may change: what comes after the shared download and calibration sets
 VARIANT_KEYS = ("merge.", "repair.", "featcal.alpha", "featcal.rho", "featcal.lam",
@@ -23,44 +20,60 @@ VARIANT_KEYS = ("merge.", "repair.", "featcal.alpha", "featcal.rho", "featcal.la
                 "featcal.heads")  # fmt: skip
 
 
-#: repairs whose output is the merged checkpoint plus a module per task (no single checkpoint:
-#: no `from_pretrained`, a module to apply per task at inference)
-TASK_MODULE_REPAIRS = ("surgery",)
+def _option_field(option: Option) -> tuple[Any, Any]:
+    """A `repair:` field (annotation, Field) from a registry option: its type, default, bounds
+    and help, defined once in the repair's module."""
+    annotation = {bool: StrictBool, int: StrictInt}.get(option.kind, FiniteFloat)
+    return annotation, Field(option.default, ge=option.ge, gt=option.gt, le=option.le,
+                             description=option.help)  # fmt: skip
 
 
-class RepairSettings(_Section):
-    """What repairs the merged model. `featcal` (the featcal: section; `featcal.enabled: false`
-    turns every repair off, as before), `regmean` (RegMean, Jin et al. 2023: each block Linear
-    from the experts' input Grams on the same calibration sets), `surgery` (Representation
-    Surgery, Yang et al. 2024: a small per-task module on the merged model's features, trained
-    on the same unlabeled calibration inputs to match each expert's), `adamerging` (AdaMerging,
-    Yang et al. 2024: one Task Arithmetic coefficient per task and tower tensor, learnt by
-    minimising the entropy of each task's predictions on the same unlabeled calibration inputs;
-    the merge: section's checkpoint is only the template of the tensors it does not learn) or
-    `none` (evaluate the merge only). The repaired model is the pipeline's `calibrated` row (with
-    surgery: the merged checkpoint under each task's module, kept in `calibrated/<task>/`)."""
+def _known_repair(method: str) -> str:
+    if method not in available_repairs():
+        raise _error(f"unknown repair {method!r}; one of: {' | '.join(available_repairs())}")
+    return method
 
-    method: Literal["featcal", "regmean", "surgery", "adamerging", "none"] = Field(
-        "featcal", description="featcal | regmean | surgery | adamerging | none"
-    )
-    regmean_alpha: FiniteFloat = Field(
-        REGMEAN_ALPHA, ge=0.0, le=1.0,
-        description="RegMean's scale of the Grams' off-diagonal entries (1: plain least squares)",
-    )  # fmt: skip
-    surgery_rank: StrictInt = Field(SURGERY_RANK, ge=1, description="Surgery module's rank r")
-    surgery_steps: StrictInt = Field(
-        SURGERY_STEPS, ge=1, description="Surgery's Adam steps per task"
-    )
-    surgery_lr: FiniteFloat = Field(SURGERY_LR, gt=0.0, description="Surgery's learning rate")
-    adamerging_steps: StrictInt = Field(
-        ADAMERGING_STEPS, ge=1, description="AdaMerging's Adam steps (all tasks per step)"
-    )
-    adamerging_lr: FiniteFloat = Field(
-        ADAMERGING_LR, gt=0.0, description="AdaMerging's learning rate"
-    )
-    adamerging_init: FiniteFloat = Field(
-        ADAMERGING_INIT, ge=0.0, le=1.0, description="AdaMerging's initial coefficients λ"
-    )
+
+#: every registered repair's params options as `repair:` fields: key → (annotation, Field)
+_OPTION_FIELDS: dict[str, Any] = {
+    option.key: _option_field(option)
+    for name in available_repairs()
+    for option in get_repair(name).params_options()
+}
+
+#: the `repair:` section: `method` (any registered repair: featcal_core.repair.registry) and every
+#: registered repair's params options, built from the registry so each is defined once
+_RepairSettings = create_model(
+    "RepairSettings",
+    __base__=_Section,
+    __doc__="""What repairs the merged model (featcal_core.repair.registry): `featcal` (the
+    featcal: section; `featcal.enabled: false` turns every repair off), `regmean` (RegMean, Jin et
+    al. 2023: each block Linear from the experts' input Grams on the same calibration sets),
+    `surgery` (Representation Surgery, Yang et al. 2024: a small per-task module on the merged
+    model's features, trained on the same unlabeled calibration inputs to match each expert's),
+    `adamerging` (AdaMerging, Yang et al. 2024: one Task Arithmetic coefficient per task and tower
+    tensor, learnt by minimising the entropy of each task's predictions on the same unlabeled
+    calibration inputs) or `none` (evaluate the merge only). The repaired model is the
+    pipeline's `calibrated` row (with surgery: the merged checkpoint under each task's module,
+    kept in `calibrated/<task>/`).""",
+    __validators__={"_method": field_validator("method")(_known_repair)},
+    method=(str, Field("featcal", description=" | ".join(available_repairs()))),
+    **_OPTION_FIELDS,
+)
+
+if TYPE_CHECKING:
+
+    class RepairSettings(_Section):
+        """`repair:` as type checkers see it: `method` and any registered repair's option."""
+
+        method: str
+
+        def __init__(self, **data: Any) -> None: ...
+
+        def __getattr__(self, name: str) -> Any: ...
+
+else:
+    RepairSettings = _RepairSettings
 
 
 def override_key(override: str) -> str:

@@ -14,6 +14,7 @@ from pydantic import (
 
 from featcal_core.params.base import _check_task_names, _error, _Section
 from featcal_core.params.models import ModelRef, ModelsSpec
+from featcal_core.params.overrides import apply_overrides
 from featcal_core.params.repair import CompareSettings, RepairSettings
 from featcal_core.params.sections import (
     _CALIBRATION_FIELDS,
@@ -75,6 +76,7 @@ class Params(_Section):
         for key in ("models", "tasks"):
             if getattr(self, key) is None:
                 raise _error("missing; this key is required (or set zoo:)", key)
+        assert self.models is not None and self.tasks is not None  # the loop above checks them
         for task in self.models.experts:
             if task not in self.tasks:
                 raise _error(
@@ -124,10 +126,15 @@ class Params(_Section):
         `compare:` variant's own overrides (featcal_core.params.repair.layered)."""
         return self._user_set
 
+    def __eq__(self, other: object) -> bool:
+        """Equal settings (fields and the zoo they came from); how they were given, in the file
+        or with `--set` (`user_set`), does not count."""
+        if not isinstance(other, Params):
+            return NotImplemented
+        return self.__dict__ == other.__dict__ and self._zoo == other._zoo
+
     def with_overrides(self, overrides: list[str]) -> Params:
         """These params with `--set`-style overrides applied (a chosen candidate's), validated."""
-        from featcal_core.params.loading import apply_overrides
-
         resolved = apply_overrides(self, overrides)
         resolved._zoo, resolved._user_set = self._zoo, self._user_set
         return resolved
@@ -156,6 +163,8 @@ class Params(_Section):
         Local model or data directories enter by path only: their contents are not hashed here.
         """
         featcal = self.featcal.model_dump(include=set(_CALIBRATION_FIELDS))
+        # set, or filled in from the zoo by with_zoo before any cache key is taken
+        assert self.models is not None and self.tasks is not None
         return {
             "seed": self.run.seed,
             "models": {

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     Field,
@@ -14,8 +14,8 @@ from pydantic import (
 
 from featcal_core.errors import FeatCalError
 from featcal_core.io.outputs import check_target
-from featcal_core.method.hyperparameters import BOUNDS, DEFAULTS
-from featcal_core.method.settings import SETTING_DEFAULTS
+from featcal_core.method.hyperparameters import BOUNDS, DEFAULTS, FeatCalParams
+from featcal_core.method.settings import SETTING_DEFAULTS, Settings
 from featcal_core.names import name_problem
 from featcal_core.params.base import (
     FiniteFloat,
@@ -27,13 +27,19 @@ from featcal_core.params.base import (
 )
 
 
+# Params builds the run, merge, featcal, evaluation and tracking sections with `default_factory`,
+# so their defaults are `default=` keywords (type checkers take a positional default for none).
 class RunSettings(_Section):
     """Run identity and outputs."""
 
-    name: str = Field("featcal", min_length=1, description="run name (MLflow run, results folder)")
-    results_dir: str = Field("data/results", min_length=1, description="where results are written")
+    name: str = Field(
+        default="featcal", min_length=1, description="run name (MLflow run, results folder)"
+    )
+    results_dir: str = Field(
+        default="data/results", min_length=1, description="where results are written"
+    )
     seed: StrictInt = Field(
-        0, ge=0, description="seed of the calibration sample and other randomness"
+        default=0, ge=0, description="seed of the calibration sample and other randomness"
     )
 
     @field_validator("name")
@@ -57,7 +63,9 @@ class RunSettings(_Section):
 class MergeSettings(_Section):
     """How the experts are merged before calibration (methods: featcal_core.merging)."""
 
-    method: str = Field("task_arithmetic", description="merging method (featcal_core.merging)")
+    method: str = Field(
+        default="task_arithmetic", description="merging method (featcal_core.merging)"
+    )
     hyperparameters: dict[str, FiniteFloat | StrictStr] = Field(
         default_factory=dict,
         description="method hyperparameters (numbers, or words such as trim: global for ties), "
@@ -106,7 +114,7 @@ class FeatCalSettings(_Section):
     """FeatCal hyperparameters and how the calibration runs (see featcal_core.method.hyperparameters.FeatCalParams)."""
 
     enabled: StrictBool = Field(
-        True, description="calibrate the merged model (false: evaluate merge only)"
+        default=True, description="calibrate the merged model (false: evaluate merge only)"
     )
     alpha: FiniteFloat = _method_field("alpha", "teacher interpolation α")
     rho: FiniteFloat = _method_field("rho", "anchor blend ρ (ρ > 1 extrapolates past the merge)")
@@ -135,18 +143,22 @@ class FeatCalSettings(_Section):
         "else float32); sums and solves are float64 whatever runs",
     )
     heads: StrictBool = Field(
-        False,
+        default=False,
         description="also refit each task's classification head on the calibration inputs "
         "(head calibration, beyond the paper; for experts with their own linear heads)",
     )
-    head_lam: FiniteFloat = Field(0.05, ge=0.0, description="ridge weight λ of head calibration")
-    runner: Literal["local", "dask"] = Field("local", description="Prefect task runner")
-    dask_address: str | None = Field(
-        None, description="scheduler address for runner dask; null: a local Dask cluster"
+    head_lam: FiniteFloat = Field(
+        default=0.05, ge=0.0, description="ridge weight λ of head calibration"
     )
-    dask_workers: StrictInt = Field(2, ge=1, description="workers of the local Dask cluster")
+    runner: Literal["local", "dask"] = Field(default="local", description="Prefect task runner")
+    dask_address: str | None = Field(
+        default=None, description="scheduler address for runner dask; null: a local Dask cluster"
+    )
+    dask_workers: StrictInt = Field(
+        default=2, ge=1, description="workers of the local Dask cluster"
+    )
     memory_budget: FiniteFloat | None = Field(
-        None,
+        default=None,
         ge=0.0,
         description="GiB the resumable flow may use to hold a block's statistics in memory "
         "instead of writing every task's statistics to disk and reading them back (same result); "
@@ -163,23 +175,28 @@ class FeatCalSettings(_Section):
             )
         return self
 
-    def core_params(self):
-        """The hyperparameters as `featcal_core.FeatCalParams` (imports torch)."""
-        from featcal_core.method.hyperparameters import FeatCalParams
-
+    def core_params(self) -> FeatCalParams:
+        """The hyperparameters α, ρ, λ, ε as the core's `FeatCalParams`: the one conversion,
+        used by every caller (the flows, `featcal calibrate`)."""
         return FeatCalParams(alpha=self.alpha, rho=self.rho, lam=self.lam, eps=self.eps)
+
+    def core_settings(self, seed: int) -> Settings:
+        """How the calibration runs, as the core's `Settings` (the `featcal:` run settings and
+        `run.seed`): the one conversion, used by every caller."""
+        return Settings(**{name: getattr(self, name) for name in SETTING_DEFAULTS if name != "seed"},
+                        seed=seed)  # fmt: skip
 
 
 class EvaluationSettings(_Section):
     """Evaluation of the base, experts, merged and calibrated models."""
 
-    enabled: StrictBool = Field(True, description="evaluate the models")
-    batch_size: StrictInt = Field(64, ge=1, description="evaluation batch size")
+    enabled: StrictBool = Field(default=True, description="evaluate the models")
+    batch_size: StrictInt = Field(default=64, ge=1, description="evaluation batch size")
     max_examples_per_task: StrictInt | None = Field(
-        None, ge=1, description="evaluate on the first N examples per task; null: all"
+        default=None, ge=1, description="evaluate on the first N examples per task; null: all"
     )
     precision: Literal["auto", "float32", "bfloat16"] | None = Field(
-        None,
+        default=None,
         description="dtype of the evaluation forwards and of select:'s held-out scoring (float32, "
         "or bfloat16 under autocast; auto: bfloat16 where the device has it natively); null: "
         "featcal.precision's choice (float64 there evaluates in float32)",
@@ -189,13 +206,16 @@ class EvaluationSettings(_Section):
 class TrackingSettings(_Section):
     """MLflow tracking."""
 
-    enabled: StrictBool = Field(True, description="log params, metrics and artifacts to MLflow")
-    mlflow_tracking_uri: str | None = Field(
-        None, description="MLflow tracking URI; null: the local sqlite store inside the project"
+    enabled: StrictBool = Field(
+        default=True, description="log params, metrics and artifacts to MLflow"
     )
-    experiment: str = Field("featcal", min_length=1, description="MLflow experiment name")
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        description="MLflow tracking URI; null: the local sqlite store inside the project",
+    )
+    experiment: str = Field(default="featcal", min_length=1, description="MLflow experiment name")
     log_model: Literal["auto"] | StrictBool = Field(
-        "auto",
+        default="auto",
         description="copy the calibrated checkpoint's weights into MLflow: auto: when they total "
         "at most 256 MiB (above that, and with false: its model card, config and records only, "
         "and a tag with the folder's path); true: always",
@@ -203,14 +223,15 @@ class TrackingSettings(_Section):
 
 
 #: featcal_core.zoo.build.PRESETS' names (a test keeps them equal, and `featcal zoo --preset`'s)
-ZOO_PRESETS = ("vision", "vision-paper", "text")
+ZooPreset = Literal["vision", "vision-paper", "text"]
+ZOO_PRESETS: tuple[str, ...] = get_args(ZooPreset)
 
 
 class ZooSettings(_Section):
     """The offline model zoo (featcal_core.zoo): build or reuse it, then take models and tasks
     from it. With `zoo:` set, `models:` and `tasks:` are left out of the params file."""
 
-    preset: Literal[ZOO_PRESETS] = Field(
+    preset: ZooPreset = Field(
         "vision",
         description="which zoo to build (vision-paper: experts with frozen base-fitted heads and "
         "small task vectors, the paper's regime)",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import (
     AfterValidator,
@@ -59,7 +59,7 @@ class DataSource(_Section):
         return CoreDataSource(**{name: getattr(self, name) for name in _SOURCE_FIELDS})
 
     @property
-    def kind(self) -> Literal["hub", "local"]:
+    def kind(self) -> str:
         return self.core().kind
 
     def identity(self) -> tuple[Any, ...]:

@@ -14,7 +14,7 @@ The rules, each applied to what the records say (`model_card.model_card_fields`)
   README.md in its folder, else a `license` key of its config.json. All inputs state the same
   one: that one. None states one: no license field (the body says so). Any other case (they
   differ, or some state none): `other`, and the body lists each input's license. The pipeline
-  downloads no README.md of a Hub model (featcal_core.provenance.resolve.ALLOW_PATTERNS), so a Hub
+  downloads no README.md of a Hub model (featcal_core.provenance.hub.ALLOW_PATTERNS), so a Hub
   model's license is found only when its snapshot folder holds one.
 - **tags**: featcal, model-merging, the merge method, featcal's architecture name and the
   checkpoint's transformers `model_type` (when known).
@@ -160,7 +160,9 @@ def _tag(text: Any) -> str:
 
 def card_tags(recipe: Mapping[str, Any], model: Mapping[str, Any]) -> list[str]:
     """featcal, model-merging, the merge method, the architecture, the model_type."""
-    merge = recipe.get("merge") if isinstance(recipe.get("merge"), Mapping) else {}
+    merge = recipe.get("merge")
+    if not isinstance(merge, Mapping):
+        merge = {}
     tags = ["featcal", "model-merging"]
     for value in (merge.get("method"), model.get("architecture"), model.get("model_type")):
         if isinstance(value, str) and value.strip():
@@ -231,12 +233,12 @@ def eval_results(
             dataset_type=task,
             dataset_name=task,
             metric_type="accuracy",
-            metric_value=round(row[name], 6),
+            metric_value=round(value, 6),
             metric_name=metric,
         )  # fmt: skip
         for task, row in table.items()
         for name, metric in index_rows(own)
-        if row.get(name) is not None
+        if (value := row.get(name)) is not None
     ]
 
 
@@ -251,6 +253,7 @@ def card_data(
     """The card's metadata by the rules above (results: `eval_results`; model: the checkpoint's
     {"architecture", "model_type", "modality"})."""
     bases = base_models(inputs)
+    licensing: dict[str, Any] = license_fields(inputs)[0]
     extra: dict[str, Any] = {"base_model_relation": "merge"} if bases else {}
     return ModelCardData(
         library_name="transformers",
@@ -258,6 +261,6 @@ def card_data(
         tags=card_tags(recipe, model),
         eval_results=results or None,
         model_name=model_name if results else None,
-        **license_fields(inputs)[0],
+        **licensing,
         **extra,
     )

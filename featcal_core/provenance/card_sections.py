@@ -87,7 +87,7 @@ def _results_section(
     rows = [[_cell(task)] + [_pct(row.get(n)) for n in names] for task, row in table.items()]
     average = []
     for name in names:
-        values = [row.get(name) for row in table.values() if row.get(name) is not None]
+        values = [value for row in table.values() if (value := row.get(name)) is not None]
         average.append(f"**{_pct(sum(values) / len(values))}**" if values else DASH)
     rows.append(["**average**", *average])
     lines += _table(["task", *(_cell(row_label(n)) for n in names)], rows)

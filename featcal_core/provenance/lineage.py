@@ -148,6 +148,7 @@ def trace(path: str | Path) -> dict[str, Any]:
     featcal = tracer.read_json(featcal_path, "FeatCal record") if featcal_path else None
     root = _results_root(target, kind, featcal)
     if kind == "results":
+        assert root is not None  # a results directory is its own root (_results_root)
         if (root / "calibrated" / FEATCAL_RECORD).is_file():
             featcal_path = root / "calibrated" / FEATCAL_RECORD
             featcal = tracer.read_json(featcal_path, "FeatCal record")
@@ -173,8 +174,11 @@ def trace(path: str | Path) -> dict[str, Any]:
     # calibrated → featcal.json
     merged_dir = None
     if featcal is not None:
+        assert featcal_path is not None  # featcal is read from featcal_path
         inputs = as_dict(featcal.get("inputs"))
-        blocks = featcal.get("blocks") if isinstance(featcal.get("blocks"), list) else []
+        blocks = featcal.get("blocks")
+        if not isinstance(blocks, list):
+            blocks = []
         chain["calibrated"] = {
             "path": str(featcal_path.parent),
             "record": str(featcal_path),

@@ -321,10 +321,12 @@ def _verify_set(
         out["indices"] = entry.get("indices")
         out["tree_sha256"] = entry.get("sha256")
         if entry.get("sha256"):
+            assert featcal_path is not None  # an entry of featcal.json comes with its path
             if tree != entry["sha256"] and reported is None:
                 status = "changed"
                 _set_problem(task, directory, featcal_path, tree, entry["sha256"], tracer)
             elif tree != entry["sha256"]:  # the same change, seen by featcal.json too
+                assert reported is not None  # the branch above takes it when none is
                 reported["recorded_in"].append(str(featcal_path))
     out["status"] = status
     return out

@@ -13,7 +13,7 @@ from featcal_core.provenance.text import DASH, as_dict, metric_text, value_text
 
 __all__ = ["format_trace"]
 
-_KIND_LABELS = {
+_KIND_LABELS: dict[str | None, str] = {  # looked up with a trace's kind, if any
     "calibrated": "calibrated checkpoint",
     "merged": "merged checkpoint",
     "results": "results directory",
@@ -31,7 +31,7 @@ def _row_ids(ids: Any, limit: int = 8) -> str:
     return shown + (f", … ({len(ids)} in all)" if len(ids) > limit else "")
 
 
-_STATUS = {"ok": "ok", "changed": "CHANGED", "missing": "MISSING"}
+_STATUS: dict[str | None, str] = {"ok": "ok", "changed": "CHANGED", "missing": "MISSING"}
 
 
 def format_trace(result: Mapping[str, Any]) -> str:

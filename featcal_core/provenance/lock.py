@@ -3,7 +3,7 @@
     lock = write_lock("data/models.lock.json", base, experts, {"architecture": architecture})
     problems = verify_lock(read_lock("data/models.lock.json"))
 
-The lock file records, for the base and every expert (featcal_core.provenance.resolve's
+The lock file records, for the base and every expert (featcal_core.provenance.resolved's
 `ResolvedModel`), the reference, the resolved commit, the local directory and the sha256 of
 config.json, the safetensors index and every weight shard (plus, for open_clip references only,
 `open_clip_source`), and `lock_digest`: the sha256 of the lock's own content (canonical JSON
@@ -22,7 +22,8 @@ from typing import Any
 from featcal_core.errors import FeatCalError
 from featcal_core.io.checkpoint import sha256_file
 from featcal_core.io.outputs import write_file
-from featcal_core.provenance.resolve import ResolvedModel, _one_line
+from featcal_core.provenance.hub import _one_line
+from featcal_core.provenance.resolved import ResolvedModel
 
 __all__ = [
     "LOCK_VERSION",

@@ -241,6 +241,7 @@ def render_model_card(
     ]
     lines += _usage_section(model, heads)
     if table:
+        assert evaluation is not None  # a table comes from an evaluation (accuracy_table)
         lines += _results_section(table, evaluation, own)
 
     lines += ["## How it was made", ""]

@@ -8,57 +8,42 @@
 
 A model reference is anything with `kind` ("hub" or "local"), `repo_id`, `revision` and `path`
 (attributes, e.g. `featcal_core.params.ModelRef`, or mapping keys); `ref` and `trust_remote_code` are
-used when present. Local directories are used in place. Hub models are fetched with
-`huggingface_hub.snapshot_download` into the Hugging Face cache (`cache_dir`, else the library's
-default, which follows HF_HOME / HF_HUB_CACHE); HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1) makes
-it a cache-only look-up. Only configs, safetensors weights and tokenizer/processor files of the
-repository's top folder are fetched; pickled weights (.bin, .pt, .pth, .ckpt) never are.
+used when present. Local directories are used in place. Hub models are fetched by
+featcal_core.provenance.hub with `huggingface_hub.snapshot_download` into the Hugging Face cache
+(`cache_dir`, else the library's default, which follows HF_HOME / HF_HUB_CACHE); HF_HUB_OFFLINE=1
+(or TRANSFORMERS_OFFLINE=1) makes it a cache-only look-up. Only configs, safetensors weights and
+tokenizer/processor files of the repository's top folder are fetched; pickled weights (.bin, .pt,
+.pth, .ckpt) never are.
 
 Transient failures (connection errors, timeouts, HTTP 429 and 5xx) are retried with exponential
 backoff; everything else ends in one `FeatCalError` line naming the params key, the reference,
 what is wrong and what to do.
 
 open_clip references (`format: open_clip`, see featcal_core.params.ModelRef) are handed to
-featcal_core.open_clip.references, which fetches or finds the open_clip checkpoint (through
-`_download` here) and imports it into a featcal checkpoint.
+featcal_core.open_clip.references, which fetches or finds the open_clip checkpoint (through the
+same Hub download) and imports it into a featcal checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
-import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from huggingface_hub import constants as hf_constants
-from huggingface_hub import model_info, snapshot_download
-from huggingface_hub.errors import (
-    DisabledRepoError,
-    EntryNotFoundError,
-    GatedRepoError,
-    HfHubHTTPError,
-    HFValidationError,
-    IncompleteSnapshotError,
-    LocalEntryNotFoundError,
-    OfflineModeIsEnabled,
-    RepositoryNotFoundError,
-    RevisionNotFoundError,
-)
 
 from featcal_core.errors import FeatCalError
-from featcal_core.io.checkpoint import Checkpoint, sha256_file
-
-try:  # the HTTP client of huggingface_hub 2.x; older releases use httpx or requests
-    import httpx2 as _http
-except ImportError:  # pragma: no cover - depends on the installed huggingface_hub
-    try:
-        import httpx as _http
-    except ImportError:
-        _http = None
+from featcal_core.io.checkpoint import Checkpoint
+from featcal_core.open_clip.references import OPEN_CLIP_IMPORT_ROOT, resolve_open_clip
+from featcal_core.provenance.hub import (
+    ALLOW_PATTERNS,
+    IGNORE_PATTERNS,
+    _commit_of,
+    _download,
+    _one_line,
+)
+from featcal_core.provenance.resolved import ResolvedModel, _field, _hash_files, _reference
 
 __all__ = [
     "ALLOW_PATTERNS",
@@ -70,268 +55,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: files fetched from a Hub repository: configs, safetensors weights, tokenizer/processor files
-ALLOW_PATTERNS = (
-    "*.json",
-    "*.safetensors",
-    "*.txt",
-    "*.model",
-    "*.tiktoken",
-    "tokenizer*",
-    "vocab*",
-    "merges*",
-)
-#: never fetched: sub-folders (ONNX, CoreML, other formats; Checkpoint reads the top folder only)
-#: and OpenCLIP's duplicate weights (`open_clip_model.safetensors` next to `model.safetensors`)
-IGNORE_PATTERNS = ("*/*", "open_clip_*")
-#: extra pattern when the reference allows the model's own code (trust_remote_code)
-REMOTE_CODE_PATTERNS = ("*.py",)
-_COMMIT_RE = re.compile(r"^[0-9a-f]{40}$")
-_TRUE = {"1", "ON", "YES", "TRUE"}
-_MAX_BACKOFF_S = 60.0
-
-
-@dataclass
-class ResolvedModel:
-    """One model of the pool, available on the local disk."""
-
-    role: str  # the params key, e.g. "models.base" or "models.experts.mnist"
-    reference: str  # as written in the params, e.g. "openai/clip-vit-base-patch32@main", "./m"
-    kind: str  # "hub" or "local"
-    path: Path  # the save_pretrained directory (a Hub snapshot, or the local dir in place)
-    commit: str | None  # resolved Hub commit hash; None for local models
-    files: dict[str, str] = field(default_factory=dict)  # relative name → sha256
-    repo_id: str | None = None
-    revision: str | None = None
-    trust_remote_code: bool = False
-    #: open_clip references only: where the imported checkpoint came from, {"format", "path"
-    #: (source directory), "file", "sha256", "config", "config_sha256", "trust_pickle"}
-    open_clip_source: dict[str, Any] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        data = {
-            "role": self.role,
-            "reference": self.reference,
-            "kind": self.kind,
-            "repo_id": self.repo_id,
-            "revision": self.revision,
-            "commit": self.commit,
-            "path": str(self.path),
-            "trust_remote_code": self.trust_remote_code,
-            "files": dict(sorted(self.files.items())),
-        }
-        if self.open_clip_source is not None:  # other locks keep their exact layout
-            data["open_clip_source"] = dict(self.open_clip_source)
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ResolvedModel:
-        return cls(
-            role=data["role"],
-            reference=data["reference"],
-            kind=data["kind"],
-            path=Path(data["path"]),
-            commit=data.get("commit"),
-            files=dict(data.get("files", {})),
-            repo_id=data.get("repo_id"),
-            revision=data.get("revision"),
-            trust_remote_code=bool(data.get("trust_remote_code", False)),
-            open_clip_source=(
-                dict(data["open_clip_source"]) if data.get("open_clip_source") else None
-            ),
-        )
-
 
 # ------------------------------------------------------------------------------------ resolving
-
-
-def _field(ref: Any, name: str, default: Any = None) -> Any:
-    if isinstance(ref, Mapping):
-        return ref.get(name, default)
-    return getattr(ref, name, default)
-
-
-def _reference(ref: Any, kind: str, repo_id: str | None, revision: str | None, path) -> str:
-    text = _field(ref, "ref")
-    if isinstance(text, str) and text.strip():
-        return text.strip()
-    if kind == "local":
-        return str(path)
-    return f"{repo_id}@{revision}" if revision else str(repo_id)
-
-
-def _offline() -> bool:
-    """HF_HUB_OFFLINE as huggingface_hub read it at import, or as the environment says now."""
-    if hf_constants.HF_HUB_OFFLINE:
-        return True
-    return any(
-        (os.environ.get(name) or "").upper() in _TRUE
-        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
-
-
-def _one_line(exc: BaseException, limit: int = 240) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _status(exc: BaseException) -> int | None:
-    response = getattr(exc, "response", None)
-    return getattr(response, "status_code", None)
-
-
-def _is_transient(exc: BaseException | None) -> bool:
-    """Worth retrying: the network or the Hub failed, not the request."""
-    if exc is None or isinstance(exc, OfflineModeIsEnabled):
-        return False
-    if isinstance(exc, (RepositoryNotFoundError, RevisionNotFoundError, DisabledRepoError)):
-        return False
-    if isinstance(exc, HfHubHTTPError):
-        status = _status(exc)
-        return status is not None and (status >= 500 or status == 429)
-    if isinstance(exc, LocalEntryNotFoundError):  # the Hub could not be reached, nothing cached
-        return _is_transient(exc.__cause__)
-    if isinstance(exc, (ConnectionError, TimeoutError)):
-        return True
-    if _http is not None:
-        transient = tuple(
-            getattr(_http, name)
-            for name in ("NetworkError", "TimeoutException", "RemoteProtocolError")
-            if hasattr(_http, name)
-        )
-        if transient and isinstance(exc, transient):
-            return True
-    return False
-
-
-def _hub_error(exc: BaseException, role: str, reference: str, repo_id: str, offline: bool):
-    """The one-line FeatCalError for a Hub failure that retrying does not fix (None: unknown)."""
-    at = f"{role}: Hub model {reference!r}"
-    fetch = f"`hf download {repo_id}`"
-    if isinstance(exc, GatedRepoError):
-        return FeatCalError(
-            f"{at} is gated and this account has no access; accept its terms on "
-            f"https://huggingface.co/{repo_id} and log in (`hf auth login` or HF_TOKEN)"
-        )
-    if isinstance(exc, RepositoryNotFoundError):
-        return FeatCalError(
-            f"{at}: repository {repo_id} does not exist or is private; check the id in the params "
-            "or log in with an account that can read it (`hf auth login` or HF_TOKEN)"
-        )
-    if isinstance(exc, RevisionNotFoundError):
-        return FeatCalError(
-            f"{at}: the revision does not exist in {repo_id}; give an existing branch, tag or "
-            f"commit after '@' (or none for the default branch)"
-        )
-    if isinstance(exc, DisabledRepoError):
-        return FeatCalError(f"{at}: repository {repo_id} is disabled; use another model")
-    if isinstance(exc, IncompleteSnapshotError):
-        return FeatCalError(
-            f"{at}: the cached snapshot is incomplete and the Hub cannot be reached"
-            f"{' (offline mode)' if offline else ''}; set HF_HUB_OFFLINE=0 and re-run with network "
-            f"access, or complete the cache with {fetch}"
-        )
-    if isinstance(exc, LocalEntryNotFoundError) and offline:
-        return FeatCalError(
-            f"{at} is not in the local Hugging Face cache and offline mode is on "
-            f"(HF_HUB_OFFLINE=1); set HF_HUB_OFFLINE=0 to download it, or pre-download it with "
-            f"{fetch} (same HF_HOME/cache_dir)"
-        )
-    if isinstance(exc, LocalEntryNotFoundError):
-        return FeatCalError(
-            f"{at} could not be fetched and is not in the local cache ({_one_line(exc)}); "
-            f"check the network and re-run, or pre-download it with {fetch}"
-        )
-    if isinstance(exc, EntryNotFoundError):
-        return FeatCalError(
-            f"{at}: a listed file is missing from the repository ({_one_line(exc)}); "
-            "pick another revision or re-run to refresh the cached listing"
-        )
-    if isinstance(exc, HfHubHTTPError) and _status(exc) in (401, 403):
-        return FeatCalError(
-            f"{at}: access denied (HTTP {_status(exc)}); log in with `hf auth login` or set "
-            "HF_TOKEN to a token that can read the repository"
-        )
-    if isinstance(exc, HfHubHTTPError):
-        return FeatCalError(f"{at}: the Hub refused the request ({_one_line(exc)})")
-    if isinstance(exc, HFValidationError):
-        return FeatCalError(f"{at} is not a valid Hub id ({_one_line(exc)}); fix it in the params")
-    return None
-
-
-def _commit_of(snapshot: Path, repo_id: str, revision: str | None, offline: bool) -> str | None:
-    """The commit a snapshot belongs to: its snapshots/<commit> folder, else the Hub's answer."""
-    if snapshot.parent.name == "snapshots" and _COMMIT_RE.match(snapshot.name):
-        return snapshot.name
-    if revision and _COMMIT_RE.match(revision):
-        return revision
-    if offline:
-        return None
-    try:
-        return model_info(repo_id, revision=revision).sha
-    except Exception as exc:  # the commit is informative only; the files are hashed
-        log.warning("could not look up the commit of %s: %s", repo_id, _one_line(exc))
-        return None
-
-
-def _download(
-    role: str,
-    reference: str,
-    repo_id: str,
-    revision: str | None,
-    *,
-    cache_dir: str | Path | None,
-    retries: int,
-    backoff: float,
-    trust_remote_code: bool,
-    offline: bool = False,
-    allow_patterns: list[str] | None = None,
-    ignore_patterns: list[str] | None = None,
-) -> tuple[Path, bool]:
-    """(snapshot folder, offline); allow/ignore_patterns replace the default file selection."""
-    offline = offline or _offline()
-    allow = list(ALLOW_PATTERNS) + (list(REMOTE_CODE_PATTERNS) if trust_remote_code else [])
-    ignore = list(IGNORE_PATTERNS)
-    if allow_patterns is not None:
-        allow, ignore = list(allow_patterns), list(ignore_patterns or [])
-    attempts = max(0, retries) + 1
-    for attempt in range(1, attempts + 1):
-        try:
-            path = snapshot_download(
-                repo_id,
-                revision=revision,
-                cache_dir=cache_dir,
-                allow_patterns=allow,
-                ignore_patterns=ignore,
-                local_files_only=offline,
-            )
-            return Path(path), offline
-        except Exception as exc:
-            if not _is_transient(exc):
-                error = _hub_error(exc, role, reference, repo_id, offline)
-                if error is None:
-                    raise
-                raise error from exc
-            if attempt == attempts:
-                raise FeatCalError(
-                    f"{role}: could not reach the Hugging Face Hub for {reference!r} after "
-                    f"{attempts} attempt(s) ({type(exc).__name__}: {_one_line(exc)}); check the "
-                    f"network (HF_ENDPOINT, proxy) and re-run, or pre-download it with "
-                    f"`hf download {repo_id}` and set HF_HUB_OFFLINE=1"
-                ) from exc
-            delay = min(_MAX_BACKOFF_S, backoff * 2 ** (attempt - 1))
-            log.warning(
-                "%s: fetching %s failed (%s: %s); retry %d/%d in %.0f s",
-                role,
-                reference,
-                type(exc).__name__,
-                _one_line(exc, 120),
-                attempt,
-                attempts - 1,
-                delay,
-            )
-            time.sleep(delay)
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 #: the Hub account whose pull requests convert a repository's pickled weights to safetensors
@@ -377,13 +102,6 @@ def _conversion_revision(
     return None
 
 
-def _hash_files(directory: Path, role: str) -> dict[str, str]:
-    """sha256 of config.json, the safetensors index and every weight shard (headers validated)."""
-    checkpoint = Checkpoint(directory, role)
-    paths = [directory / "config.json", *checkpoint.weight_paths()]
-    return {p.relative_to(directory).as_posix(): sha256_file(p) for p in paths}
-
-
 def resolve_model(
     ref: Any,
     role: str,
@@ -408,9 +126,6 @@ def resolve_model(
     base_config: the open_clip_config.json an open_clip expert without its own uses (the base's).
     """
     if (_field(ref, "format") or "hf") == "open_clip":
-        # (imported here: featcal_core.open_clip.references imports this module)
-        from featcal_core.open_clip.references import OPEN_CLIP_IMPORT_ROOT, resolve_open_clip
-
         return resolve_open_clip(
             ref,
             role,

@@ -1,4 +1,6 @@
-"""Repair baselines beside FeatCal, on the same merged checkpoints and calibration sets.
+"""The repairs of a merged model: the registry (`registry/`: one module per repair, FeatCal
+among them; what `featcal run`, `compare` and `select` dispatch through) and the baselines'
+algorithms beside FeatCal, on the same merged checkpoints and calibration sets.
 
     regmean.py         `regmean_checkpoint`: RegMean (Jin et al., ICLR 2023) over the block Linears
     grams.py           the experts' own forward passes and their Linear input Grams

@@ -294,6 +294,7 @@ def _train(objective: _Objective, tasks: list[str], *, steps: int, lr: float, in
                                f"(got {lr}) or check the models")  # fmt: skip
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        assert raw.grad is not None  # set by backward
         if not bool(torch.isfinite(raw.grad).all()):
             raise FeatCalError(f"AdaMerging: NaN or Inf gradient at step {step}; lower --lr "
                                f"(got {lr}) or check the models")  # fmt: skip

@@ -44,7 +44,7 @@ class RegMeanSums:
         self.d_in = d_in
         self.device = torch.device(device or "cpu")
         self.modules = dict(modules)
-        self.lhs = torch.zeros(d_in, d_in, dtype=DTYPE, device=self.device)
+        self.lhs: torch.Tensor | None = torch.zeros(d_in, d_in, dtype=DTYPE, device=self.device)
         self.rhs = {n: torch.zeros(d_in, d_out, dtype=DTYPE, device=self.device)
                     for n, (d_out, _) in self.modules.items()}  # fmt: skip
         self.bias_sum = {n: torch.zeros(d_out, dtype=DTYPE, device=self.device)
@@ -62,6 +62,7 @@ class RegMeanSums:
         if gram.shape != (self.d_in, self.d_in):
             raise ValueError(f"Gram of shape {tuple(gram.shape)}, expected {self.d_in}²")
         gram = reduce_off_diagonal_(gram.to(self.device, DTYPE), alpha)
+        assert self.lhs is not None  # not yet consumed by solve
         self.lhs.add_(gram)
         for name, rhs in self.rhs.items():
             weight, bias = params[name]
@@ -90,6 +91,7 @@ class RegMeanSums:
         if self.num_tasks == 0:
             raise ValueError("no task was added to these RegMean sums")
         names = tuple(self.modules)
+        assert self.lhs is not None  # not yet consumed by solve
         if not bool(torch.isfinite(self.lhs).all()):
             raise FeatCalError(
                 f"{what}: NaN or Inf in the input Gram of {', '.join(names)}; check the experts' "

@@ -121,7 +121,8 @@ class ExpertPasses:
         kind = self.arch.block_kind(index)
         if kind not in self._kinds:
             block = (self.arch.build_block(self.dtype) if kind is None
-                     else self.arch.build_block(self.dtype, kind))  # fmt: skip
+                     else self.arch.build_block(  # type: ignore[call-arg]  # its arch takes a kind
+                         self.dtype, kind))  # fmt: skip
             block = block.to(self.device).requires_grad_(False)
             linears = [n for n, m in block.named_modules() if isinstance(m, nn.Linear)]
             self._kinds[kind] = (block, linears, list(block.state_dict()),
@@ -177,10 +178,11 @@ class ExpertPasses:
         batches = zip(streams.batches(source, task, batch_size), mask.split(batch_size),
                       weighted.split(batch_size), masks[task].split(batch_size), contexts,
                       strict=True)  # fmt: skip
-        for hidden, m, w, encoder_mask, context in batches:
+        for hidden, m, w, encoder_mask, encoder_out in batches:
             m, w = m.to(self.device), w.to(self.device)
-            if context is not None:
-                context = (context.to(self.device), encoder_mask.to(self.device))
+            context: tuple[torch.Tensor, torch.Tensor] | None = None
+            if encoder_out is not None:
+                context = (encoder_out.to(self.device), encoder_mask.to(self.device))
             with autocast(self.precision, self.device):  # bfloat16 passes for bfloat16
                 out, captured = capture.run(block, hidden.to(self.device), m, context)
             out = out.to(self.dtype)
@@ -191,7 +193,11 @@ class ExpertPasses:
                 label = groups[name]
                 if label != name:
                     continue
-                tokens = context[1] if arch.reads_context(name) else w
+                if arch.reads_context(name):
+                    assert context is not None  # a decoder block: it has the encoder's output
+                    tokens = context[1]
+                else:
+                    tokens = w
                 weights = (arch.token_weights(name, last, tokens) if self.pooled_weights
                            else tokens.to(DTYPE))  # fmt: skip
                 x = captured[name]

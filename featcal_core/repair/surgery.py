@@ -123,6 +123,11 @@ def fit_surgery(
     check_hyperparameters(rank, steps, lr, batch_size, log_every)
     z, target = merged.detach().float().cpu(), expert.detach().float().cpu()
     n, dim = z.shape
+    if rank > dim:
+        raise FeatCalError(
+            f"surgery: rank {rank} (repair.surgery_rank, --rank) exceeds the width {dim} of the "
+            f"features the head reads; give a rank of at most {dim}"
+        )
     module = SurgeryModule(dim, rank).reset_parameters(generator).train()
     optimizer = torch.optim.Adam(module.parameters(), lr=lr, betas=BETAS, weight_decay=0.0)
     size = min(batch_size, n)

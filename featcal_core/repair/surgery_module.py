@@ -40,6 +40,9 @@ KEYS = ("down_proj.weight", "up_proj.weight")
 class SurgeryModule(nn.Module):
     """ẑ = z − W_up·ReLU(W_down·z): forward(z (N, d)) → ẑ (N, d), in the module's dtype."""
 
+    #: the saved surgery config, on a module read back by `load_surgery`
+    config: dict[str, Any]
+
     def __init__(self, dim: int, rank: int):
         super().__init__()
         if not (isinstance(dim, int) and isinstance(rank, int) and dim >= 1 and rank >= 1):

@@ -31,7 +31,8 @@ COMPARE_FILES = ("compare.md", "compare.json", "accuracy_vs_cost.png")
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
-    return None if not values or None in values else sum(values) / len(values)
+    present = [v for v in values if v is not None]
+    return None if not values or len(present) < len(values) else sum(present) / len(values)
 
 
 def comparison_rows(

@@ -81,7 +81,8 @@ def _heads_section(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
     header = ["task", "expert", "merged", "merged + heads", "calibrated", "calibrated + heads",
               "gap closed: calibrated", "gap closed: merged + heads",
               "gap closed: calibrated + heads"]  # fmt: skip
-    table, sums = [], {m: [] for m in _HEAD_MODELS}
+    table = []
+    sums: dict[str, list[float | None]] = {m: [] for m in _HEAD_MODELS}
     for task, models in evaluation.items():
         acc = {m: _number(((models or {}).get(m) or {}).get("accuracy")) for m in _HEAD_MODELS}
         for m in _HEAD_MODELS:

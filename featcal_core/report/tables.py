@@ -55,8 +55,9 @@ def gap_closed(
     None (shown "—") when a value is missing or non-finite, or when the merged model already
     matches or beats the expert (no gap to close: a ratio there would read as "600 %").
     """
-    values = (merged, calibrated, expert)
-    if any(v is None or not math.isfinite(v) for v in values):
+    if merged is None or calibrated is None or expert is None:
+        return None
+    if not all(math.isfinite(v) for v in (merged, calibrated, expert)):
         return None
     gap = expert - merged
     if gap <= _GAP_EPS:

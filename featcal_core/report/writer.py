@@ -91,7 +91,7 @@ def write_report(
 
     with guarded_directory(out, overwrite=True, flag="report directory") as tmp:
         plotting.plot_accuracy(tmp / "accuracy.png", evaluation)
-        if has_drift:
+        if has_drift and calibration is not None:  # (has_drift implies a calibration)
             plotting.plot_drift(tmp / "drift.png", calibration)
         (tmp / "report.md").write_text(
             _markdown(run_name, summary, rows, notes, plots, sections, caption), encoding="utf-8"

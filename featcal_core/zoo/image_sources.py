@@ -80,7 +80,9 @@ def _read_idx(path: Path, magic: int, source: str) -> np.ndarray:
     except (OSError, EOFError) as exc:
         raise SourceUnavailable(f"source '{source}': cannot read {path} ({exc}); {fix}") from None
     dims = magic - 2048
-    header = np.frombuffer(data[: 4 + 4 * dims], dtype=">u4") if len(data) >= 4 + 4 * dims else []
+    header: np.ndarray | list[int] = (
+        np.frombuffer(data[: 4 + 4 * dims], dtype=">u4") if len(data) >= 4 + 4 * dims else []
+    )
     if len(header) != 1 + dims or int(header[0]) != magic:
         raise SourceUnavailable(f"source '{source}': {path} is not an idx file; {fix}")
     shape = tuple(int(d) for d in header[1:])

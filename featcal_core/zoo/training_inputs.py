@@ -43,7 +43,7 @@ def class_names(dataset: Any, columns: Sequence[str], what: str) -> list[str]:
     """The ClassLabel names of the label column, after checking the train/validation splits."""
     from datasets import ClassLabel
 
-    names = None
+    names: list[str] | None = None
     for split in ("train", "validation"):
         feature = checked_split(dataset, split, columns, what).features["label"]
         if not isinstance(feature, ClassLabel):
@@ -57,6 +57,7 @@ def class_names(dataset: Any, columns: Sequence[str], what: str) -> list[str]:
                 "to the same ClassLabel"
             )
         names = list(feature.names)
+    assert names is not None  # set for both splits
     if len(names) < 2:
         raise FeatCalError(
             f"{what}: ClassLabel has {len(names)} class(es); a task needs at least 2"

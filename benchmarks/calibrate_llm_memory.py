@@ -89,12 +89,19 @@ def _committed(results: Path) -> int:
 
 def same_weights(a: Path, b: Path) -> tuple[bool, list[str]]:
     """Whether a and b hold byte-identical weight files (shards and index); the differing names."""
-    names = sorted({p.name for d in (a, b) for p in d.iterdir()
-                    if p.suffix == ".safetensors" or p.name == INDEX})  # fmt: skip
+    names = sorted(
+        {
+            p.name
+            for d in (a, b)
+            for p in d.iterdir()
+            if p.suffix == ".safetensors" or p.name == INDEX
+        }
+    )
     differ = [
-        n for n in names
+        n
+        for n in names
         if not ((a / n).is_file() and (b / n).is_file() and filecmp.cmp(a / n, b / n, False))
-    ]  # fmt: skip
+    ]
     return not differ, differ
 
 
@@ -122,10 +129,19 @@ def _calibrate_args(
         cmd += ["--expert", f"{task}={pool / f'expert_{task}'}"]
         cmd += ["--calib", f"{task}={pool / f'calib_{task}'}"]
     return cmd + [
-        "--out", str(out), "--device", args.device, "--num-per-task", str(args.rows),
-        "--max-length", str(args.tokens), "--no-progress", "--overwrite",
-        "--precision", precision or args.precision[0],
-    ]  # fmt: skip
+        "--out",
+        str(out),
+        "--device",
+        args.device,
+        "--num-per-task",
+        str(args.rows),
+        "--max-length",
+        str(args.tokens),
+        "--no-progress",
+        "--overwrite",
+        "--precision",
+        precision or args.precision[0],
+    ]
 
 
 def resume_check(args, pool, tasks, merged, work, env, plain_out) -> tuple[list[Step], list[str]]:
@@ -139,22 +155,33 @@ def resume_check(args, pool, tasks, merged, work, env, plain_out) -> tuple[list[
     for path in (ref_results, results):
         shutil.rmtree(path, ignore_errors=True)
     base_cmd = _featcal(*_calibrate_args(pool, tasks, merged, ref_out, args))
-    reference = measure("calibrate flow", base_cmd + ["--results-dir", str(ref_results)],
-                        env, logs, args.poll)  # fmt: skip
+    reference = measure(
+        "calibrate flow", base_cmd + ["--results-dir", str(ref_results)], env, logs, args.poll
+    )
     reference.vmhwm = _record_peak(ref_out / "featcal.json")
 
     cmd = _featcal(*_calibrate_args(pool, tasks, merged, out, args))
     cmd += ["--results-dir", str(results)]
     want = args.kill_after + 1  # the stems' state + kill_after blocks
-    killed = measure("flow killed", cmd, env, logs, min(args.poll, 0.02),
-                     kill_when=lambda: _committed(results) >= want)  # fmt: skip
+    killed = measure(
+        "flow killed",
+        cmd,
+        env,
+        logs,
+        min(args.poll, 0.02),
+        kill_when=lambda: _committed(results) >= want,
+    )
     done = _committed(results) - 1
     if not killed.killed:
-        lines.append(f"resume check: the run finished before {args.kill_after} blocks were "
-                     "committed; nothing was killed (use more --layers)")  # fmt: skip
+        lines.append(
+            f"resume check: the run finished before {args.kill_after} blocks were "
+            "committed; nothing was killed (use more --layers)"
+        )
     else:
-        lines.append(f"resume check: SIGKILL after {done} committed blocks "
-                     f"(of {args.layers}); out exists after the kill: {out.exists()}")  # fmt: skip
+        lines.append(
+            f"resume check: SIGKILL after {done} committed blocks "
+            f"(of {args.layers}); out exists after the kill: {out.exists()}"
+        )
     evict([pool, merged])
     resumed = measure("flow resumed", cmd, env, logs, args.poll)
     resumed.vmhwm = _record_peak(out / "featcal.json")
@@ -211,8 +238,9 @@ def plain_calibrate(args, pool, tasks, merged, out, work, env, logs, steps) -> l
             shutil.rmtree(target, ignore_errors=True)
     first = args.precision[0]
     for precision in args.precision[1:]:
-        lines.append(f"time per block, {precision} / {first}: "
-                     f"{per_block[precision] / per_block[first]:.2f}")  # fmt: skip
+        lines.append(
+            f"time per block, {precision} / {first}: {per_block[precision] / per_block[first]:.2f}"
+        )
     return lines
 
 
@@ -301,8 +329,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_pool_arguments(parser, layers=22)
     parser.add_argument("--work", type=Path, default=None, help="scratch directory")
-    parser.add_argument("--keep", action="store_true", help="keep what was written under --work "
-                        "(a kept pool with the same settings is reused)")  # fmt: skip
+    parser.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep what was written under --work (a kept pool with the same settings is reused)",
+    )
     parser.add_argument("--poll", type=float, default=0.2, help="sampling interval (s)")
     parser.add_argument(
         "--warm-cache",
@@ -370,8 +401,13 @@ def main() -> None:
     if args.resume_check and args.kill_after >= args.layers:
         parser.error(f"--kill-after {args.kill_after} needs more than that many --layers")
 
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "PREFECT_HOME": str(work / "prefect")}  # fmt: skip
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PREFECT_HOME": str(work / "prefect"),
+    }
     logs = work / "logs"
     spec = {k: getattr(args, k) for k in POOL_OPTIONS}
     steps: list[Step] = []
@@ -397,9 +433,19 @@ def main() -> None:
         merged = work / "merged"
         if not args.warm_cache:
             evict([pool / "base", *experts])
-        cmd = ["merge", "--base", str(pool / "base"), "--method", "task_arithmetic",
-               "--scale", str(args.scale), "--out", str(merged),
-               "--overwrite", "--no-progress"]  # fmt: skip
+        cmd = [
+            "merge",
+            "--base",
+            str(pool / "base"),
+            "--method",
+            "task_arithmetic",
+            "--scale",
+            str(args.scale),
+            "--out",
+            str(merged),
+            "--overwrite",
+            "--no-progress",
+        ]
         cmd += [f"--expert={task}={path}" for task, path in zip(tasks, experts, strict=True)]
         step = measure("merge", _featcal(*cmd), env, logs, args.poll)
         step.vmhwm = _record_peak(merged / "merge.json")
@@ -419,8 +465,11 @@ def main() -> None:
             lines += resume_lines
 
         if args.flow_traffic:
-            made += [f"{kind}_budget_{b}" for b in args.flow_traffic
-                     for kind in ("calibrated", "results")]  # fmt: skip
+            made += [
+                f"{kind}_budget_{b}"
+                for b in args.flow_traffic
+                for kind in ("calibrated", "results")
+            ]
             more, traffic_lines = flow_traffic(args, pool, tasks, merged, work, env)
             steps += more
             lines += traffic_lines

@@ -48,17 +48,36 @@ def run_one(num_experts: int, work: Path, args) -> list[dict]:
 
 def _calibrate(pool, num_experts: int, work: Path, args, precision: str, built: float) -> dict:
     out = work / f"out_{num_experts}"
-    cmd = [sys.executable, "-m", "featcal_cli.main", *pool.cli_args(out), "--device", args.device,
-           "--num-per-task", str(args.images), "--precision", precision, "--overwrite",
-           "--no-progress"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "featcal_cli.main",
+        *pool.cli_args(out),
+        "--device",
+        args.device,
+        "--num-per-task",
+        str(args.images),
+        "--precision",
+        precision,
+        "--overwrite",
+        "--no-progress",
+    ]
     if args.library:  # featcal_core.calibrate in its own process (no Prefect needed)
-        cmd = library_calibrate.command({
-            "base": str(pool.base), "merged": str(pool.merged), "out": str(out),
-            "experts": {t: str(p) for t, p in pool.experts.items()},
-            "calib": {t: str(p) for t, p in pool.calib.items()}, "profile": args.profile,
-            "options": {"num_per_task": args.images, "device": args.device,
-                        "precision": precision},
-        })  # fmt: skip
+        cmd = library_calibrate.command(
+            {
+                "base": str(pool.base),
+                "merged": str(pool.merged),
+                "out": str(out),
+                "experts": {t: str(p) for t, p in pool.experts.items()},
+                "calib": {t: str(p) for t, p in pool.calib.items()},
+                "profile": args.profile,
+                "options": {
+                    "num_per_task": args.images,
+                    "device": args.device,
+                    "precision": precision,
+                },
+            }
+        )
     started = time.perf_counter()
     subprocess.run(cmd, check=True)
     wall = time.perf_counter() - started
@@ -90,46 +109,75 @@ def main() -> None:
         choices=["float64", "float32", "bfloat16", "auto"],
     )
     parser.add_argument("--work", type=Path, default=None, help="scratch directory")
-    parser.add_argument("--library", action="store_true", help="run featcal_core.calibrate "
-                        "instead of the featcal command (no Prefect needed)")  # fmt: skip
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: where the "
-                        "calibration and the GEMM rates run")  # fmt: skip
-    parser.add_argument("--profile", type=int, default=0, metavar="N", help="with --library: "
-                        "print the N top functions of a cProfile of each calibration")  # fmt: skip
+    parser.add_argument(
+        "--library",
+        action="store_true",
+        help="run featcal_core.calibrate instead of the featcal command (no Prefect needed)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default) or cuda: where the calibration and the GEMM rates run",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --library: print the N top functions of a cProfile of each calibration",
+    )
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="featcal-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     if args.device == "cuda":  # the float32 path runs its matmuls in TF32 there (the floor's rate)
         torch.backends.cuda.matmul.allow_tf32 = True
-    rates = {name: gemm_rate(dtype, device=args.device) for name, dtype in
-             (("bfloat16", torch.bfloat16), ("float32", torch.float32), ("float64", torch.float64))}  # fmt: skip
+    rates = {
+        name: gemm_rate(dtype, device=args.device)
+        for name, dtype in (
+            ("bfloat16", torch.bfloat16),
+            ("float32", torch.float32),
+            ("float64", torch.float64),
+        )
+    }
     rows = [row for n in args.experts for row in run_one(n, work, args)]
     shown = ", ".join(f"{name} {rate / 1e9:.0f}" for name, rate in rates.items())
-    where = (f"{torch.get_num_threads()} threads" if args.device == "cpu"
-             else f"{args.device}, float32 as TF32")  # fmt: skip
+    where = (
+        f"{torch.get_num_threads()} threads"
+        if args.device == "cpu"
+        else f"{args.device}, float32 as TF32"
+    )
     print(f"\nGEMM rates on this machine ({where}), GFLOP/s: {shown}")
-    print("\n| experts | precision | featcal wall (s) | vs float32 | process wall (s) | read / "
-          "forward / statistics / solve (s) | peak RSS (MiB) | peak device (MiB) |")  # fmt: skip
+    print(
+        "\n| experts | precision | featcal wall (s) | vs float32 | process wall (s) | read / "
+        "forward / statistics / solve (s) | peak RSS (MiB) | peak device (MiB) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     reference = {r["experts"]: r["calibrate_wall_s"] for r in rows if r["precision"] == "float32"}
     for r in rows:
         split = " / ".join(f"{r['phases'][p]:.1f}" for p in PHASES)
-        ratio = (f"×{r['calibrate_wall_s'] / reference[r['experts']]:.2f}"
-                 if r["experts"] in reference else "—")  # fmt: skip
+        ratio = (
+            f"×{r['calibrate_wall_s'] / reference[r['experts']]:.2f}"
+            if r["experts"] in reference
+            else "—"
+        )
         print(
             f"| {r['experts']} | {r['precision']} | {r['calibrate_wall_s']:.1f} | {ratio} "
             f"| {r['process_wall_s']:.1f} | {split} | {r['peak_rss_mb']} | {r['peak_device_mb']} |"
         )
-    print("\n| experts | precision | counted TFLOP forward / statistics / solve | floor (s) at the "
-          "measured rates | floor / featcal wall |")  # fmt: skip
+    print(
+        "\n| experts | precision | counted TFLOP forward / statistics / solve | floor (s) at the "
+        "measured rates | floor / featcal wall |"
+    )
     print("|---|---|---|---|---|")
     for r in rows:
         flops = counted_flops(D, F, SEQ, BLOCKS, r["experts"], args.images)
         floor = floor_seconds(flops, rates, r["precision"])
         counted = " / ".join(f"{flops[p] / 1e12:.2f}" for p in ("forward", "statistics", "solve"))
         total = sum(floor.values())
-        print(f"| {r['experts']} | {r['precision']} | {counted} | {total:.1f} "
-              f"| {100 * total / r['calibrate_wall_s']:.0f} % |")  # fmt: skip
+        print(
+            f"| {r['experts']} | {r['precision']} | {counted} | {total:.1f} "
+            f"| {100 * total / r['calibrate_wall_s']:.0f} % |"
+        )
     shutil.rmtree(work, ignore_errors=True)
 
 

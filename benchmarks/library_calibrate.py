@@ -34,8 +34,16 @@ def main() -> None:
     profile = cProfile.Profile() if spec.get("profile") else None
     if profile:
         profile.enable()
-    calibrate(spec["base"], spec["merged"], spec["experts"], spec["calib"], spec["out"],
-              overwrite=True, progress=False, **spec.get("options", {}))  # fmt: skip
+    calibrate(
+        spec["base"],
+        spec["merged"],
+        spec["experts"],
+        spec["calib"],
+        spec["out"],
+        overwrite=True,
+        progress=False,
+        **spec.get("options", {}),
+    )
     if profile:
         profile.disable()
         print("profile of featcal_core.calibrate,", spec.get("options", {}).get("precision"))

@@ -38,19 +38,32 @@ def _merge(pool: Path, tasks: list[str], merged: Path, scale: float) -> float:
 
     started = time.perf_counter()
     experts = {t: pool / f"expert_{t}" for t in tasks}
-    merge_checkpoints(pool / "base", experts, merged, "task_arithmetic", {"scale": scale},
-                      overwrite=True, progress=False)  # fmt: skip
+    merge_checkpoints(
+        pool / "base",
+        experts,
+        merged,
+        "task_arithmetic",
+        {"scale": scale},
+        overwrite=True,
+        progress=False,
+    )
     return time.perf_counter() - started
 
 
 def _calibrate(pool: Path, tasks: list[str], merged: Path, out: Path, args, precision: str):
     spec = {
-        "base": str(pool / "base"), "merged": str(merged), "out": str(out),
+        "base": str(pool / "base"),
+        "merged": str(merged),
+        "out": str(out),
         "experts": {t: str(pool / f"expert_{t}") for t in tasks},
         "calib": {t: str(pool / f"calib_{t}") for t in tasks},
-        "options": {"num_per_task": args.rows, "max_length": args.tokens, "device": args.device,
-                    "precision": precision},
-    }  # fmt: skip
+        "options": {
+            "num_per_task": args.rows,
+            "max_length": args.tokens,
+            "device": args.device,
+            "precision": precision,
+        },
+    }
     started = time.perf_counter()
     subprocess.run(library_calibrate.command(spec), check=True)
     wall = time.perf_counter() - started
@@ -61,16 +74,17 @@ def _calibrate(pool: Path, tasks: list[str], merged: Path, out: Path, args, prec
     return {
         "precision": precision,
         "ran": f"{ran.get('precision')} ({ran.get('precision_reason')}), products "
-               f"{ran.get('products_precision')}",
+        f"{ran.get('products_precision')}",
         "blocks": len(blocks),
         "per_block": sum(b["seconds"] for b in blocks) / len(blocks),
-        "phases": {p: sum(b.get("phases", {}).get(p, 0.0) for b in blocks) / len(blocks)
-                   for p in PHASES},
+        "phases": {
+            p: sum(b.get("phases", {}).get(p, 0.0) for b in blocks) / len(blocks) for p in PHASES
+        },
         "record_wall": record["wall_seconds"],
         "process_wall": wall,
         "peak_device_mib": record.get("peak_device_bytes", 0) / MIB,
         "peak_rss_mib": record["peak_rss_bytes"] / MIB,
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -90,15 +104,19 @@ def main() -> None:
         built = time.perf_counter() - started
         tasks = json.loads((work / "pool" / "build.json").read_text())["tasks"]
         merged_s = _merge(work / "pool", tasks, work / "merged", args.scale)
-        rows = [_calibrate(work / "pool", tasks, work / "merged", work / "out", args, p)
-                for p in args.precision]  # fmt: skip
+        rows = [
+            _calibrate(work / "pool", tasks, work / "merged", work / "out", args, p)
+            for p in args.precision
+        ]
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\nLlama: hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
-          f"{args.heads} heads, {args.kv_heads} kv heads, vocab {args.vocab}; {args.experts} "
-          f"experts, {args.rows} sequences of <= {args.tokens} tokens per task; device "
-          f"{args.device}; pool built in {built:.1f} s, merged in {merged_s:.1f} s")  # fmt: skip
+    print(
+        f"\nLlama: hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
+        f"{args.heads} heads, {args.kv_heads} kv heads, vocab {args.vocab}; {args.experts} "
+        f"experts, {args.rows} sequences of <= {args.tokens} tokens per task; device "
+        f"{args.device}; pool built in {built:.1f} s, merged in {merged_s:.1f} s"
+    )
     print(
         "\n| precision | blocks | s per block | read / forward / statistics / solve (s per "
         "block) | record wall (s) | process wall (s) | peak device (MiB) | peak RSS (MiB) |"
@@ -106,14 +124,18 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         split = " / ".join(f"{r['phases'][p]:.2f}" for p in PHASES)
-        print(f"| {r['precision']} | {r['blocks']} | {r['per_block']:.2f} | {split} "
-              f"| {r['record_wall']:.1f} | {r['process_wall']:.1f} | {r['peak_device_mib']:.0f} "
-              f"| {r['peak_rss_mib']:.0f} |")  # fmt: skip
+        print(
+            f"| {r['precision']} | {r['blocks']} | {r['per_block']:.2f} | {split} "
+            f"| {r['record_wall']:.1f} | {r['process_wall']:.1f} | {r['peak_device_mib']:.0f} "
+            f"| {r['peak_rss_mib']:.0f} |"
+        )
     for r in rows:
         print(f"{r['precision']} ran: {r['ran']}")
     for r in rows[1:]:
-        print(f"time per block, {r['precision']} / {rows[0]['precision']}: "
-              f"{r['per_block'] / rows[0]['per_block']:.2f}")  # fmt: skip
+        print(
+            f"time per block, {r['precision']} / {rows[0]['precision']}: "
+            f"{r['per_block'] / rows[0]['per_block']:.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -23,16 +23,29 @@ INDEX = "model.safetensors.index.json"  # featcal_core.io.checkpoint.INDEX_NAME 
 CHUNK = 1 << 22
 #: options that define the built pool (passed to the --build-only process, recorded in build.json)
 POOL_OPTIONS = (
-    "hidden", "intermediate", "layers", "heads", "kv_heads", "vocab", "rank", "delta",
-    "norm_delta", "shard_mb", "experts", "rows", "tokens", "seed",
-)  # fmt: skip
+    "hidden",
+    "intermediate",
+    "layers",
+    "heads",
+    "kv_heads",
+    "vocab",
+    "rank",
+    "delta",
+    "norm_delta",
+    "shard_mb",
+    "experts",
+    "rows",
+    "tokens",
+    "seed",
+)
 
 
 def add_pool_arguments(parser, layers: int) -> None:
     """The options of POOL_OPTIONS (and Task Arithmetic's --scale) on `parser`: TinyLlama's
     geometry by default, with `layers` blocks."""
-    geometry = parser.add_argument_group(f"model geometry (default: TinyLlama 1.1 B, {layers} "
-                                         "layers)")  # fmt: skip
+    geometry = parser.add_argument_group(
+        f"model geometry (default: TinyLlama 1.1 B, {layers} layers)"
+    )
     geometry.add_argument("--hidden", type=int, default=2048)
     geometry.add_argument("--intermediate", type=int, default=5632)
     geometry.add_argument("--layers", type=int, default=layers)
@@ -152,8 +165,9 @@ def _write_checkpoint(directory: Path, config, shards, shapes, fetch, desc: str)
     directory.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(directory)
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {entry[0]: file for file, shard in zip(names, shards, strict=True)
-                  for entry in shard}  # fmt: skip
+    weight_map = {
+        entry[0]: file for file, shard in zip(names, shards, strict=True) for entry in shard
+    }
     total = sum(math.prod(shape) * 2 for shape in shapes.values())
     bar = tqdm(total=len(shapes), desc=desc, unit="tensor", leave=False)
 
@@ -194,8 +208,12 @@ def build(args, pool: Path) -> None:
     params = sum(math.prod(shape) for shape in shapes.values())
     log.info(
         "%d tensors, %d parameters (%.2f B), %d shards of <= %g MB per checkpoint",
-        len(shapes), params, params / 1e9, len(shards), args.shard_mb,
-    )  # fmt: skip
+        len(shapes),
+        params,
+        params / 1e9,
+        len(shards),
+        args.shard_mb,
+    )
     tasks = [f"task{i}" for i in range(args.experts)]
     base = pool / "base"
     _write_checkpoint(base, config, shards, shapes, _fetcher(shapes, args, None), "base")
@@ -211,6 +229,11 @@ def build(args, pool: Path) -> None:
     from featcal_core.memory import peak_rss_bytes
 
     spec = {k: getattr(args, k) for k in POOL_OPTIONS}
-    record = {"spec": spec, "tasks": tasks, "parameters": params, "shards": len(shards),
-              "peak_rss_bytes": peak_rss_bytes()}  # fmt: skip
+    record = {
+        "spec": spec,
+        "tasks": tasks,
+        "parameters": params,
+        "shards": len(shards),
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
     (pool / "build.json").write_text(json.dumps(record, indent=2) + "\n")

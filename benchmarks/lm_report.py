@@ -74,11 +74,35 @@ def report(args, record, grid, finals, winner: str, seconds: float, noise: dict[
         "|---|---|---|---|---|---|" + "---|" * len(TASKS) + "---|",
     ]
     csv_rows = []
-    header = ["section", "model", "weighting", "alpha", "lam", "rho", "scale", "split", "avg",
-              *TASKS, "gap_closed_pct"]  # fmt: skip
+    header = [
+        "section",
+        "model",
+        "weighting",
+        "alpha",
+        "lam",
+        "rho",
+        "scale",
+        "split",
+        "avg",
+        *TASKS,
+        "gap_closed_pct",
+    ]
     for (w, alpha, lam), scores in grid.items():
-        csv_rows.append(["grid", "featcal", w, alpha, lam, RHO, record["scale"], "validation",
-                         scores["avg"], *(scores[t] for t in TASKS), ""])  # fmt: skip
+        csv_rows.append(
+            [
+                "grid",
+                "featcal",
+                w,
+                alpha,
+                lam,
+                RHO,
+                record["scale"],
+                "validation",
+                scores["avg"],
+                *(scores[t] for t in TASKS),
+                "",
+            ]
+        )
     for f in finals:
         gap = f.get("gap")
         lines.append(
@@ -92,13 +116,21 @@ def report(args, record, grid, finals, winner: str, seconds: float, noise: dict[
         )
         for split in ("validation", "test"):
             if f.get(split):
-                csv_rows.append([
-                    "final", f["kind"], f.get("weighting") or "", f.get("alpha", ""),
-                    f.get("lam", ""), RHO if f.get("alpha") is not None else "",
-                    record["scale"] if f["kind"] != "base" and f["kind"] != "experts" else "",
-                    split, f[split]["avg"], *(f[split][t] for t in TASKS),
-                    "" if gap is None or split != "test" else gap,
-                ])  # fmt: skip
+                csv_rows.append(
+                    [
+                        "final",
+                        f["kind"],
+                        f.get("weighting") or "",
+                        f.get("alpha", ""),
+                        f.get("lam", ""),
+                        RHO if f.get("alpha") is not None else "",
+                        record["scale"] if f["kind"] != "base" and f["kind"] != "experts" else "",
+                        split,
+                        f[split]["avg"],
+                        *(f[split][t] for t in TASKS),
+                        "" if gap is None or split != "test" else gap,
+                    ]
+                )
     experts = ", ".join(
         f"{t} {pct(v['validation_accuracy'])}" for t, v in record["experts"].items()
     )

@@ -26,9 +26,14 @@ class Scorer:
         if key not in self.cache:
             texts, labels = self.rows[task, split]
             result = label_continuation(
-                model_dir, self.tokenizer_dir, texts, labels, self.tasks[task]["words"],
-                template=TEMPLATE, batch_size=64,
-            )  # fmt: skip
+                model_dir,
+                self.tokenizer_dir,
+                texts,
+                labels,
+                self.tasks[task]["words"],
+                template=TEMPLATE,
+                batch_size=64,
+            )
             self.cache[key] = result["accuracy"]
         return self.cache[key]
 

@@ -81,22 +81,31 @@ log = logging.getLogger("lm_token_weighting")
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", help="scratch directory (default: a temporary one, removed)")
-    parser.add_argument("--keep", action="store_true",
-                        help="reuse the zoo under --work when its settings match")  # fmt: skip
+    parser.add_argument(
+        "--keep", action="store_true", help="reuse the zoo under --work when its settings match"
+    )
     parser.add_argument("--n", type=int, default=32, help="calibration rows per task")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps-pretrain", type=int, default=400)
     parser.add_argument("--steps-finetune", type=int, default=150)
     parser.add_argument("--vocab", type=int, default=4000, help="tokenizer vocabulary limit")
-    parser.add_argument("--scales", type=float, nargs="+", default=[0.3, 0.5, 1.0],
-                        help="Task Arithmetic scales tried (chosen on validation)")  # fmt: skip
-    parser.add_argument("--max-val", type=int, default=300,
-                        help="validation rows per task (seeded sample; 0 = all)")  # fmt: skip
-    parser.add_argument("--max-test", type=int, default=500,
-                        help="test rows per task (seeded sample; 0 = all)")  # fmt: skip
+    parser.add_argument(
+        "--scales",
+        type=float,
+        nargs="+",
+        default=[0.3, 0.5, 1.0],
+        help="Task Arithmetic scales tried (chosen on validation)",
+    )
+    parser.add_argument(
+        "--max-val", type=int, default=300, help="validation rows per task (seeded sample; 0 = all)"
+    )
+    parser.add_argument(
+        "--max-test", type=int, default=500, help="test rows per task (seeded sample; 0 = all)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"),
-                        help="results directory")  # fmt: skip
+    parser.add_argument(
+        "--out", default=str(ROOT / "benchmarks" / "results"), help="results directory"
+    )
     parser.add_argument("--verbose", action="store_true", help="featcal's own INFO logs too")
     return parser.parse_args(argv)
 
@@ -152,8 +161,10 @@ def run(args, work: Path, started: float) -> int:
     scorer = Scorer(base, tasks, eval_rows(tasks, args))
     for model, task, split, value in record.get("val_cache", []):
         scorer.cache[model, task, split] = value
-    log.info("experts' validation accuracy: %s",
-             {t: round(v["validation_accuracy"], 3) for t, v in record["experts"].items()})  # fmt: skip
+    log.info(
+        "experts' validation accuracy: %s",
+        {t: round(v["validation_accuracy"], 3) for t, v in record["experts"].items()},
+    )
     log.info("merge scale %g (validation: %s)", record["scale"], record["merge_validation"])
 
     grid, dirs = {}, {}
@@ -162,14 +173,30 @@ def run(args, work: Path, started: float) -> int:
             for lam in LAMS:
                 out = work / "calibrated" / f"{w}_a{alpha:g}_l{lam:g}"
                 tick = time.perf_counter()
-                calibrate(base, merged, experts, calib, out, FeatCalParams(alpha, RHO, lam),
-                          num_per_task=args.n, max_length=MAX_LENGTH, seed=args.seed,
-                          token_weighting=w, overwrite=True, progress=False)  # fmt: skip
+                calibrate(
+                    base,
+                    merged,
+                    experts,
+                    calib,
+                    out,
+                    FeatCalParams(alpha, RHO, lam),
+                    num_per_task=args.n,
+                    max_length=MAX_LENGTH,
+                    seed=args.seed,
+                    token_weighting=w,
+                    overwrite=True,
+                    progress=False,
+                )
                 grid[w, alpha, lam] = scorer.all_tasks(out, "validation")
                 dirs[w, alpha, lam] = out
-                log.info("featcal %s α=%g λ=%g: average validation accuracy %.4f (%.0f s)",
-                         w, alpha, lam, grid[w, alpha, lam]["avg"],
-                         time.perf_counter() - tick)  # fmt: skip
+                log.info(
+                    "featcal %s α=%g λ=%g: average validation accuracy %.4f (%.0f s)",
+                    w,
+                    alpha,
+                    lam,
+                    grid[w, alpha, lam]["avg"],
+                    time.perf_counter() - tick,
+                )
 
     order = [(a, lam) for a in ALPHAS for lam in LAMS]
     chosen = {
@@ -186,21 +213,34 @@ def run(args, work: Path, started: float) -> int:
     expert_val["avg"] = float(np.mean([expert_val[t] for t in TASKS]))
     merged_test = scorer.all_tasks(merged, "test")
     finals = [
-        {"kind": "base", "validation": scorer.all_tasks(base, "validation"),
-         "test": scorer.all_tasks(base, "test")},
+        {
+            "kind": "base",
+            "validation": scorer.all_tasks(base, "validation"),
+            "test": scorer.all_tasks(base, "test"),
+        },
         {"kind": "experts", "validation": expert_val, "test": expert_test},
-        {"kind": f"merged (TA {record['scale']:g})",
-         "validation": scorer.all_tasks(merged, "validation"), "test": merged_test},
-    ]  # fmt: skip
-    for label, settings in [("featcal (val-selected)", chosen), ("featcal (paper defaults)",
-                                                                  dict.fromkeys(WEIGHTINGS, PAPER))]:  # fmt: skip
+        {
+            "kind": f"merged (TA {record['scale']:g})",
+            "validation": scorer.all_tasks(merged, "validation"),
+            "test": merged_test,
+        },
+    ]
+    for label, settings in [
+        ("featcal (val-selected)", chosen),
+        ("featcal (paper defaults)", dict.fromkeys(WEIGHTINGS, PAPER)),
+    ]:
         for w in WEIGHTINGS:
             alpha, lam = settings[w]
-            finals.append({
-                "kind": label, "weighting": w, "alpha": alpha, "lam": lam,
-                "validation": grid[w, alpha, lam],
-                "test": scorer.all_tasks(dirs[w, alpha, lam], "test"),
-            })  # fmt: skip
+            finals.append(
+                {
+                    "kind": label,
+                    "weighting": w,
+                    "alpha": alpha,
+                    "lam": lam,
+                    "validation": grid[w, alpha, lam],
+                    "test": scorer.all_tasks(dirs[w, alpha, lam], "test"),
+                }
+            )
     for f in finals:
         if f["kind"] not in ("base", "experts"):
             gap = gap_closed(merged_test["avg"], f["test"]["avg"], expert_test["avg"])

@@ -60,8 +60,14 @@ def train(model, steps: int, peak_lr: float, loss_fn, count: int, seed: int, wha
         optimizer.step()
         losses.append(float(loss.detach()))
         if (step + 1) % max(1, steps // 5) == 0:
-            log.info("%s: step %d/%d, loss %.4f (%.0f s)", what, step + 1, steps,
-                     float(np.mean(losses[-20:])), time.perf_counter() - started)  # fmt: skip
+            log.info(
+                "%s: step %d/%d, loss %.4f (%.0f s)",
+                what,
+                step + 1,
+                steps,
+                float(np.mean(losses[-20:])),
+                time.perf_counter() - started,
+            )
     model.eval()
     return float(np.mean(losses[-max(1, steps // 10) :]))
 

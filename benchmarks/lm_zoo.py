@@ -132,8 +132,16 @@ def build_zoo(args, work: Path, tasks: dict) -> dict:
         torch.manual_seed(args.seed + 1 + index)
         base_model.load_state_dict(base_state)
         texts, labels = tasks[task]["train"]
-        loss = finetune(base_model, tokenizer, texts, labels, tasks[task]["words"],
-                        args.steps_finetune, args.seed + 1 + index, f"expert {task}")  # fmt: skip
+        loss = finetune(
+            base_model,
+            tokenizer,
+            texts,
+            labels,
+            tasks[task]["words"],
+            args.steps_finetune,
+            args.seed + 1 + index,
+            f"expert {task}",
+        )
         experts[task] = save_model(base_model, tokenizer, zoo / "experts" / task)
         val = scorer.accuracy(experts[task], task, "validation")
         record["experts"][task] = {"train_loss": loss, "validation_accuracy": val}
@@ -142,8 +150,9 @@ def build_zoo(args, work: Path, tasks: dict) -> dict:
     merges = {}
     for scale in args.scales:
         path = zoo / f"merged_ta_{scale:g}"
-        merge_checkpoints(base, experts, path, "task_arithmetic", {"scale": scale},
-                          overwrite=True, progress=False)  # fmt: skip
+        merge_checkpoints(
+            base, experts, path, "task_arithmetic", {"scale": scale}, overwrite=True, progress=False
+        )
         merges[scale] = scorer.all_tasks(path, "validation")["avg"]
         log.info("task arithmetic scale %g: average validation accuracy %.4f", scale, merges[scale])
     scale = max(args.scales, key=lambda s: (merges[s], -args.scales.index(s)))
@@ -154,14 +163,17 @@ def build_zoo(args, work: Path, tasks: dict) -> dict:
     for task in TASKS:
         texts, labels = tasks[task]["train"]
         rng = np.random.default_rng(args.seed)
-        rows = sorted(int(i) for i in rng.choice(len(texts), size=min(args.n, len(texts)),
-                                                   replace=False))  # fmt: skip
+        rows = sorted(
+            int(i) for i in rng.choice(len(texts), size=min(args.n, len(texts)), replace=False)
+        )
         words = tasks[task]["words"]
-        datasets.Dataset.from_dict({
-            "text": [TEMPLATE.format(text=texts[i]) for i in rows],
-            "target": [" " + words[labels[i]] for i in rows],
-            "label": [labels[i] for i in rows],
-        }).save_to_disk(str(zoo / "calib" / task))  # fmt: skip
+        datasets.Dataset.from_dict(
+            {
+                "text": [TEMPLATE.format(text=texts[i]) for i in rows],
+                "target": [" " + words[labels[i]] for i in rows],
+                "label": [labels[i] for i in rows],
+            }
+        ).save_to_disk(str(zoo / "calib" / task))
         record["calib"][task] = rows
     record["build_seconds"] = round(time.perf_counter() - started, 1)
     record["val_cache"] = [[*k, v] for k, v in scorer.cache.items()]

@@ -79,8 +79,14 @@ def measure(
     io: dict[int, tuple[int, int, int]] = {}
     with open(log_path, "w") as log_file:
         started = time.perf_counter()
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log_file,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=REPO,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         root = psutil.Process(proc.pid)
         while True:
             exited = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)

@@ -94,19 +94,28 @@ def main() -> int:
         "merge": {"method": "task_arithmetic", "hyperparameters": {"scale": 0.3}},
         "featcal": {"alpha": 0.25, "rho": 2.2, "lam": 0.05, "num_per_task": 32, "heads": False},
         "tracking": {"enabled": False},
-        "compare": {"variants": [
-            {"name": "ta", "set": [*ta, "repair.method=none"]},
-            {"name": "ta.featcal", "set": [*ta, "repair.method=featcal"]},
-            {"name": "ta.featcal-alpha1", "set": [*ta, "repair.method=featcal", "featcal.alpha=1.0"]},
-        ]},
-    }  # fmt: skip
+        "compare": {
+            "variants": [
+                {"name": "ta", "set": [*ta, "repair.method=none"]},
+                {"name": "ta.featcal", "set": [*ta, "repair.method=featcal"]},
+                {
+                    "name": "ta.featcal-alpha1",
+                    "set": [*ta, "repair.method=featcal", "featcal.alpha=1.0"],
+                },
+            ]
+        },
+    }
     folder = ROOT / "benchmarks" / "out" / "paper_regime_shape"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(params, sort_keys=False))
     started = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "featcal_cli.main", "compare", "--params",
-                           str(path)], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "featcal_cli.main", "compare", "--params", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     (folder / f"{name}.log").write_text(done.stderr)
     if done.returncode != 0:
         print(done.stderr[-3000:], file=sys.stderr)
@@ -117,8 +126,10 @@ def main() -> int:
     for variant in record["variants"]:
         mean = variant["mean"]
         gap = mean.get("gap_closed")
-        print(f"  {variant['name']:18s} mean accuracy {mean['accuracy']:5.1f} %  gap closed "
-              + ("—" if gap is None else f"{gap:.1f} %"))  # fmt: skip
+        print(
+            f"  {variant['name']:18s} mean accuracy {mean['accuracy']:5.1f} %  gap closed "
+            + ("—" if gap is None else f"{gap:.1f} %")
+        )
     return 0
 
 

@@ -33,19 +33,30 @@ def compare(preset: str, n: int, evaluation: str = "float32") -> tuple[dict, Pat
     """({variant: compare row}, results folder), the compare.json under "__compare__"."""
     tag = f"precision-{preset}" + ("" if evaluation == "float32" else f"-eval-{evaluation}")
     variants = [{"name": "ta", "set": ["repair.method=none"]}]
-    variants += [{"name": f"ta.featcal.{p}", "set": ["repair.method=featcal",
-                                                      f"featcal.precision={p}"]}
-                 for p in PRECISIONS]  # fmt: skip
+    variants += [
+        {"name": f"ta.featcal.{p}", "set": ["repair.method=featcal", f"featcal.precision={p}"]}
+        for p in PRECISIONS
+    ]
     params = {
         "run": {"name": tag, "results_dir": f"data/results/precision-{preset}", "seed": 0},
-        "zoo": {"preset": preset, "dir": f"data/zoo/{preset}", "seed": 0,
-                "evaluation_split": "test"},
+        "zoo": {
+            "preset": preset,
+            "dir": f"data/zoo/{preset}",
+            "seed": 0,
+            "evaluation_split": "test",
+        },
         "merge": {"method": "task_arithmetic", "hyperparameters": {"scale": 0.3}},
-        "featcal": {"alpha": 0.25, "rho": 2.2, "lam": 0.05, "num_per_task": n, "batch_size": 32,
-                    "heads": False},
+        "featcal": {
+            "alpha": 0.25,
+            "rho": 2.2,
+            "lam": 0.05,
+            "num_per_task": n,
+            "batch_size": 32,
+            "heads": False,
+        },
         "evaluation": {"precision": evaluation},
         "compare": {"variants": variants},
-    }  # fmt: skip
+    }
     report = run_compare(tag, params, OUT)
     rows = {row["name"]: row for row in report["variants"]}
     rows["__compare__"] = report
@@ -113,8 +124,10 @@ def main() -> None:
         print(f"| mean | {rows['ta']['mean']['accuracy']:.2f} | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
         drift = {p: last_block_drift(results, f"ta.featcal.{p}") for p in PRECISIONS}
         change = 100 * (drift["bfloat16"] / drift["float32"] - 1)
-        print(f"\nmean last-block drift after calibration: float32 {drift['float32']:.4g}, "
-              f"bfloat16 {drift['bfloat16']:.4g} ({change:+.2f} %)")  # fmt: skip
+        print(
+            f"\nmean last-block drift after calibration: float32 {drift['float32']:.4g}, "
+            f"bfloat16 {drift['bfloat16']:.4g} ({change:+.2f} %)"
+        )
         for evaluation in args.evaluation:
             started = time.perf_counter()
             fast, _ = compare(preset, args.n, evaluation)

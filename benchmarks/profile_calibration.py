@@ -37,9 +37,16 @@ def main() -> None:
     pool = build_pool(work / "pool", "clip", config, tasks, delta=0.002, rows=args.images)
     profile = cProfile.Profile()
     profile.enable()
-    record = calibrate(pool.base, pool.merged, pool.experts, pool.calib, work / "out",
-                       num_per_task=args.images, precision=args.precision,
-                       progress=False)  # fmt: skip
+    record = calibrate(
+        pool.base,
+        pool.merged,
+        pool.experts,
+        pool.calib,
+        work / "out",
+        num_per_task=args.images,
+        precision=args.precision,
+        progress=False,
+    )
     profile.disable()
     print("seconds per block:", [b["seconds"] for b in record["blocks"]])
     phases: dict[str, float] = {}
@@ -47,8 +54,10 @@ def main() -> None:
         for phase, seconds in block["phases"].items():
             phases[phase] = phases.get(phase, 0.0) + seconds
     total = sum(phases.values())
-    print("seconds per phase:", ", ".join(f"{p} {s:.1f} ({100 * s / total:.0f} %)"
-                                         for p, s in sorted(phases.items())))  # fmt: skip
+    print(
+        "seconds per phase:",
+        ", ".join(f"{p} {s:.1f} ({100 * s / total:.0f} %)" for p, s in sorted(phases.items())),
+    )
     print(f"wall {record['wall_seconds']:.1f} s, peak RSS {peak_rss_bytes() / 2**20:.0f} MiB")
     pstats.Stats(profile).sort_stats("tottime").print_stats(15)
     shutil.rmtree(work, ignore_errors=True)

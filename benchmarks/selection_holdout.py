@@ -47,7 +47,8 @@ def checkpoints(steps: Steps, variants: dict) -> dict[str, tuple[str, str | None
         merged = str(steps.paths["merges"] / merge_key(params.merge))
         repaired = str(steps.paths["variants"] / name / "calibrated")
         found[name] = {"none": (merged, None), "surgery": (merged, repaired)}.get(
-            params.repair_method, (repaired, None))  # fmt: skip
+            params.repair_method, (repaired, None)
+        )
     return found
 
 
@@ -55,9 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", required=True, help="the compare run's params file")
     parser.add_argument("--holdout", type=int, nargs="*", default=[32, 128])
-    parser.add_argument("--validation", action="store_true",
-                        help="also score every variant on each task's labelled validation split "
-                        "(score: validation), as a user with labels would choose")  # fmt: skip
+    parser.add_argument(
+        "--validation",
+        action="store_true",
+        help="also score every variant on each task's labelled validation split "
+        "(score: validation), as a user with labels would choose",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     params, variants = load_compare(args.params, [])
@@ -67,28 +71,47 @@ def main(argv: list[str] | None = None) -> int:
     names = list(variants)
     base, experts = steps.models()
     modality = get(steps.lock()["architecture"]).modality
-    lines = ["| held-out per task | score | Spearman ρ | chooses | its mean test acc |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| held-out per task | score | Spearman ρ | chooses | its mean test acc |",
+        "|---|---|---|---|---|",
+    ]
     for n in args.holdout:
         out = steps.paths["root"] / f"selection_sets_{n}"
-        build_selection_sets.fn(steps.params, modality, str(steps.paths["calibration_sets"]),
-                                str(out), n)  # fmt: skip
-        scores = score_candidates.fn(steps.params, base, experts, checkpoints(steps, variants),
-                                     {t: str(out / t) for t in steps.params.tasks},
-                                     str(steps.paths["root"]))  # fmt: skip
+        build_selection_sets.fn(
+            steps.params, modality, str(steps.paths["calibration_sets"]), str(out), n
+        )
+        scores = score_candidates.fn(
+            steps.params,
+            base,
+            experts,
+            checkpoints(steps, variants),
+            {t: str(out / t) for t in steps.params.tasks},
+            str(steps.paths["root"]),
+        )
         for score in LABEL_FREE:
             choice = choose(scores, score)
             sign = 1.0 if HIGHER_IS_BETTER[score] else -1.0
             rho = spearman([sign * choice["means"][v] for v in names], [accuracy[v] for v in names])
-            lines.append(f"| {n} | {score} | {rho:+.2f} | `{choice['winner']}` | "
-                         f"{accuracy[choice['winner']]:.1f} |")  # fmt: skip
+            lines.append(
+                f"| {n} | {score} | {rho:+.2f} | `{choice['winner']}` | "
+                f"{accuracy[choice['winner']]:.1f} |"
+            )
     if args.validation:
-        scores = score_candidates.fn(steps.params, base, experts, checkpoints(steps, variants),
-                                     {}, str(steps.paths["root"]), "validation")  # fmt: skip
+        scores = score_candidates.fn(
+            steps.params,
+            base,
+            experts,
+            checkpoints(steps, variants),
+            {},
+            str(steps.paths["root"]),
+            "validation",
+        )
         choice = choose(scores, "validation")
         rho = spearman([choice["means"][v] for v in names], [accuracy[v] for v in names])
-        lines.append(f"| — | validation | {rho:+.2f} | `{choice['winner']}` | "
-                     f"{accuracy[choice['winner']]:.1f} |")  # fmt: skip
+        lines.append(
+            f"| — | validation | {rho:+.2f} | `{choice['winner']}` | "
+            f"{accuracy[choice['winner']]:.1f} |"
+        )
     best = max(names, key=accuracy.get)
     print("\n".join(lines) + f"\n\nbest on test: `{best}` ({accuracy[best]:.1f})")
     return 0

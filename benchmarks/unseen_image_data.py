@@ -110,8 +110,13 @@ def photo_patches(name: str, rng: np.random.Generator) -> dict[str, list[Image.I
             raise SystemExit(f"{name}: no {split} patch fits the photo ({width}x{height})")
     logger.info(
         "  %s: %dx%d, patch %d px, %d train, %d test patches",
-        name, width, height, patch, len(out["train"]), len(out["test"]),
-    )  # fmt: skip
+        name,
+        width,
+        height,
+        patch,
+        len(out["train"]),
+        len(out["test"]),
+    )
     return out
 
 

@@ -35,13 +35,24 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks" / "out" / "zoo_results"
 log = logging.getLogger("zoo_results")
 
-MERGE_GRID = {"task_arithmetic": [{"scale": s} for s in (0.3, 0.5, 0.8)],
-              "ties": [{"scale": s, "top_k": 20} for s in (0.5, 1.0)]}  # fmt: skip
+MERGE_GRID = {
+    "task_arithmetic": [{"scale": s} for s in (0.3, 0.5, 0.8)],
+    "ties": [{"scale": s, "top_k": 20} for s in (0.5, 1.0)],
+}
 ALPHAS, LAMS, RHO = (0.25, 0.5, 1.0), (0.05, 0.5), 2.2
 PAPER_MERGE, PAPER_FEATCAL = ("task_arithmetic", {"scale": 0.3}), {"alpha": 0.25, "lam": 0.05}
 SHORT = {"task_arithmetic": "ta", "ties": "ties"}
-FIELDS = ["preset", "n", "method", "variant", "settings", "val_acc", "test_acc", "test_gap_closed",
-          "expert_test_acc"]  # fmt: skip
+FIELDS = [
+    "preset",
+    "n",
+    "method",
+    "variant",
+    "settings",
+    "val_acc",
+    "test_acc",
+    "test_gap_closed",
+    "expert_test_acc",
+]
 
 
 def variant(setting: tuple) -> dict:
@@ -52,8 +63,12 @@ def variant(setting: tuple) -> dict:
     sets = [f"merge.method={method}", f"merge.hyperparameters={{{hp}}}", "repair.method=none"]
     if featcal is not None:
         name += f".featcal-a{featcal['alpha']}-l{featcal['lam']}"
-        sets[-1:] = ["repair.method=featcal", f"featcal.alpha={featcal['alpha']}",
-                     f"featcal.lam={featcal['lam']}", f"featcal.rho={RHO}"]  # fmt: skip
+        sets[-1:] = [
+            "repair.method=featcal",
+            f"featcal.alpha={featcal['alpha']}",
+            f"featcal.lam={featcal['lam']}",
+            f"featcal.rho={RHO}",
+        ]
     return {"name": name, "set": sets}
 
 
@@ -63,13 +78,21 @@ def run_compare(tag: str, params: dict, out: Path) -> dict:
     path = write_file(out / f"{tag}.yaml", yaml.safe_dump(params, sort_keys=False))
     started = time.perf_counter()
     with (out / f"{tag}.log").open("w") as handle:
-        done = subprocess.run([sys.executable, "-m", "featcal_cli.main", "compare", "--params",
-                               str(path)], cwd=ROOT, stdout=handle, stderr=subprocess.STDOUT)  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-m", "featcal_cli.main", "compare", "--params", str(path)],
+            cwd=ROOT,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
     if done.returncode != 0:
         tail = (out / f"{tag}.log").read_text().strip().splitlines()[-15:]
         raise SystemExit(f"featcal compare {tag} failed:\n" + "\n".join(tail))
-    log.info("%s: %d variants in %.0f s", tag, len(params["compare"]["variants"]),
-             time.perf_counter() - started)  # fmt: skip
+    log.info(
+        "%s: %d variants in %.0f s",
+        tag,
+        len(params["compare"]["variants"]),
+        time.perf_counter() - started,
+    )
     return json.loads((ROOT / "reports" / f"{tag}-compare" / "compare.json").read_text())
 
 
@@ -78,41 +101,69 @@ def compare(preset: str, n: int, split: str, settings: list, max_val: int | None
     tag = f"zoo-results-{preset}-n{n}-{'val' if split == 'validation' else 'test'}"
     params = {
         "run": {"name": tag, "results_dir": f"data/results/{tag}", "seed": 0},
-        "zoo": {"preset": preset, "dir": f"data/zoo/{preset}", "seed": 0, "evaluation_split": split},
+        "zoo": {
+            "preset": preset,
+            "dir": f"data/zoo/{preset}",
+            "seed": 0,
+            "evaluation_split": split,
+        },
         "merge": {"method": PAPER_MERGE[0], "hyperparameters": PAPER_MERGE[1]},
-        "featcal": {**PAPER_FEATCAL, "rho": RHO, "num_per_task": n, "batch_size": 32, "heads": False},
+        "featcal": {
+            **PAPER_FEATCAL,
+            "rho": RHO,
+            "num_per_task": n,
+            "batch_size": 32,
+            "heads": False,
+        },
         "evaluation": {"max_examples_per_task": max_val if split == "validation" else None},
         "compare": {"variants": [variant(s) for s in settings]},
-    }  # fmt: skip
+    }
     report = run_compare(tag, params, OUT)
     experts = [models["expert"]["accuracy"] for models in report["evaluation"].values()]
-    means = {v["name"]: {k: x if x is None else round(x, 2) for k, x in v["mean"].items()}
-             for v in report["variants"]}  # fmt: skip
+    means = {
+        v["name"]: {k: x if x is None else round(x, 2) for k, x in v["mean"].items()}
+        for v in report["variants"]
+    }
     return means, round(100 * sum(experts) / len(experts), 2)
 
 
 def run_cell(preset: str, n: int, methods: list[str], quick: bool, max_val: int | None) -> list:
     featcals = [PAPER_FEATCAL] if quick else [{"alpha": a, "lam": x} for a in ALPHAS for x in LAMS]
-    grid = [(m, hp, fc) for m in methods for hp in MERGE_GRID[m][: 1 if quick else None]
-            for fc in (None, *featcals)]  # fmt: skip
+    grid = [
+        (m, hp, fc)
+        for m in methods
+        for hp in MERGE_GRID[m][: 1 if quick else None]
+        for fc in (None, *featcals)
+    ]
     val, _ = compare(preset, n, "validation", grid, max_val)
     chosen = []
     for method in methods:
         for kind, calibrated in (("merge only (val-selected)", 0), ("featcal (val-selected)", 1)):
             pool = [s for s in grid if s[0] == method and (s[2] is not None) == calibrated]
             chosen.append((kind, max(pool, key=lambda s: val[variant(s)["name"]]["accuracy"])))
-    chosen += [("paper defaults: merge only", (*PAPER_MERGE, None)),
-               ("paper defaults: featcal", (*PAPER_MERGE, PAPER_FEATCAL))]  # fmt: skip
+    chosen += [
+        ("paper defaults: merge only", (*PAPER_MERGE, None)),
+        ("paper defaults: featcal", (*PAPER_MERGE, PAPER_FEATCAL)),
+    ]
     unique = list({variant(s)["name"]: s for _, s in chosen}.values())
     test, expert = compare(preset, n, "test", unique, None)
     rows = []
     for kind, (method, hp, fc) in chosen:
         key = variant((method, hp, fc))["name"]
         settings = json.dumps({**hp, **({} if fc is None else {**fc, "rho": RHO})}, sort_keys=True)
-        rows.append({"preset": preset, "n": n, "method": method, "variant": kind,
-                     "settings": settings, "val_acc": val.get(key, {}).get("accuracy"),
-                     "test_acc": test[key]["accuracy"], "test_gap_closed": test[key]["gap_closed"],
-                     "expert_test_acc": expert})  # fmt: skip
+        rows.append(
+            {
+                "preset": preset,
+                "n": n,
+                "method": method,
+                "variant": kind,
+                "settings": settings,
+                "val_acc": val.get(key, {}).get("accuracy"),
+                "test_acc": test[key]["accuracy"],
+                "test_gap_closed": test[key]["gap_closed"],
+                "expert_test_acc": expert,
+            }
+        )
     return rows
 
 
@@ -126,16 +177,24 @@ def write(rows: list[dict], out: Path) -> None:
         with (out / "zoo_results.csv").open(newline="") as handle:
             old = [r for r in csv.DictReader(handle) if set(r) == set(FIELDS)]
         rows = [r for r in old if (r["preset"], r["n"], r["method"]) not in done] + rows
-    rows = sorted(rows, key=lambda r: (r["preset"] != "vision", r["preset"], int(r["n"]), r["method"]))  # fmt: skip
+    rows = sorted(
+        rows, key=lambda r: (r["preset"] != "vision", r["preset"], int(r["n"]), r["method"])
+    )
     text = io.StringIO()
     (writer := csv.DictWriter(text, fieldnames=FIELDS, lineterminator="\n")).writeheader()
     writer.writerows(rows)
     write_file(out / "zoo_results.csv", text.getvalue())
-    lines = ["| preset | n | merge | variant | settings | val acc | test acc | test gap closed "
-             "(vs TA 0.3) | experts (test) |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    lines += [f"| {r['preset']} | {r['n']} | {r['method']} | {r['variant']} | `{r['settings']}` | "
-              f"{cell(r['val_acc'])} | {cell(r['test_acc'])} | {cell(r['test_gap_closed'], ' %')} | "
-              f"{cell(r['expert_test_acc'])} |" for r in rows]  # fmt: skip
+    lines = [
+        "| preset | n | merge | variant | settings | val acc | test acc | test gap closed "
+        "(vs TA 0.3) | experts (test) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['preset']} | {r['n']} | {r['method']} | {r['variant']} | `{r['settings']}` | "
+        f"{cell(r['val_acc'])} | {cell(r['test_acc'])} | {cell(r['test_gap_closed'], ' %')} | "
+        f"{cell(r['expert_test_acc'])} |"
+        for r in rows
+    ]
     write_file(out / "zoo_results.md", "\n".join(lines) + "\n")
     plot(rows, out / "accuracy_vs_n.png")
     print("\n".join(lines))
@@ -150,11 +209,17 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax, (preset, method) in zip(axes[0], keys, strict=True):
         sub = [r for r in rows if (r["preset"], r["method"]) == (preset, method)]
         for kind in dict.fromkeys(r["variant"] for r in sub):
-            points = sorted((int(r["n"]), float(r["test_acc"])) for r in sub if r["variant"] == kind)  # fmt: skip
+            points = sorted(
+                (int(r["n"]), float(r["test_acc"])) for r in sub if r["variant"] == kind
+            )
             ax.plot(*zip(*points, strict=True), marker="o", label=kind)
         ax.axhline(float(sub[0]["expert_test_acc"]), color="k", ls="--", lw=1, label="experts")
-        ax.set(xscale="log", title=f"{preset} / {method}", xlabel="calibration inputs per task (n)",
-               ylabel="mean test accuracy (%)")  # fmt: skip
+        ax.set(
+            xscale="log",
+            title=f"{preset} / {method}",
+            xlabel="calibration inputs per task (n)",
+            ylabel="mean test accuracy (%)",
+        )
         ax.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -165,8 +230,12 @@ def main() -> None:
     parser.add_argument("--presets", nargs="+", default=["vision", "text"])
     parser.add_argument("--n", nargs="+", type=int, default=[8, 32, 128])
     parser.add_argument("--methods", nargs="+", default=list(MERGE_GRID), choices=list(MERGE_GRID))
-    parser.add_argument("--max-val", type=int, default=None,
-                        help="score only the first N validation rows per task (speed)")  # fmt: skip
+    parser.add_argument(
+        "--max-val",
+        type=int,
+        default=None,
+        help="score only the first N validation rows per task (speed)",
+    )
     parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # smoke: 1 × 1 grid
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

@@ -31,8 +31,13 @@ class Command:
 def params_arguments(parser: argparse.ArgumentParser, default: str | None = "params.yaml") -> None:
     """--params FILE and repeated --set KEY=VALUE: the run configuration and its overrides."""
     parser.add_argument("--params", default=default, help="the run configuration (params.yaml)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a value of the params file, e.g. featcal.alpha=0.3")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a value of the params file, e.g. featcal.alpha=0.3",
+    )
 
 
 def refuse_with_params(command: str, args: argparse.Namespace, add_arguments) -> None:
@@ -167,8 +172,9 @@ def repair_arguments(
     repeated --expert TASK=DIR and --calib TASK=DIR, and --out DIR, with the command's help texts
     (--merged and --out required; checked by `repair_inputs`)."""
     cmd.add_argument("--merged", required=True, help=merged)
-    cmd.add_argument("--expert", action="append", type=task_path("--expert"), metavar="TASK=DIR",
-                     help=expert)  # fmt: skip
+    cmd.add_argument(
+        "--expert", action="append", type=task_path("--expert"), metavar="TASK=DIR", help=expert
+    )
     cmd.add_argument("--calib", action="append", type=task_path("--calib"), metavar="TASK=DIR")
     cmd.add_argument("--out", required=True, help=out)
 
@@ -216,8 +222,9 @@ def setting_flags(parser: argparse.ArgumentParser, model, names: list[str], sect
         info = model.model_fields[name]
         options = [a for a in _alternatives(info.annotation) if a is not type(None)]
         kwargs: dict = {"default": info.default}
-        literals = [v for a in options if typing.get_origin(a) is typing.Literal
-                    for v in typing.get_args(a)]  # fmt: skip
+        literals = [
+            v for a in options if typing.get_origin(a) is typing.Literal for v in typing.get_args(a)
+        ]
         if literals:
             kwargs["choices"] = literals
         elif any(_base(a) is int for a in options):

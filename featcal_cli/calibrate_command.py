@@ -29,14 +29,32 @@ def add_arguments(cal: argparse.ArgumentParser) -> None:
     cal.add_argument("--expert", action="append", type=task_path("--expert"), metavar="TASK=DIR")
     cal.add_argument("--calib", action="append", type=task_path("--calib"), metavar="TASK=DIR")
     cal.add_argument("--out", help="output directory (save_pretrained layout)")
-    setting_flags(cal, FeatCalSettings, ["alpha", "rho", "lam", "eps", "num_per_task",
-                  "batch_size", "device", "max_length", "pooling", "token_weighting", "precision"],
-                  "featcal")  # fmt: skip
+    setting_flags(
+        cal,
+        FeatCalSettings,
+        [
+            "alpha",
+            "rho",
+            "lam",
+            "eps",
+            "num_per_task",
+            "batch_size",
+            "device",
+            "max_length",
+            "pooling",
+            "token_weighting",
+            "precision",
+        ],
+        "featcal",
+    )
     setting_flags(cal, RunSettings, ["seed"], "run")
     cal.add_argument("--spill-dir", default=None, help="keep hidden-state streams on disk here")
-    cal.add_argument("--heads", action="store_true",
-                     help="also refit each expert's own classification head for the calibrated "
-                     "model (head calibration; written to OUT/heads/<task>/; params: featcal.heads)")  # fmt: skip
+    cal.add_argument(
+        "--heads",
+        action="store_true",
+        help="also refit each expert's own classification head for the calibrated "
+        "model (head calibration; written to OUT/heads/<task>/; params: featcal.heads)",
+    )
     setting_flags(cal, FeatCalSettings, ["head_lam"], "featcal")
     cal.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     cal.add_argument(
@@ -44,13 +62,22 @@ def add_arguments(cal: argparse.ArgumentParser) -> None:
         default=None,
         help="run as the resumable Prefect flow, persisting each block's result here",
     )
-    setting_flags(cal, FeatCalSettings, ["runner", "dask_address", "dask_workers", "memory_budget"],
-                  "featcal")  # fmt: skip
+    setting_flags(
+        cal, FeatCalSettings, ["runner", "dask_address", "dask_workers", "memory_budget"], "featcal"
+    )
     cal.add_argument("--no-progress", action="store_true", help="no progress bar")
-    cal.add_argument("--params", help="run the pipeline's calibrate step from this params.yaml "
-                     "(instead of --base/--merged/--expert/--calib/--out)")  # fmt: skip
-    cal.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                     help="with --params: override a value")  # fmt: skip
+    cal.add_argument(
+        "--params",
+        help="run the pipeline's calibrate step from this params.yaml "
+        "(instead of --base/--merged/--expert/--calib/--out)",
+    )
+    cal.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --params: override a value",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
     )
 
     # the flags that are params.yaml's featcal: and run: fields, checked by those sections' models
-    featcal = featcal_from_flags({name: getattr(args, name) for name in FeatCalSettings.model_fields
-                                  if hasattr(args, name)})  # fmt: skip
+    featcal = featcal_from_flags(
+        {name: getattr(args, name) for name in FeatCalSettings.model_fields if hasattr(args, name)}
+    )
     settings_from_flags(RunSettings, "run", {"seed": args.seed})
     if args.results_dir is not None:
         if args.spill_dir is not None:
@@ -104,8 +132,11 @@ def run(args: argparse.Namespace) -> int:
     )
     logging.getLogger("featcal").info(
         "calibrated %d blocks in %.1f s, peak RSS %.0f MB -> %s",
-        len(record["blocks"]), record["wall_seconds"], record["peak_rss_bytes"] / 1e6, args.out,
-    )  # fmt: skip
+        len(record["blocks"]),
+        record["wall_seconds"],
+        record["peak_rss_bytes"] / 1e6,
+        args.out,
+    )
     _refit_heads(args, experts, calib)
     return 0
 
@@ -130,11 +161,18 @@ def _refit_heads(args: argparse.Namespace, experts: dict[str, str], calib: dict[
     dtype = Checkpoint(args.out, role="calibrated model").float_dtype()
     chosen = resolve_forwards(args.precision, _device(args.device), dtype)
     heads = refit_expert_heads(
-        args.out, experts, calib,
-        Path(args.out) / "heads", num_per_task=args.num_per_task, seed=args.seed,
-        lam=args.head_lam, batch_size=args.batch_size, device=args.device,
-        tokenizer_dir=args.base, precision=chosen.name,
-    )  # fmt: skip
+        args.out,
+        experts,
+        calib,
+        Path(args.out) / "heads",
+        num_per_task=args.num_per_task,
+        seed=args.seed,
+        lam=args.head_lam,
+        batch_size=args.batch_size,
+        device=args.device,
+        tokenizer_dir=args.base,
+        precision=chosen.name,
+    )
     logging.getLogger("featcal").info("refit heads: %s", ", ".join(heads.values()))
 
 
@@ -162,14 +200,19 @@ def _flow(args: argparse.Namespace, featcal: FeatCalSettings) -> int:
         args.results_dir,
         featcal.core_params(),
         featcal.core_settings(args.seed),
-        args.runner, args.dask_address, args.dask_workers, args.memory_budget,
-    )  # fmt: skip
+        args.runner,
+        args.dask_address,
+        args.dask_workers,
+        args.memory_budget,
+    )
     record = calibration_flow(spec, args.out, args.overwrite)
     computed = sum(not block["restored"] for block in record["blocks"])
     logging.getLogger("featcal").info(
         "%d blocks computed, %d restored -> %s",
-        computed, len(record["blocks"]) - computed, args.out,
-    )  # fmt: skip
+        computed,
+        len(record["blocks"]) - computed,
+        args.out,
+    )
     _refit_heads(args, experts, calib)
     return 0
 

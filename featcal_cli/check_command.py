@@ -27,5 +27,5 @@ COMMANDS = (
         "check the models and datasets of a params file before any download",
         params_arguments,
         _run,
-    ),  # fmt: skip
+    ),
 )

@@ -11,8 +11,9 @@ from featcal_cli.arguments import Command, params_arguments
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     params_arguments(parser)
-    parser.add_argument("--json", action="store_true",
-                        help="print the comparison as JSON instead of the table")  # fmt: skip
+    parser.add_argument(
+        "--json", action="store_true", help="print the comparison as JSON instead of the table"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,8 +29,7 @@ def run(args: argparse.Namespace) -> int:
 
     summary = run_compare(args.params, args.set)
     if args.json:
-        print(json.dumps({k: v for k, v in summary.items() if k != "files"}, indent=2,
-                         default=str))  # fmt: skip
+        print(json.dumps({k: v for k, v in summary.items() if k != "files"}, indent=2, default=str))
         return 0
     text = summary["files"]["compare.md"].read_text()
     lines = text.splitlines()
@@ -37,8 +37,10 @@ def run(args: argparse.Namespace) -> int:
     table = [line for line in lines[first:] if line.startswith("|") or not line]
     table = table[: table.index("")] if "" in table else table  # the variants × tasks table
     print("\n" + "\n".join(table))
-    print(f"\ncomparison:  {shown(summary['report'])} (compare.json: every number; "
-          "accuracy_vs_cost.png)")  # fmt: skip
+    print(
+        f"\ncomparison:  {shown(summary['report'])} (compare.json: every number; "
+        "accuracy_vs_cost.png)"
+    )
     if summary.get("mlflow_run_id"):
         print(f"MLflow run:  {summary['mlflow_run_id']} (one child run per variant)")
     return 0

@@ -16,9 +16,12 @@ from featcal_core.errors import FeatCalError
 
 def add_arguments(demo: argparse.ArgumentParser) -> None:
     params_arguments(demo)
-    demo.add_argument("--synthetic", action="store_true",
-                      help="instead: calibrate a small synthetic pool and print the per-block "
-                      "drift (plumbing only, no accuracy)")  # fmt: skip
+    demo.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="instead: calibrate a small synthetic pool and print the per-block "
+        "drift (plumbing only, no accuracy)",
+    )
     demo.add_argument("--work", default="runs/demo", help="--synthetic: where the pool goes")
     demo.add_argument(
         "--tasks", type=integer(at_least=1), default=4, help="--synthetic: number of experts"
@@ -61,8 +64,14 @@ def _synthetic(args: argparse.Namespace) -> int:
                 "--work (left untouched)"
             )
         shutil.rmtree(pool_dir, ignore_errors=True)
-        config = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-                      num_attention_heads=4, image_size=64, patch_size=16)  # fmt: skip
+        config = dict(
+            hidden_size=128,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            image_size=64,
+            patch_size=16,
+        )
         tasks = tuple(f"task{i}" for i in range(args.tasks))
         pool = build_pool(pool_dir, "clip", config, tasks, delta=0.01, rows=32, blocks_only=True)
     out = work / "calibrated"

@@ -60,5 +60,5 @@ COMMANDS = (
         "show the records that produced a checkpoint and verify its inputs' sha256",
         add_arguments,
         run,
-    ),  # fmt: skip
+    ),
 )

@@ -119,9 +119,14 @@ class FeatCalParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = FeatCalParser(prog="featcal", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-v", "--verbose", action="count", default=0,
-                        help="more output, anywhere on the command line: -v every module's log "
-                        "and the libraries' progress bars, -vv debug")  # fmt: skip
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="more output, anywhere on the command line: -v every module's log "
+        "and the libraries' progress bars, -vv debug",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=FeatCalParser)
     for command in commands().values():
         command.add_arguments(
@@ -148,10 +153,15 @@ QUIET_INFO = ("featcal", "featcal.tasks", "featcal_core.method.calibration")
 
 
 #: libraries whose loggers are quiet unless -v: (logger, the env switch it reads when imported)
-LIBRARY_LOGGERS = (("httpx", None), ("urllib3", None), ("datasets", "DATASETS_VERBOSITY"),
-                   ("transformers", "TRANSFORMERS_VERBOSITY"),
-                   ("huggingface_hub", "HF_HUB_VERBOSITY"), ("mlflow", "MLFLOW_LOGGING_LEVEL"),
-                   ("alembic", None))  # fmt: skip
+LIBRARY_LOGGERS = (
+    ("httpx", None),
+    ("urllib3", None),
+    ("datasets", "DATASETS_VERBOSITY"),
+    ("transformers", "TRANSFORMERS_VERBOSITY"),
+    ("huggingface_hub", "HF_HUB_VERBOSITY"),
+    ("mlflow", "MLFLOW_LOGGING_LEVEL"),
+    ("alembic", None),
+)
 
 
 def configure_logging(verbosity: int) -> None:
@@ -186,8 +196,10 @@ def _library_bars_off() -> None:
     if not sys.stderr.isatty():
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
-    for module, function in (("transformers.utils.logging", "disable_progress_bar"),
-                             ("datasets.utils.logging", "disable_progress_bar")):  # fmt: skip
+    for module, function in (
+        ("transformers.utils.logging", "disable_progress_bar"),
+        ("datasets.utils.logging", "disable_progress_bar"),
+    ):
         if module.split(".")[0] in sys.modules:
             getattr(importlib.import_module(module), function)()
 
@@ -222,8 +234,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except OSError as exc:  # one line naming the path, never a traceback
         where = f" {exc.filename}" if exc.filename else ""
-        print(f"featcal: error:{where}: {exc.strerror or exc}; check that path (space, "
-              "permissions, a read-only filesystem)", file=sys.stderr)  # fmt: skip
+        print(
+            f"featcal: error:{where}: {exc.strerror or exc}; check that path (space, "
+            "permissions, a read-only filesystem)",
+            file=sys.stderr,
+        )
         return EXIT_BAD_INPUT
 
 

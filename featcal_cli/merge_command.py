@@ -52,24 +52,48 @@ def _hyperparameter(value: str) -> tuple[str, object, str]:
 
 def add_arguments(merge: argparse.ArgumentParser) -> None:
     merge.add_argument("--base", help="base (pre-trained) model directory")
-    merge.add_argument("--expert", action="append", type=task_path("--expert"),
-                       metavar="TASK=DIR", help="a fine-tuned expert (repeat per task)")  # fmt: skip
-    merge.add_argument("--method", choices=_MethodNames(), metavar="METHOD",
-                       help="merge method: %(choices)s")  # fmt: skip
-    merge.add_argument("--scale", type=number(), default=None,
-                       help="task vector scale (task_arithmetic default 0.3, ties λ default 1.0)")  # fmt: skip
-    merge.add_argument("--top-k", type=number(), default=None,
-                       help="ties: percent of each task vector's entries kept, per tensor "
-                       "(default 20)")  # fmt: skip
-    merge.add_argument("--hp", action="append", default=[], type=_hyperparameter,
-                       metavar="KEY=VALUE", help="any hyperparameter of the method, e.g. "
-                       "--hp top_k=30 (checked by the method; unknown keys are refused)")  # fmt: skip
+    merge.add_argument(
+        "--expert",
+        action="append",
+        type=task_path("--expert"),
+        metavar="TASK=DIR",
+        help="a fine-tuned expert (repeat per task)",
+    )
+    merge.add_argument(
+        "--method", choices=_MethodNames(), metavar="METHOD", help="merge method: %(choices)s"
+    )
+    merge.add_argument(
+        "--scale",
+        type=number(),
+        default=None,
+        help="task vector scale (task_arithmetic default 0.3, ties λ default 1.0)",
+    )
+    merge.add_argument(
+        "--top-k",
+        type=number(),
+        default=None,
+        help="ties: percent of each task vector's entries kept, per tensor (default 20)",
+    )
+    merge.add_argument(
+        "--hp",
+        action="append",
+        default=[],
+        type=_hyperparameter,
+        metavar="KEY=VALUE",
+        help="any hyperparameter of the method, e.g. "
+        "--hp top_k=30 (checked by the method; unknown keys are refused)",
+    )
     merge.add_argument("--out", help="output directory (save_pretrained layout)")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     merge.add_argument("--no-progress", action="store_true", help="no progress bar")
     merge.add_argument("--params", help="run the pipeline's merge step from this params.yaml")
-    merge.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                       help="with --params: override a value")  # fmt: skip
+    merge.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --params: override a value",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,9 +119,13 @@ def run(args: argparse.Namespace) -> int:
     )
     logging.getLogger("featcal").info(
         "merged %d experts with %s %s in %.1f s, peak RSS %.0f MB -> %s",
-        len(record["inputs"]["experts"]), record["method"], record["hyperparameters"],
-        record["wall_seconds"], record["peak_rss_bytes"] / 1e6, args.out,
-    )  # fmt: skip
+        len(record["inputs"]["experts"]),
+        record["method"],
+        record["hyperparameters"],
+        record["wall_seconds"],
+        record["peak_rss_bytes"] / 1e6,
+        args.out,
+    )
     return 0
 
 
@@ -109,12 +137,17 @@ def _hyperparameters(args: argparse.Namespace) -> dict[str, object]:
 
     given: dict[str, str] = {}  # key -> the flag as typed
     hyperparameters: dict[str, object] = {}
-    flags = [(key, value, flag(key)) for key, value in (("scale", args.scale), ("top_k", args.top_k))
-             if value is not None]  # fmt: skip
+    flags = [
+        (key, value, flag(key))
+        for key, value in (("scale", args.scale), ("top_k", args.top_k))
+        if value is not None
+    ]
     for key, value, typed in [*flags, *args.hp]:
         if key in hyperparameters:
-            raise FeatCalError(f"merge hyperparameter {key!r} is given twice ({given[key]} and "
-                               f"{typed}); give it once")  # fmt: skip
+            raise FeatCalError(
+                f"merge hyperparameter {key!r} is given twice ({given[key]} and "
+                f"{typed}); give it once"
+            )
         hyperparameters[key], given[key] = value, typed
     try:
         get(args.method).check(dict(hyperparameters))
@@ -129,5 +162,5 @@ COMMANDS = (
         "merge fine-tuned experts into one model, tensor by tensor (streaming)",
         add_arguments,
         run,
-    ),  # fmt: skip
+    ),
 )

@@ -50,8 +50,11 @@ def run(args: argparse.Namespace) -> int:
     )
     logging.getLogger("featcal").info(
         "open_clip vision tower: %s layers, width %s, quick_gelu %s -> %s",
-        config["layers"], config["width"], config["quick_gelu"], args.out,
-    )  # fmt: skip
+        config["layers"],
+        config["width"],
+        config["quick_gelu"],
+        args.out,
+    )
     return 0
 
 
@@ -61,5 +64,5 @@ COMMANDS = (
         "convert an open_clip checkpoint (vision tower) into a featcal checkpoint",
         add_arguments,
         run,
-    ),  # fmt: skip
+    ),
 )

@@ -20,14 +20,21 @@ log = logging.getLogger("featcal")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=("export",),
-                        help="export: write the full params file DVC reads")  # fmt: skip
+    parser.add_argument(
+        "action", choices=("export",), help="export: write the full params file DVC reads"
+    )
     params_arguments(parser)
-    parser.add_argument("--out", default="params.yaml",
-                        help="where to write it (default: params.yaml, the file dvc.yaml's stages "
-                        "read); - prints it")  # fmt: skip
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an existing --out file whose settings differ")  # fmt: skip
+    parser.add_argument(
+        "--out",
+        default="params.yaml",
+        help="where to write it (default: params.yaml, the file dvc.yaml's stages "
+        "read); - prints it",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out file whose settings differ",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,8 +57,12 @@ def run(args: argparse.Namespace) -> int:
             "replace it, or another --out"
         )
     write_file(out, text, "--out")
-    log.info("wrote %s: every section of %s%s, defaults filled in", out, args.params,
-             f" with {len(args.set)} override(s)" if args.set else "")  # fmt: skip
+    log.info(
+        "wrote %s: every section of %s%s, defaults filled in",
+        out,
+        args.params,
+        f" with {len(args.set)} override(s)" if args.set else "",
+    )
     print(out)
     return 0
 
@@ -73,5 +84,5 @@ COMMANDS = (
         "DVC's stages read",
         add_arguments,
         run,
-    ),  # fmt: skip
+    ),
 )

@@ -12,8 +12,9 @@ from featcal_cli.step_runner import run_step
 
 
 def _json_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true",
-                        help="print the full result as JSON instead of the table")  # fmt: skip
+    parser.add_argument(
+        "--json", action="store_true", help="print the full result as JSON instead of the table"
+    )
 
 
 def _run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,8 +48,10 @@ def _evaluate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        print(f"\n{accuracy_table(result)}\n\nfull record: {EVALUATION} in the results folder "
-              "(run.results_dir); --json prints it")  # fmt: skip
+        print(
+            f"\n{accuracy_table(result)}\n\nfull record: {EVALUATION} in the results folder "
+            "(run.results_dir); --json prints it"
+        )
     return 0
 
 
@@ -56,8 +59,11 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
     params_arguments(parser)
     parser.add_argument("--cron", help='cron schedule, e.g. "0 3 * * *"')
     parser.add_argument("--interval", type=number(above=0), help="schedule every N seconds")
-    parser.add_argument("--ui", action="store_true",
-                        help="the local Prefect server also serves its web UI (URL printed)")  # fmt: skip
+    parser.add_argument(
+        "--ui",
+        action="store_true",
+        help="the local Prefect server also serves its web UI (URL printed)",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -68,8 +74,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _code_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="data/code",
-                        help="folder for <stage>.sha256 (default: data/code)")  # fmt: skip
+    parser.add_argument(
+        "--out", default="data/code", help="folder for <stage>.sha256 (default: data/code)"
+    )
 
 
 def _code_digests(args: argparse.Namespace) -> int:
@@ -102,7 +109,7 @@ COMMANDS = (
         "pipeline step: evaluate base, experts, merged and calibrated models",
         _run_arguments,
         _evaluate,
-    ),  # fmt: skip
+    ),
     _step("report", "report", "write reports/<run>/report.md and report.html with plots"),
     Command(
         "code-digests",

@@ -23,7 +23,10 @@ def preflight(params, name: str, notes: bool = True) -> int:
         return EXIT_PROBLEMS
     if problems:
         count = len(problems)
-        print(f"featcal: {name}: {count} problem{'s' if count != 1 else ''}; fix "
-              f"{'them' if count != 1 else 'it'} and run again", file=sys.stderr)  # fmt: skip
+        print(
+            f"featcal: {name}: {count} problem{'s' if count != 1 else ''}; fix "
+            f"{'them' if count != 1 else 'it'} and run again",
+            file=sys.stderr,
+        )
         return EXIT_PROBLEMS
     return 0

@@ -42,16 +42,24 @@ def experiment_set(params_path: str | Path) -> list[str]:
 
     path = Path(params_path).resolve()
     try:
-        shown = subprocess.run(["git", "show", f"{rev}:./{path.name}"], cwd=path.parent,
-                               capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+        shown = subprocess.run(
+            ["git", "show", f"{rev}:./{path.name}"],
+            cwd=path.parent,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         before, now = yaml.safe_load(shown.stdout), yaml.safe_load(path.read_text("utf-8"))
     except (OSError, subprocess.SubprocessError, yaml.YAMLError) as exc:
         log.warning("%s: cannot read the experiment's baseline params (%s)", path, exc)
         return []
     changed = changed_variant_keys(before, now)
     if changed:
-        log.info("dvc experiment: %s win over select: candidates and compare: variants",
-                 " ".join(changed))  # fmt: skip
+        log.info(
+            "dvc experiment: %s win over select: candidates and compare: variants",
+            " ".join(changed),
+        )
     return changed
 
 

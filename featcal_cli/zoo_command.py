@@ -12,15 +12,26 @@ from featcal_core.errors import FeatCalError
 
 
 def add_arguments(zoo: argparse.ArgumentParser) -> None:
-    zoo.add_argument("--preset", choices=["vision", "vision-paper", "text"],
-                     help="a built-in zoo (vision-paper: the paper's regime, docs/zoo.md)")  # fmt: skip
-    zoo.add_argument("--dataset", action="append", type=task_path("--dataset"),
-                     metavar="TASK=DIR", help="your own task: a save_to_disk DatasetDict with "
-                     "train and test splits and image or text plus label columns")  # fmt: skip
+    zoo.add_argument(
+        "--preset",
+        choices=["vision", "vision-paper", "text"],
+        help="a built-in zoo (vision-paper: the paper's regime, docs/zoo.md)",
+    )
+    zoo.add_argument(
+        "--dataset",
+        action="append",
+        type=task_path("--dataset"),
+        metavar="TASK=DIR",
+        help="your own task: a save_to_disk DatasetDict with "
+        "train and test splits and image or text plus label columns",
+    )
     zoo.add_argument("--modality", choices=["image", "text"], help="with --dataset")
-    zoo.add_argument("--base", help="with --dataset: model to fine-tune from (text: a BertModel "
-                     "folder, default all-MiniLM-L6-v2; image: a CLIPVisionModel folder, default: "
-                     "pretrain one here)")  # fmt: skip
+    zoo.add_argument(
+        "--base",
+        help="with --dataset: model to fine-tune from (text: a BertModel "
+        "folder, default all-MiniLM-L6-v2; image: a CLIPVisionModel folder, default: "
+        "pretrain one here)",
+    )
     zoo.add_argument("--name", default="custom", help="with --dataset: the zoo's name")
     zoo.add_argument("--out", help="zoo folder (default: data/zoo/<preset or name>)")
     zoo.add_argument("--seed", type=integer(), default=None, help="seed (default 0)")
@@ -46,9 +57,12 @@ def run(args: argparse.Namespace) -> int:
             from featcal_core.io.outputs import write_file
 
             placeholder = Path(args.out or "data/zoo")
-            write_file(placeholder / "NO_ZOO.md",  # the one guarded writer: temp, then rename
-                       f"{args.params} has no zoo: section, so no zoo was built (the DVC zoo "
-                       "stage's output is this note).\n", "zoo note")  # fmt: skip
+            write_file(
+                placeholder / "NO_ZOO.md",  # the one guarded writer: temp, then rename
+                f"{args.params} has no zoo: section, so no zoo was built (the DVC zoo "
+                "stage's output is this note).\n",
+                "zoo note",
+            )
             print(f"{args.params}: no zoo: section; nothing to build")
             return 0
     from featcal_core.zoo.build import PRESETS, build_zoo  # imports torch: after the early exit
@@ -64,17 +78,24 @@ def run(args: argparse.Namespace) -> int:
             raise FeatCalError("--dataset needs --modality image or --modality text")
         template = PRESETS["vision" if args.modality == "image" else "text"]
         spec = dataclasses.replace(
-            template, name=args.name, tasks=pairs("--dataset", args.dataset), base=args.base,
-            optional=(), max_train=None,
-        )  # fmt: skip
+            template,
+            name=args.name,
+            tasks=pairs("--dataset", args.dataset),
+            base=args.base,
+            optional=(),
+            max_train=None,
+        )
     elif args.preset is not None:
         spec = PRESETS[args.preset]
     else:
         raise FeatCalError(
             "featcal zoo needs --preset vision|vision-paper|text, --dataset TASK=DIR or --params"
         )
-    changes = {"seed": args.seed, "pretrain_steps": args.pretrain_steps,
-               "expert_steps": args.expert_steps}  # fmt: skip
+    changes = {
+        "seed": args.seed,
+        "pretrain_steps": args.pretrain_steps,
+        "expert_steps": args.expert_steps,
+    }
     spec = dataclasses.replace(spec, **{k: v for k, v in changes.items() if v is not None})
     out = Path(out or f"data/zoo/{spec.name}")
     manifest = build_zoo(spec, out, rebuild=args.rebuild, progress=not args.no_progress)
@@ -94,5 +115,5 @@ COMMANDS = (
         "build the offline model zoo: a base and task experts fine-tuned here",
         add_arguments,
         run,
-    ),  # fmt: skip
+    ),
 )

@@ -101,8 +101,11 @@ def resolve(requested: str, device: torch.device, model_dtype: torch.dtype) -> P
                 "float32 (or auto)"
             )
         if not native:
-            log.warning("--precision bfloat16 on a device without native bfloat16 (%s): it runs, "
-                        "emulated, slower than float32", evidence)  # fmt: skip
+            log.warning(
+                "--precision bfloat16 on a device without native bfloat16 (%s): it runs, "
+                "emulated, slower than float32",
+                evidence,
+            )
     return Precision(requested, "asked for")
 
 

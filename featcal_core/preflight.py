@@ -48,16 +48,22 @@ def check(
     base = families.get("models.base")
     for role, family in families.items():
         if base is not None and family is not None and family.name != base.name:
-            problems.append((role, f"is a {family.name} model, the base a {base.name} one; "
-                                   "every expert must be fine-tuned from the base"))  # fmt: skip
+            problems.append(
+                (
+                    role,
+                    f"is a {family.name} model, the base a {base.name} one; "
+                    "every expert must be fine-tuned from the base",
+                )
+            )
     hub: dict = {}  # one Hub lookup per dataset and config, however many roles read it
     for task, spec in params.tasks.items():
         sources = {"calibration": spec.calibration, "evaluation": spec.evaluation}
         if spec.validation is not None:
             sources["validation"] = spec.validation
         for role, source in sources.items():
-            _check_source(f"tasks.{task}.{role}", task, role, spec, source, base, problems, notes,
-                          hub)  # fmt: skip
+            _check_source(
+                f"tasks.{task}.{role}", task, role, spec, source, base, problems, notes, hub
+            )
     return problems, notes
 
 
@@ -72,9 +78,14 @@ def _check_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes:
     if ref.kind == "local":
         path = Path(ref.path).expanduser()
         if not path.is_dir():
-            problems.append((role, f"local model directory {ref.ref!r} does not exist (looked in "
-                                   f"{path.absolute()}); fix the path, or create it first (e.g. "
-                                   "`dvc pull`, or save_pretrained there)"))  # fmt: skip
+            problems.append(
+                (
+                    role,
+                    f"local model directory {ref.ref!r} does not exist (looked in "
+                    f"{path.absolute()}); fix the path, or create it first (e.g. "
+                    "`dvc pull`, or save_pretrained there)",
+                )
+            )
             return None
         files = [p.name for p in path.iterdir() if p.is_file()]
         config = path / "config.json" if "config.json" in files else None
@@ -86,10 +97,15 @@ def _check_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes:
         files, config, where = found
     if not any(name.endswith(".safetensors") for name in files):
         pickled = sorted(n for n in files if n.endswith((".bin", ".pt", ".pth", ".ckpt")))
-        problems.append((role, f"{where} has no safetensors weights"
-                               f"{' (only ' + ', '.join(pickled) + ')' if pickled else ''}; "
-                               "pickled weights are not read: save it with save_pretrained "
-                               "(safetensors) or point at a revision that has them"))  # fmt: skip
+        problems.append(
+            (
+                role,
+                f"{where} has no safetensors weights"
+                f"{' (only ' + ', '.join(pickled) + ')' if pickled else ''}; "
+                "pickled weights are not read: save it with save_pretrained "
+                "(safetensors) or point at a revision that has them",
+            )
+        )
     if config is None:
         problems.append((role, f"{where} has no config.json; point at a save_pretrained folder"))
         return None
@@ -102,8 +118,9 @@ def _family(role: str, config: Path, problems: list[Finding]):
     try:
         data = json.loads(config.read_text(encoding="utf-8"))
     except ValueError as exc:
-        problems.append((role, f"{config} is not valid JSON ({exc}); fix the file or fetch the "
-                               "model again"))  # fmt: skip
+        problems.append(
+            (role, f"{config} is not valid JSON ({exc}); fix the file or fetch the model again")
+        )
         return None
     except OSError as exc:
         problems.append((role, f"{config} cannot be read ({exc}); fetch the model again"))
@@ -136,8 +153,9 @@ def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: l
     offline = _offline()
     try:
         if offline:
-            config = try_to_load_from_cache(repo_id, "config.json", cache_dir=cache_dir,
-                                            revision=revision)  # fmt: skip
+            config = try_to_load_from_cache(
+                repo_id, "config.json", cache_dir=cache_dir, revision=revision
+            )
             if not isinstance(config, str):  # worded as the download step words it
                 raise LocalEntryNotFoundError(f"{repo_id}: config.json is not cached")
             files = [p.name for p in Path(config).parent.iterdir()]
@@ -152,28 +170,44 @@ def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: l
         converted = _conversion_revision(repo_id, cache_dir, offline)
         if converted is not None:
             revision = converted[0]
-            notes.append((role, f"{where} has pickled weights only on its default branch; the "
-                                f"run uses its safetensors conversion {revision} ({converted[1]})"))  # fmt: skip
+            notes.append(
+                (
+                    role,
+                    f"{where} has pickled weights only on its default branch; the "
+                    f"run uses its safetensors conversion {revision} ({converted[1]})",
+                )
+            )
             files = [*files, "model.safetensors"]  # checked when the conversion is fetched
     if "config.json" in files and config is None:
         try:
-            config = hf_hub_download(repo_id, "config.json", revision=revision,
-                                     cache_dir=cache_dir)  # fmt: skip
+            config = hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache_dir)
         except Exception as exc:
             _hub_failure(exc, role, ref, offline, "config.json not fetched", problems, notes)
             return None
     return files, config, where + (f" at {revision}" if revision else "")
 
 
-def _hub_failure(exc: BaseException, role: str, ref: Any, offline: bool, unanswered: str,
-                 problems: list[Finding], notes: list[Finding]) -> None:  # fmt: skip
+def _hub_failure(
+    exc: BaseException,
+    role: str,
+    ref: Any,
+    offline: bool,
+    unanswered: str,
+    problems: list[Finding],
+    notes: list[Finding],
+) -> None:
     """A Hub look-up that failed: a note when the Hub did not answer (the download step retries
     those), else a problem worded as the download step words it (hub._hub_error)."""
     from featcal_core.provenance.hub import _hub_error
 
     if _unreachable(exc):
-        notes.append((role, f"Hub model {ref.ref!r}: {unanswered} ({type(exc).__name__}); not "
-                            "checked (the download step retries)"))  # fmt: skip
+        notes.append(
+            (
+                role,
+                f"Hub model {ref.ref!r}: {unanswered} ({type(exc).__name__}); not "
+                "checked (the download step retries)",
+            )
+        )
         return
     error = _hub_error(exc, role, ref.ref, ref.repo_id, offline)
     problems.append((role, str(error or f"Hub model {ref.ref!r}: {exc}").removeprefix(f"{role}: ")))
@@ -191,8 +225,17 @@ def _own_key(key: str, message: str) -> Finding:
 # -------------------------------------------------------------------------------------- datasets
 
 
-def _check_source(key: str, task: str, role: str, spec: Any, source: Any, family,
-                  problems: list[Finding], notes: list[Finding], hub: dict) -> None:  # fmt: skip
+def _check_source(
+    key: str,
+    task: str,
+    role: str,
+    spec: Any,
+    source: Any,
+    family,
+    problems: list[Finding],
+    notes: list[Finding],
+    hub: dict,
+) -> None:
     """Problems of one data source: missing, no such split, missing columns, no class names.
     hub: the Hub lookups made so far (`_remembered`)."""
     if source.kind == "hub":
@@ -210,8 +253,13 @@ def _local_features(key: str, source: Any, problems: list[Finding]):
 
     path = Path(source.path).expanduser()
     if not path.exists():
-        problems.append((key, f"local dataset {source.path!r} does not exist (looked in "
-                              f"{path.absolute()}); fix the path or save_to_disk it there"))  # fmt: skip
+        problems.append(
+            (
+                key,
+                f"local dataset {source.path!r} does not exist (looked in "
+                f"{path.absolute()}); fix the path or save_to_disk it there",
+            )
+        )
         return None
     try:
         return open_source(source.core(), key=key).features
@@ -220,8 +268,16 @@ def _local_features(key: str, source: Any, problems: list[Finding]):
         return None
 
 
-def _check_features(key: str, task: str, role: str, spec: Any, source: Any, family,
-                    features: Any, problems: list[Finding]) -> None:  # fmt: skip
+def _check_features(
+    key: str,
+    task: str,
+    role: str,
+    spec: Any,
+    source: Any,
+    family,
+    features: Any,
+    problems: list[Finding],
+) -> None:
     """The input column, and for labelled sets the label column and the zero-shot class names."""
     columns = list(features)
     modality = getattr(family, "modality", "")
@@ -230,23 +286,37 @@ def _check_features(key: str, task: str, role: str, spec: Any, source: Any, fami
         column = (source.image_column if modality == "image" else source.text_column) or default
         if column not in columns:
             flag = "image_column" if modality == "image" else "text_column"
-            problems.append((key, f"{source.describe()} has no {modality} column {column!r} "
-                                  f"(has {columns}); set {key}.{flag}"))  # fmt: skip
+            problems.append(
+                (
+                    key,
+                    f"{source.describe()} has no {modality} column {column!r} "
+                    f"(has {columns}); set {key}.{flag}",
+                )
+            )
     if role == "calibration":
         return
     label = source.label_column or "label"
     if label not in columns:
-        problems.append((key, f"{source.describe()} has no label column {label!r} (has "
-                              f"{columns}); set {key}.label_column"))  # fmt: skip
+        problems.append(
+            (
+                key,
+                f"{source.describe()} has no label column {label!r} (has "
+                f"{columns}); set {key}.label_column",
+            )
+        )
         return
     if spec.zero_shot:
         from featcal_core.evaluation.prompt_sets import zero_shot_prompts
 
         feature = features[label]
         try:
-            zero_shot_prompts(getattr(feature, "names", None) or None,
-                              class_names=spec.class_names, templates=spec.templates,
-                              prompt_set=spec.prompt_set, key=f"tasks.{task}")  # fmt: skip
+            zero_shot_prompts(
+                getattr(feature, "names", None) or None,
+                class_names=spec.class_names,
+                templates=spec.templates,
+                prompt_set=spec.prompt_set,
+                key=f"tasks.{task}",
+            )
         except FeatCalError as exc:
             problems.append(_own_key(f"tasks.{task}", str(exc)))
 
@@ -264,8 +334,7 @@ def _remembered(memo: dict, key: tuple, call):
     return value
 
 
-def _hub_features(key: str, source: Any, problems: list[Finding], notes: list[Finding],
-                  memo: dict):  # fmt: skip
+def _hub_features(key: str, source: Any, problems: list[Finding], notes: list[Finding], memo: dict):
     """The features a Hub dataset's card lists for its config (no rows are downloaded), or None
     after recording a problem (no such dataset, config or split) or a note (offline, the Hub not
     answering, no features listed). `memo`: lookups already made, by dataset, config and
@@ -273,51 +342,90 @@ def _hub_features(key: str, source: Any, problems: list[Finding], notes: list[Fi
     from featcal_core.data.source_rows import _datasets_offline
 
     if _datasets_offline():
-        notes.append((key, f"{source.describe()}: not checked offline (the run opens it from "
-                           "the datasets cache)"))  # fmt: skip
+        notes.append(
+            (
+                key,
+                f"{source.describe()}: not checked offline (the run opens it from "
+                "the datasets cache)",
+            )
+        )
         return None
     from huggingface_hub import HfApi
 
     try:
-        _remembered(memo, ("info", source.hub, source.revision),
-                    lambda: HfApi().dataset_info(source.hub, revision=source.revision))  # fmt: skip
+        _remembered(
+            memo,
+            ("info", source.hub, source.revision),
+            lambda: HfApi().dataset_info(source.hub, revision=source.revision),
+        )
     except Exception as exc:
         if _unreachable(exc):
             notes.append((key, f"Hub dataset {source.hub!r}: the Hub did not answer; not checked"))
             return None
         status = getattr(getattr(exc, "response", None), "status_code", None)
         what = "does not exist or is private" if status in (401, 404) else f"cannot be read ({exc})"
-        problems.append((key, f"Hub dataset {source.hub!r} {what}; check the id (owner/name) or "
-                              "log in (`hf auth login`)"))  # fmt: skip
+        problems.append(
+            (
+                key,
+                f"Hub dataset {source.hub!r} {what}; check the id (owner/name) or "
+                "log in (`hf auth login`)",
+            )
+        )
         return None
     import datasets
 
     pinned = {} if source.revision is None else {"revision": source.revision}
     try:
         builder = _remembered(
-            memo, ("builder", source.hub, source.config, source.revision),
+            memo,
+            ("builder", source.hub, source.config, source.revision),
             lambda: datasets.load_dataset_builder(source.hub, source.config, **pinned),
-        )  # fmt: skip
+        )
     except Exception as exc:
         message = " ".join(str(exc).split())
         if _unreachable(exc):
-            notes.append((key, f"{source.describe()}: the Hub did not answer; not checked "
-                               f"({type(exc).__name__}: {message[:160]})"))  # fmt: skip
+            notes.append(
+                (
+                    key,
+                    f"{source.describe()}: the Hub did not answer; not checked "
+                    f"({type(exc).__name__}: {message[:160]})",
+                )
+            )
         elif "config" in message.lower():
-            problems.append((key + ".config", f"{source.describe()}: {message[:300]}; set "
-                                              f"{key}.config to one of the dataset's configs"))  # fmt: skip
+            problems.append(
+                (
+                    key + ".config",
+                    f"{source.describe()}: {message[:300]}; set "
+                    f"{key}.config to one of the dataset's configs",
+                )
+            )
         else:
-            problems.append((key, f"{source.describe()} cannot be resolved ({type(exc).__name__}: "
-                                  f"{message[:300]})"))  # fmt: skip
+            problems.append(
+                (
+                    key,
+                    f"{source.describe()} cannot be resolved ({type(exc).__name__}: "
+                    f"{message[:300]})",
+                )
+            )
         return None
     files = getattr(builder.config, "data_files", None) or {}
     splits = list(files) or list(builder.info.splits or {})
     if splits and source.split not in splits:
-        problems.append((key + ".split", f"{source.describe()} has no split {source.split!r} "
-                                         f"(has {splits}); set {key}.split"))  # fmt: skip
+        problems.append(
+            (
+                key + ".split",
+                f"{source.describe()} has no split {source.split!r} "
+                f"(has {splits}); set {key}.split",
+            )
+        )
         return None
     if builder.info.features is None:
-        notes.append((key, f"{source.describe()}: the dataset card lists no features; columns are "
-                           "checked when the run loads it"))  # fmt: skip
+        notes.append(
+            (
+                key,
+                f"{source.describe()}: the dataset card lists no features; columns are "
+                "checked when the run loads it",
+            )
+        )
         return None
     return builder.info.features

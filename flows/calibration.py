@@ -89,8 +89,12 @@ def task_runner(spec: dict):
         ) from exc
     if runner.get("address"):
         return DaskTaskRunner(address=runner["address"])
-    cluster = {"n_workers": runner.get("workers", 2), "threads_per_worker": 1,
-               "processes": True, "dashboard_address": None}  # fmt: skip
+    cluster = {
+        "n_workers": runner.get("workers", 2),
+        "threads_per_worker": 1,
+        "processes": True,
+        "dashboard_address": None,
+    }
     return DaskTaskRunner(cluster_kwargs=cluster)
 
 
@@ -147,11 +151,18 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
             shutil.rmtree(work, ignore_errors=True)
             work.mkdir(parents=True)
             futures = [
-                runner.submit(task_statistics_task, parameters={
-                    "spec": spec, "index": index, "task_name": name,
-                    "previous": str(previous), "work": str(work)})
+                runner.submit(
+                    task_statistics_task,
+                    parameters={
+                        "spec": spec,
+                        "index": index,
+                        "task_name": name,
+                        "previous": str(previous),
+                        "work": str(work),
+                    },
+                )
                 for name in cal.models.experts
-            ]  # fmt: skip
+            ]
             done = [future.result() for future in futures]  # raises the task's own error
             workers[index] = sorted({result["worker"] for result in done})
             return str(work)
@@ -176,9 +187,12 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
         blocks, replaced = [], {}
         for index in range(cal.num_blocks):
             path, restored = run(
-                block_task, index, stage="block", previous=str(previous),
+                block_task,
+                index,
+                stage="block",
+                previous=str(previous),
                 previous_digest=digest_of(previous),
-            )  # fmt: skip
+            )
             manifest = verify(path)
             if manifest is None:
                 raise FeatCalError(f"state {path} of block {index} failed verification; rerun")
@@ -187,8 +201,9 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
                 summary["statistics_workers"] = workers[index]
             blocks.append(summary)
             if restored:
-                log.info("block %d (%d of %d): restored from %s", index, index + 1,
-                         cal.num_blocks, path)  # fmt: skip
+                log.info(
+                    "block %d (%d of %d): restored from %s", index, index + 1, cal.num_blocks, path
+                )
             block_done(index, cal.num_blocks)
             block_file = path / BLOCK
             replaced.update(dict.fromkeys(read_header(block_file)[0], block_file))

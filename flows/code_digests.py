@@ -32,13 +32,13 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "flows/selection.py",
         "flows/variants.py",
         "flows/calibration.py",
-    ),  # fmt: skip
+    ),
     "merge": (
         "featcal_core/merging",
         "featcal_core/io",
         "featcal_core/architectures",
         "tasks/merge.py",
-    ),  # fmt: skip
+    ),
     # calibration states depend on all of featcal_core (tasks.calibration.code_version)
     "calibrate": ("featcal_core", "tasks/calibration.py", "flows/calibration.py"),
     "evaluate": (
@@ -47,7 +47,7 @@ STAGE_CODE: dict[str, tuple[str, ...]] = {
         "featcal_core/method",
         "tasks/evaluate.py",
         "tasks/heads.py",
-    ),  # fmt: skip
+    ),
     "report": ("featcal_core/report", "featcal_core/provenance"),
 }
 

@@ -81,8 +81,10 @@ def load_compare(params_path: str, overrides: list[str]) -> tuple[Params, dict[s
     variants = {}
     for variant in params.compare.variants:
         if variant.name in RESERVED:
-            raise FeatCalError(f"{params_path}: compare.variants: the name {variant.name!r} is "
-                               f"reserved ({', '.join(RESERVED)}); rename the variant")  # fmt: skip
+            raise FeatCalError(
+                f"{params_path}: compare.variants: the name {variant.name!r} is "
+                f"reserved ({', '.join(RESERVED)}); rename the variant"
+            )
         try:
             variants[variant.name] = variant_params(params, variant.name)
         except FeatCalError as exc:
@@ -127,8 +129,9 @@ def featcal_compare(params_path: str = "params.yaml", overrides: list[str] | Non
     params, variants = load_compare(params_path, overrides or [])
     steps = Steps(params, in_flow=True)
     with steps.session("featcal compare"):
-        return _compare(params_path, list(overrides or []), params, steps,
-                        shared_count(params, variants))  # fmt: skip
+        return _compare(
+            params_path, list(overrides or []), params, steps, shared_count(params, variants)
+        )
 
 
 def run_compare(params_path: str | Path, overrides: list[str] | None = None) -> dict:
@@ -144,17 +147,20 @@ def shared_count(params: Params, variants: dict[str, Params]) -> int:
     return max(p.featcal.num_per_task for p in [params, *variants.values()])
 
 
-def _compare(params_path: str, overrides: list[str], params: Params, steps: Steps,
-             count: int | None = None) -> dict:  # fmt: skip
+def _compare(
+    params_path: str, overrides: list[str], params: Params, steps: Steps, count: int | None = None
+) -> dict:
     from featcal.tasks.evaluate import evaluate_models, evaluation_inputs
     from featcal.tracking.log import log_artifacts, log_datasets, log_metrics, log_tags
     from featcal.tracking.runs import parent_run, step_run
 
     root = working_project()
-    tags = {"prefect_flow_run_id": flow_run.get_id(), "params_digest": params_digest(params),
-            "featcal.compare": "true"}  # fmt: skip
-    with parent_run(params, run_name=compare_name(params), tags=tags,
-                    project_root=root) as run:  # fmt: skip
+    tags = {
+        "prefect_flow_run_id": flow_run.get_id(),
+        "params_digest": params_digest(params),
+        "featcal.compare": "true",
+    }
+    with parent_run(params, run_name=compare_name(params), tags=tags, project_root=root) as run:
         if params.zoo is not None:
             with step_run("zoo"):
                 steps.zoo()
@@ -163,11 +169,19 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
         log_tags(lineage_tags(lock))
         with step_run("calibration-sets"):
             sets = steps.calibration_sets(count)
-        log_datasets({"name": f"calibration/{t}", "context": "calibration", "sha256": r["digest"],
-                      "path": steps.paths["calibration_sets"] / t} for t, r in sets.items())  # fmt: skip
+        log_datasets(
+            {
+                "name": f"calibration/{t}",
+                "context": "calibration",
+                "sha256": r["digest"],
+                "path": steps.paths["calibration_sets"] / t,
+            }
+            for t, r in sets.items()
+        )
         _, variants = load_compare(params_path, overrides)  # after the zoo step: models known
-        merges = run_merges(steps, [(REFERENCE, params)] + [(None, v) for v in variants.values()],
-                            step_run)  # fmt: skip
+        merges = run_merges(
+            steps, [(REFERENCE, params)] + [(None, v) for v in variants.values()], step_run
+        )
         costs, children = {}, {}
         for name, variant in variants.items():
             key = merge_key(variant.merge)
@@ -179,8 +193,16 @@ def _compare(params_path: str, overrides: list[str], params: Params, steps: Step
         with step_run("score-held-out"):
             label_free = _label_free(steps, params, variants, merges, costs, base)
         with step_run("evaluate"):
-            evaluation = steps.call(evaluate_models, steps.params, base, experts, models,
-                                     str(steps.paths["root"]), refit, surgeries)  # fmt: skip
+            evaluation = steps.call(
+                evaluate_models,
+                steps.params,
+                base,
+                experts,
+                models,
+                str(steps.paths["root"]),
+                refit,
+                surgeries,
+            )
         log_datasets(evaluation_inputs(steps.params, str(steps.paths["root"])))
         rows = _rows(evaluation, variants, merges, costs, label_free)
         summary = _report(params, rows, merges, evaluation, run)
@@ -202,17 +224,24 @@ def _label_free(steps, params, variants, merges, costs, base) -> dict | None:
         return None
     exhausted = exhausted_tasks(steps)
     if exhausted:
-        log.warning("no label-free scores: the calibration sets of %s hold every row of their "
-                    "sources, so none is left to hold out (a variant's featcal.num_per_task "
-                    "larger than a source)", ", ".join(f"{t} ({n} rows)" for t, n in
-                                                        exhausted.items()))  # fmt: skip
+        log.warning(
+            "no label-free scores: the calibration sets of %s hold every row of their "
+            "sources, so none is left to hold out (a variant's featcal.num_per_task "
+            "larger than a source)",
+            ", ".join(f"{t} ({n} rows)" for t, n in exhausted.items()),
+        )
         return None
     holdout = params.select.holdout_per_task if params.select is not None else HOLDOUT_PER_TASK
     return score_held_out(steps, variants, merges, costs, holdout)[1]
 
 
-def _rows(evaluation: dict, variants: dict[str, Params], merges: dict, costs: dict,
-          label_free: dict | None = None) -> list[dict]:  # fmt: skip
+def _rows(
+    evaluation: dict,
+    variants: dict[str, Params],
+    merges: dict,
+    costs: dict,
+    label_free: dict | None = None,
+) -> list[dict]:
     from featcal_core.report.compare import comparison_rows
 
     described = []
@@ -220,14 +249,21 @@ def _rows(evaluation: dict, variants: dict[str, Params], merges: dict, costs: di
         merge = merges[merge_key(variant.merge)]
         cost = costs[name]
         peaks = [p for p in (merge["peak_rss_mb"], cost["peak_rss_mb"]) if p is not None]
-        described.append({
-            "name": name, "row": row_of(name, variant, merges, costs),
-            "merge": {"method": merge["method"], "hyperparameters": merge["hyperparameters"]},
-            "repair": variant.repair_method, "set": variant_set(variant, name),
-            "cost": {"merge_seconds": merge["seconds"], "repair_seconds": cost["repair_seconds"],
-                     "peak_rss_mb": max(peaks) if peaks else None},
-            "label_free": (label_free or {}).get(name),
-        })  # fmt: skip
+        described.append(
+            {
+                "name": name,
+                "row": row_of(name, variant, merges, costs),
+                "merge": {"method": merge["method"], "hyperparameters": merge["hyperparameters"]},
+                "repair": variant.repair_method,
+                "set": variant_set(variant, name),
+                "cost": {
+                    "merge_seconds": merge["seconds"],
+                    "repair_seconds": cost["repair_seconds"],
+                    "peak_rss_mb": max(peaks) if peaks else None,
+                },
+                "label_free": (label_free or {}).get(name),
+            }
+        )
     return comparison_rows(evaluation, described, REFERENCE)
 
 
@@ -244,18 +280,24 @@ def _report(params: Params, rows: list[dict], merges: dict, evaluation: dict, ru
                 "path": str(m["path"]),
             }
             for key, m in merges.items()
-        },  # fmt: skip
+        },
         "evaluation": evaluation,
         "mlflow_run_id": run.info.run_id if run is not None else None,
         "prefect_flow_run_id": str(flow_run.get_id()),
     }
     out = REPORTS_ROOT / compare_name(params)
-    files = write_comparison(out, run_name=params.run.name, rows=rows, reference=REFERENCE,
-                             record=record)  # fmt: skip
+    files = write_comparison(
+        out, run_name=params.run.name, rows=rows, reference=REFERENCE, record=record
+    )
     log.info("comparison of %d variants: %s", len(rows), files["compare.md"])
-    return {"variants": rows, "merges": record["merges"], "files": files,
-            "report": str(files["compare.md"]), "mlflow_run_id": record["mlflow_run_id"],
-            "prefect_flow_run_id": record["prefect_flow_run_id"]}  # fmt: skip
+    return {
+        "variants": rows,
+        "merges": record["merges"],
+        "files": files,
+        "report": str(files["compare.md"]),
+        "mlflow_run_id": record["mlflow_run_id"],
+        "prefect_flow_run_id": record["prefect_flow_run_id"],
+    }
 
 
 def _variant_metrics(row: dict) -> dict[str, float]:
@@ -273,6 +315,8 @@ def _artifact(params: Params, summary: dict) -> None:
     from prefect.artifacts import create_markdown_artifact
 
     key = "featcal-compare-" + "".join(c if c.isalnum() else "-" for c in params.run.name.lower())
-    create_markdown_artifact(markdown=Path(summary["report"]).read_text(),
-                             key=key[:100].strip("-"),
-                             description=f"featcal compare {params.run.name}")  # fmt: skip
+    create_markdown_artifact(
+        markdown=Path(summary["report"]).read_text(),
+        key=key[:100].strip("-"),
+        description=f"featcal compare {params.run.name}",
+    )

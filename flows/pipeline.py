@@ -105,8 +105,7 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
     from featcal.tracking.store import git_commit
     from featcal_core.provenance.lock import lock_digest
 
-    summary: dict = {"name": params.run.name,
-                     "paths": {k: str(v) for k, v in steps.paths.items()}}  # fmt: skip
+    summary: dict = {"name": params.run.name, "paths": {k: str(v) for k, v in steps.paths.items()}}
     digest = params_digest(params)
     tags = {"prefect_flow_run_id": flow_run.get_id(), "params_digest": digest}
     with (
@@ -118,20 +117,25 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
             import mlflow
 
             summary["mlflow_uri"] = mlflow.get_tracking_uri()
-        write_json(steps.paths["provenance"], {
-            "git_commit": git_commit(project_root)[0],
-            "mlflow_run_id": summary["mlflow_run_id"],
-            "prefect_flow_run_id": tags["prefect_flow_run_id"],
-            "params": params.run.name,
-            "params_digest": digest,
-        })  # fmt: skip
+        write_json(
+            steps.paths["provenance"],
+            {
+                "git_commit": git_commit(project_root)[0],
+                "mlflow_run_id": summary["mlflow_run_id"],
+                "prefect_flow_run_id": tags["prefect_flow_run_id"],
+                "params": params.run.name,
+                "params_digest": digest,
+            },
+        )
         if params.zoo is not None:
             with step_run("zoo"), display.step("zoo"):
                 manifest = steps.zoo()
-            log_tags({
-                "zoo.fingerprint": manifest["fingerprint"],
-                **{f"zoo.skipped.{t}": r[:250] for t, r in manifest["skipped"].items()},
-            })  # fmt: skip
+            log_tags(
+                {
+                    "zoo.fingerprint": manifest["fingerprint"],
+                    **{f"zoo.skipped.{t}": r[:250] for t, r in manifest["skipped"].items()},
+                }
+            )
         with step_run("download-experts"), display.step("download-experts"):
             lock = steps.download()
         summary["lock_digest"] = lock_digest(lock)
@@ -140,8 +144,15 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
         with step_run("calibration-sets"), display.step("calibration-sets"):
             sets = steps.calibration_sets()
         log_tags({f"calibration_set.{t}.sha256": r["digest"] for t, r in sets.items()})
-        log_datasets({"name": f"calibration/{t}", "context": "calibration", "sha256": r["digest"],
-                      "path": steps.paths["calibration_sets"] / t} for t, r in sets.items())  # fmt: skip
+        log_datasets(
+            {
+                "name": f"calibration/{t}",
+                "context": "calibration",
+                "sha256": r["digest"],
+                "path": steps.paths["calibration_sets"] / t,
+            }
+            for t, r in sets.items()
+        )
         if params.select is not None:
             with step_run("select"), display.step("select"):
                 summary["selection"] = select_step(steps)
@@ -164,8 +175,7 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
         elif repair.run is not None:
             with step_run(repair.step), display.step(repair.step):
                 record = steps.calibrate()
-            summary["repair"] = {"method": repair.name,
-                                 "wall_seconds": record.get("wall_seconds")}  # fmt: skip
+            summary["repair"] = {"method": repair.name, "wall_seconds": record.get("wall_seconds")}
         log_tags({"repair.method": params.repair_method})
         if params.featcal.heads:
             with step_run("calibrate-heads"), display.step("calibrate-heads"):
@@ -181,8 +191,11 @@ def _pipeline(params: Params, steps: Steps, project_root: Path) -> dict:
             log_artifacts(list(files.values()), artifact_path="report")
             summary["report"] = str(files["report.html"].resolve())
         if repair.output != "none":  # with its model card (rewritten after evaluation)
-            log_model(steps.paths["calibrated"], artifact_path=repair.artifact,
-                      weights=params.tracking.log_model)  # fmt: skip
+            log_model(
+                steps.paths["calibrated"],
+                artifact_path=repair.artifact,
+                weights=params.tracking.log_model,
+            )
     return summary
 
 

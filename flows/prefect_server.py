@@ -196,9 +196,23 @@ def _temporary_command(port: int) -> tuple[list[str], dict[str, str]]:
     if spec is None or not spec.submodule_search_locations:
         raise FeatCalError("prefect is not installed; pip install prefect, or set PREFECT_API_URL")
     app_dir = Path(next(iter(spec.submodule_search_locations))).parent
-    command = [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
-               "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
-               "--log-level", "error", "--lifespan", "on"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "uvicorn",
+        "--app-dir",
+        str(app_dir),
+        "--factory",
+        "prefect.server.api.server:create_app",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "error",
+        "--lifespan",
+        "on",
+    ]
     env = {
         "PREFECT_UI_ENABLED": "0",
         "PREFECT__SERVER_EPHEMERAL": "1",
@@ -232,8 +246,19 @@ def start_server(
         command, extra = _temporary_command(port)
         env.update(extra)
     else:
-        command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
-                   "--port", str(port), "--ui" if ui else "--no-ui", "--analytics-off"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "prefect",
+            "server",
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--ui" if ui else "--no-ui",
+            "--analytics-off",
+        ]
     env[SERVER_OF] = str(os.getpid())
     api_url = f"http://127.0.0.1:{port}/api"
     if ui:  # the UI's page asks /ui-settings where the API is: this port, not the default 4200
@@ -243,9 +268,15 @@ def start_server(
     if auth is not None:
         env["PREFECT_SERVER_API_AUTH_STRING"] = auth  # the server checks requests against it
         env["PREFECT_API_AUTH_STRING"] = auth  # and its own clients, if any, send it
-    server = subprocess.Popen(command, start_new_session=True, stdin=subprocess.DEVNULL,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                              preexec_fn=_parent_death_signal())  # fmt: skip
+    server = subprocess.Popen(
+        command,
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        preexec_fn=_parent_death_signal(),
+    )
     return server, api_url
 
 
@@ -277,8 +308,12 @@ def local_server(
     server, api_url = start_server(port=port, home=home, auth=auth, ui=ui, temporary=temporary)
     try:
         wait_healthy(api_url, timeout_s, server)
-        log.info("local Prefect server at %s (pid %d, %s)", api_url, server.pid,
-                 "basic auth" if auth else "no auth")  # fmt: skip
+        log.info(
+            "local Prefect server at %s (pid %d, %s)",
+            api_url,
+            server.pid,
+            "basic auth" if auth else "no auth",
+        )
         yield api_url
     finally:
         stop_server(server)

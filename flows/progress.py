@@ -24,11 +24,19 @@ _current: RunProgress | None = None
 class RunProgress:
     """The bar of one run; `enabled` None: only when the output is a terminal."""
 
-    def __init__(self, steps: Sequence[str], *, file: IO[str] | None = None,
-                 enabled: bool | None = None):  # fmt: skip
+    def __init__(
+        self, steps: Sequence[str], *, file: IO[str] | None = None, enabled: bool | None = None
+    ):
         disable = None if enabled is None else not enabled
-        self.bar = tqdm(total=len(steps), desc="featcal run", unit="step", file=file,
-                        disable=disable, leave=False, dynamic_ncols=True)  # fmt: skip
+        self.bar = tqdm(
+            total=len(steps),
+            desc="featcal run",
+            unit="step",
+            file=file,
+            disable=disable,
+            leave=False,
+            dynamic_ncols=True,
+        )
 
     @contextlib.contextmanager
     def step(self, name: str) -> Iterator[None]:
@@ -47,8 +55,9 @@ class RunProgress:
 
 
 @contextlib.contextmanager
-def run_progress(steps: Sequence[str], *, file: IO[str] | None = None,
-                 enabled: bool | None = None) -> Iterator[RunProgress]:  # fmt: skip
+def run_progress(
+    steps: Sequence[str], *, file: IO[str] | None = None, enabled: bool | None = None
+) -> Iterator[RunProgress]:
     """The run's display for the `with` body (the one `block_done` reports to)."""
     global _current
     display = RunProgress(steps, file=file, enabled=enabled)

@@ -40,6 +40,7 @@ from featcal_core.params.repair import layered
 
 log = logging.getLogger(__name__)
 
+
 def exhausted_tasks(steps: Steps) -> dict[str, int]:
     """{task: its source's row count} for the tasks whose calibration set holds every row of its
     source, so that no row is left to hold out for the label-free scores."""
@@ -53,8 +54,14 @@ def exhausted_tasks(steps: Steps) -> dict[str, int]:
     return found
 
 
-def score_held_out(steps: Steps, variants: dict[str, Params], merges: dict, costs: dict,
-                   holdout: int, score: str = "agreement") -> tuple[dict, dict]:  # fmt: skip
+def score_held_out(
+    steps: Steps,
+    variants: dict[str, Params],
+    merges: dict,
+    costs: dict,
+    holdout: int,
+    score: str = "agreement",
+) -> tuple[dict, dict]:
     """Draw `holdout` held-out inputs per task (selection_sets/) and score every variant there
     (tasks/selection.py); ({task: held-out set record}, {variant: {task: scores}})."""
     from featcal.tasks.selection import build_selection_sets, score_candidates
@@ -62,17 +69,32 @@ def score_held_out(steps: Steps, variants: dict[str, Params], merges: dict, cost
 
     params = steps.params
     modality = get(steps.lock()["architecture"]).modality
-    sets = steps.call(build_selection_sets, params, modality,
-                      str(steps.paths["calibration_sets"]), str(steps.paths["selection_sets"]),
-                      holdout)  # fmt: skip
+    sets = steps.call(
+        build_selection_sets,
+        params,
+        modality,
+        str(steps.paths["calibration_sets"]),
+        str(steps.paths["selection_sets"]),
+        holdout,
+    )
     models, surgeries, _ = evaluation_rows(variants, merges, costs)
     # a variant under refit heads is not scored: the scores read the tasks' own heads
-    scored = {name: surgeries.get(name) or (models[model_row(name, v, merges, costs)], None)
-              for name, v in variants.items() if not costs[name].get("heads")}  # fmt: skip
+    scored = {
+        name: surgeries.get(name) or (models[model_row(name, v, merges, costs)], None)
+        for name, v in variants.items()
+        if not costs[name].get("heads")
+    }
     base, experts = steps.models()
-    scores = steps.call(score_candidates, params, base, experts, scored,
-                        {t: str(steps.paths["selection_sets"] / t) for t in params.tasks},
-                        str(steps.paths["root"]), score)  # fmt: skip
+    scores = steps.call(
+        score_candidates,
+        params,
+        base,
+        experts,
+        scored,
+        {t: str(steps.paths["selection_sets"] / t) for t in params.tasks},
+        str(steps.paths["root"]),
+        score,
+    )
     return sets, scores
 
 
@@ -85,8 +107,12 @@ def select(steps: Steps, step_run) -> dict:
     params = steps.params
     settings = params.select
     if settings is None:
-        record = {"format": FORMAT, "key": None, "winner": None,
-                  "why": "no select: section; the params file's own settings run"}  # fmt: skip
+        record = {
+            "format": FORMAT,
+            "key": None,
+            "winner": None,
+            "why": "no select: section; the params file's own settings run",
+        }
         for key in ("selection_sets", "merges", "candidates"):  # the DVC stage's outputs
             steps.paths[key].mkdir(parents=True, exist_ok=True)
         write_json(steps.paths["selection"], record)
@@ -115,14 +141,20 @@ def select(steps: Steps, step_run) -> dict:
         merged = merges[merge_key(candidate.merge)]["path"]
         with step_run(f"candidate {name}", tags={"featcal.candidate": name}):
             costs[name] = repair(shared_steps(steps, candidate, merged))
-    sets, scores = score_held_out(steps, candidates, merges, costs, settings.holdout_per_task,
-                                  settings.score)  # fmt: skip
+    sets, scores = score_held_out(
+        steps, candidates, merges, costs, settings.holdout_per_task, settings.score
+    )
     # a winner is one checkpoint unless the params opt in to per-task modules
-    ineligible = {} if settings.allow_task_modules else {
-        name: f"{c.repair_method} adds a module per task; select.allow_task_modules: true "
-              "lets it win"
-        for name, c in candidates.items() if get_repair(c.repair_method).output == "task_modules"
-    }  # fmt: skip
+    ineligible = (
+        {}
+        if settings.allow_task_modules
+        else {
+            name: f"{c.repair_method} adds a module per task; select.allow_task_modules: true "
+            "lets it win"
+            for name, c in candidates.items()
+            if get_repair(c.repair_method).output == "task_modules"
+        }
+    )
     choice = choose(scores, settings.score, ineligible)
     # what the scores were computed on: a task with fewer rows left than requested holds them all
     held_out = {t: r["n_rows"] for t, r in sets.items()}
@@ -161,7 +193,7 @@ def select(steps: Steps, step_run) -> dict:
                 "repair_seconds": costs[name]["repair_seconds"],
             }
             for name, candidate in candidates.items()
-        ],  # fmt: skip
+        ],
     }
     write_json(steps.paths["selection"], record)
     log.info("select (%s): %s", settings.score, record["why"])

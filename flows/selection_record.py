@@ -23,7 +23,7 @@ _KEYED = {
     "merge": True,
     "featcal": True,
     "repair": True,
-}  # fmt: skip  (dvc.yaml's select stage: the same params)
+}  # dvc.yaml's select stage: the same params
 
 
 def selection_key(params: Params) -> str:

@@ -57,8 +57,12 @@ def serve(
     token_file = Path(os.environ["PREFECT_HOME"]) / TOKEN_FILE
     with local_server(auth=auth, ui=ui) as api_url:
         if ui:
-            log.info("Prefect UI: %s (log in with `%s:` followed by the token in %s)",
-                     api_url.removesuffix("/api"), AUTH_USER, token_file)  # fmt: skip
+            log.info(
+                "Prefect UI: %s (log in with `%s:` followed by the token in %s)",
+                api_url.removesuffix("/api"),
+                AUTH_USER,
+                token_file,
+            )
         log.info("start a run now, from any shell: %s", trigger_command(api_url, token_file))
         # the environment for the flow-run processes; the settings for this process, whose
         # Prefect settings were read at import
@@ -75,8 +79,10 @@ def trigger_command(api_url: str | None, token_file: Path | None) -> str:
     command = f"prefect deployment run '{FLOW_NAME}/{DEPLOYMENT}'"
     if api_url is None:  # a server the user configured: their PREFECT_API_URL and credentials
         return command
-    return (f"PREFECT_API_URL={api_url} PREFECT_API_AUTH_STRING=\"{AUTH_USER}:$(cat "
-            f"'{token_file}')\" {command}")  # fmt: skip
+    return (
+        f'PREFECT_API_URL={api_url} PREFECT_API_AUTH_STRING="{AUTH_USER}:$(cat '
+        f"'{token_file}')\" {command}"
+    )
 
 
 def _serve(params_path, overrides, cron, interval_s) -> None:

@@ -74,8 +74,15 @@ def _log_outputs(steps: Steps, step: str, result: Any) -> None:
     )
 
     if step == "calibration_sets":
-        log_datasets({"name": f"calibration/{t}", "context": "calibration", "sha256": r["digest"],
-                      "path": steps.paths["calibration_sets"] / t} for t, r in result.items())  # fmt: skip
+        log_datasets(
+            {
+                "name": f"calibration/{t}",
+                "context": "calibration",
+                "sha256": r["digest"],
+                "path": steps.paths["calibration_sets"] / t,
+            }
+            for t, r in result.items()
+        )
     elif step == "select":
         from featcal.tracking.log import log_selection
 
@@ -88,7 +95,10 @@ def _log_outputs(steps: Steps, step: str, result: Any) -> None:
         log_evaluation(result)
         log_datasets(evaluation_inputs(steps.params, str(steps.paths["root"])))
         if steps.repair.output != "none" and steps.paths["calibrated"].is_dir():
-            log_model(steps.paths["calibrated"], artifact_path=steps.repair.artifact,
-                      weights=steps.params.tracking.log_model)  # fmt: skip
+            log_model(
+                steps.paths["calibrated"],
+                artifact_path=steps.repair.artifact,
+                weights=steps.params.tracking.log_model,
+            )
     elif step == "report":
         log_artifacts(list(result.values()), artifact_path="report")

@@ -231,9 +231,13 @@ class Steps:
         base, experts = self.models()
         merge = self.params.merge
         return self.call(
-            merge_task, base, experts, str(self.paths["merged"]), merge.method,
+            merge_task,
+            base,
+            experts,
+            str(self.paths["merged"]),
+            merge.method,
             dict(merge.hyperparameters),
-        )  # fmt: skip
+        )
 
     def check_heads(self) -> None:
         """With featcal.heads: every task whose head is its expert's own has one (checked
@@ -260,10 +264,18 @@ class Steps:
         base, experts = self.models()
         featcal = self.params.featcal
         return make_spec(
-            base, self.paths["merged"], experts, self.calibration_set_dirs(),
-            self.paths["calibration"], featcal.core_params(), self.calibration_settings(),
-            featcal.runner, featcal.dask_address, featcal.dask_workers, featcal.memory_budget,
-        )  # fmt: skip
+            base,
+            self.paths["merged"],
+            experts,
+            self.calibration_set_dirs(),
+            self.paths["calibration"],
+            featcal.core_params(),
+            self.calibration_settings(),
+            featcal.runner,
+            featcal.dask_address,
+            featcal.dask_workers,
+            featcal.memory_budget,
+        )
 
     @property
     def repair(self) -> Repair:
@@ -291,15 +303,25 @@ class Steps:
                     f"repair.method {repair.name} fits to classification heads; language models "
                     "are evaluated by label continuation and have none; use featcal or regmean"
                 )
-        options = {o.key: getattr(getattr(self.params, o.section), o.key)
-                   for o in repair.options if o.in_params}  # fmt: skip
-        return repair.run(RepairInputs(
-            base=base, merged=str(self.paths["merged"]), experts=experts,
-            calibration_sets=self.calibration_set_dirs(), out=str(self.paths["calibrated"]),
-            settings=self.calibration_settings(), options=options,
-            heads=self._task_heads if repair.needs_heads else None, overwrite=True,
-            progress=False,
-        ))  # fmt: skip
+        options = {
+            o.key: getattr(getattr(self.params, o.section), o.key)
+            for o in repair.options
+            if o.in_params
+        }
+        return repair.run(
+            RepairInputs(
+                base=base,
+                merged=str(self.paths["merged"]),
+                experts=experts,
+                calibration_sets=self.calibration_set_dirs(),
+                out=str(self.paths["calibrated"]),
+                settings=self.calibration_settings(),
+                options=options,
+                heads=self._task_heads if repair.needs_heads else None,
+                overwrite=True,
+                progress=False,
+            )
+        )
 
     def _calibrate_blockwise(self) -> dict:
         """FeatCal through the resumable calibration flow, then its model card."""
@@ -321,9 +343,10 @@ class Steps:
         from featcal.tasks.evaluate import task_head
 
         base, experts = self.models()
-        return {task: task_head(task, spec, Path(base), Path(experts[task]),
-                                self.paths["root"])[0]
-                for task, spec in self.params.tasks.items()}  # fmt: skip
+        return {
+            task: task_head(task, spec, Path(base), Path(experts[task]), self.paths["root"])[0]
+            for task, spec in self.params.tasks.items()
+        }
 
     def surgeries(self) -> dict[str, tuple[str, str]] | None:
         """With a repair that yields a module per task (Surgery): {"calibrated": (merged
@@ -331,8 +354,9 @@ class Steps:
         module."""
         if self.repair.output != "task_modules":
             return None
-        folder = self.verified(self.paths["calibrated"], "the surgery modules",
-                               "featcal calibrate --params FILE")  # fmt: skip
+        folder = self.verified(
+            self.paths["calibrated"], "the surgery modules", "featcal calibrate --params FILE"
+        )
         return {"calibrated": (str(self.paths["merged"]), str(folder))}
 
     def _evaluated_models(self) -> dict[str, str]:
@@ -370,9 +394,14 @@ class Steps:
         if only is not None:
             models = {only: models[only]}
         found = self.call(
-            calibrate_heads, self.params, base, experts, models, self.calibration_set_dirs(),
+            calibrate_heads,
+            self.params,
+            base,
+            experts,
+            models,
+            self.calibration_set_dirs(),
             str(self.paths["root"]),
-        )  # fmt: skip
+        )
         self._heads_into_checkpoint(found.get("calibrated"))
         return found if only is None else found[only]
 
@@ -385,8 +414,10 @@ class Steps:
         from featcal_core.evaluation.linear_head import load_linear_head
         from featcal_core.evaluation.task_heads import save_task_heads
 
-        save_task_heads(self.paths["calibrated"],
-                        {task: load_linear_head(folder) for task, folder in folders.items()})  # fmt: skip
+        save_task_heads(
+            self.paths["calibrated"],
+            {task: load_linear_head(folder) for task, folder in folders.items()},
+        )
 
     def refit_heads(self) -> dict[str, dict[str, str]] | None:
         """The refit head folders written by `heads`, or None when head calibration is off."""
@@ -397,8 +428,9 @@ class Steps:
             name: {t: str(root / name / t) for t in self.params.tasks if (root / name / t).is_dir()}
             for name in self._evaluated_models()
         }
-        missing = [f"{n}/{t}" for n, heads in found.items() for t in self.params.tasks
-                   if t not in heads]  # fmt: skip
+        missing = [
+            f"{n}/{t}" for n, heads in found.items() for t in self.params.tasks if t not in heads
+        ]
         if missing:
             raise FeatCalError(
                 f"{root}: no refit head for {missing[0]}; run the head calibration "
@@ -434,9 +466,15 @@ class Steps:
         base, experts = self.models()
         heads = self.refit_heads()
         table = self.call(
-            evaluate_models, self.params, base, experts, self._evaluated_models(),
-            str(self.paths["root"]), heads, self.surgeries(),
-        )  # fmt: skip
+            evaluate_models,
+            self.params,
+            base,
+            experts,
+            self._evaluated_models(),
+            str(self.paths["root"]),
+            heads,
+            self.surgeries(),
+        )
         write_json(self.paths["evaluation"], table)
         write_json(self.paths["metrics"], headline(table))  # the headline of `dvc metrics`
         calibrated = self.paths["calibrated"]
@@ -444,8 +482,9 @@ class Steps:
             if in_dvc_stage():
                 logging.getLogger(__name__).info(
                     "model card of %s left as the calibrate stage wrote it (a DVC stage writes "
-                    "only its own outputs)", calibrated,
-                )  # fmt: skip
+                    "only its own outputs)",
+                    calibrated,
+                )
             else:
                 fields = model_card_fields(trace(calibrated))
                 fields.update(evaluation=table, heads=(heads or {}).get("calibrated"))

@@ -27,11 +27,13 @@ def accuracy_table(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
     """Accuracy (%) per task of the expert, merged and calibrated models (and the calibrated model
     with refit heads when present), normalized accuracy (÷ expert) of the calibrated ones, and
     the share of the merged→expert gap closed; then the average over tasks."""
-    present = [(key, head) for key, head in COLUMNS
-               if any(key in row for row in evaluation.values())]  # fmt: skip
+    present = [
+        (key, head) for key, head in COLUMNS if any(key in row for row in evaluation.values())
+    ]
     normalized = [key for key, _ in present if key not in ("expert", "merged")]
-    headers = ["task"] + [h for _, h in present] + [f"norm {h}" for k, h in present
-                                                    if k in normalized]  # fmt: skip
+    headers = (
+        ["task"] + [h for _, h in present] + [f"norm {h}" for k, h in present if k in normalized]
+    )
     headers += [f"gap closed {h}" for k, h in present if k in normalized]
     rows, sums = [], {key: [] for key, _ in present}
     for task, models in evaluation.items():
@@ -53,8 +55,10 @@ def plain_table(headers: list[str], rows: list[list[str]], left: int = 1) -> str
     widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=True)]
 
     def line(cells):
-        return "  ".join(c.ljust(w) if i < left else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths, strict=True)))  # fmt: skip
+        return "  ".join(
+            c.ljust(w) if i < left else c.rjust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        )
 
     return "\n".join([line(headers), "  ".join("-" * w for w in widths), *map(line, rows)])
 
@@ -90,8 +94,10 @@ def run_summary(summary: Mapping[str, Any]) -> str:
     if summary.get("report"):
         lines.append(f"report:      {shown(summary['report'])}")
     if summary.get("mlflow_run_id"):
-        lines.append(f"MLflow run:  {summary['mlflow_run_id']} ({summary.get('mlflow_uri')}; "
-                     "browse with `mlflow ui --backend-store-uri <uri>`)")  # fmt: skip
+        lines.append(
+            f"MLflow run:  {summary['mlflow_run_id']} ({summary.get('mlflow_uri')}; "
+            "browse with `mlflow ui --backend-store-uri <uri>`)"
+        )
     lines.append(f"results:     {shown(summary['paths']['root'])}")
     return "\n".join(lines)
 
@@ -117,9 +123,11 @@ def markdown_summary(summary: Mapping[str, Any]) -> str:
         lines += ["no evaluation in this run (evaluation.enabled: false)", ""]
     calibration = summary.get("calibration")
     if calibration:
-        lines.append(f"- calibration: {calibration['blocks']} blocks "
-                     f"({calibration['restored']} restored from the cache), "
-                     f"{calibration['wall_seconds']:.1f} s")  # fmt: skip
+        lines.append(
+            f"- calibration: {calibration['blocks']} blocks "
+            f"({calibration['restored']} restored from the cache), "
+            f"{calibration['wall_seconds']:.1f} s"
+        )
     if summary.get("report"):
         report = Path(summary["report"])
         lines.append(f"- report: [{report.name}]({report.as_uri()}) ({report})")

@@ -25,16 +25,19 @@ def merge_key(merge) -> str:
     """12 hex digits naming a merge: method and its filled-in hyperparameters."""
     from featcal_core.merging import get
 
-    spec = {"method": merge.method, "hyperparameters": get(merge.method).check(
-        dict(merge.hyperparameters))}  # fmt: skip
+    spec = {
+        "method": merge.method,
+        "hyperparameters": get(merge.method).check(dict(merge.hyperparameters)),
+    }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:12]
 
 
 def shared_steps(steps: Steps, params: Params, merged: Path) -> Steps:
     """Steps of `params` that read `steps`' lock and calibration sets and the merge `merged`."""
     found = Steps(params, in_flow=steps.in_flow)
-    found.paths.update(lock=steps.paths["lock"], calibration_sets=steps.paths["calibration_sets"],
-                       merged=merged)  # fmt: skip
+    found.paths.update(
+        lock=steps.paths["lock"], calibration_sets=steps.paths["calibration_sets"], merged=merged
+    )
     return found
 
 
@@ -54,10 +57,14 @@ def run_merges(steps: Steps, sources: list[tuple[str | None, Params]], step_run)
         started = time.perf_counter()
         with step_run(f"merge {row}"):
             record = shared_steps(steps, source, path).merge()
-        merges[key] = {"row": row, "path": path, "method": method,
-                       "hyperparameters": record["hyperparameters"],
-                       "seconds": time.perf_counter() - started,
-                       "peak_rss_mb": peak_rss_bytes() / _MIB}  # fmt: skip
+        merges[key] = {
+            "row": row,
+            "path": path,
+            "method": method,
+            "hyperparameters": record["hyperparameters"],
+            "seconds": time.perf_counter() - started,
+            "peak_rss_mb": peak_rss_bytes() / _MIB,
+        }
     return merges
 
 

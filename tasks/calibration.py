@@ -231,8 +231,11 @@ def block_task(
     save_tensors(tmp / BLOCK, cal.checkpoint_keys(result))
     save_masks(tmp, masks)
     summary = block_summary(result)
-    summary["statistics"] = {"held": "memory" if in_memory else "files", "task_bytes": needed,
-                             "budget_bytes": budget}  # fmt: skip
+    summary["statistics"] = {
+        "held": "memory" if in_memory else "files",
+        "task_bytes": needed,
+        "budget_bytes": budget,
+    }
     commit_state(tmp, final, index, summary)
     log_block(result, cal.num_blocks)
     return {"path": str(final), "reused": False}

@@ -64,8 +64,12 @@ def download_models(
     spec = models_spec(models)
     if cache_dir is None and spec.hub_cache is not None:
         cache_dir = Path(spec.hub_cache).expanduser()
-    options = {"cache_dir": cache_dir, "retries": retries, "offline": spec.hub_offline,
-               "import_root": import_root}  # fmt: skip
+    options = {
+        "cache_dir": cache_dir,
+        "retries": retries,
+        "offline": spec.hub_offline,
+        "import_root": import_root,
+    }
     base = resolve_model(spec.base, "models.base", **options)
     if base.open_clip_source is not None:
         options["base_config"] = base.open_clip_source["config"]

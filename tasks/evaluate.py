@@ -63,17 +63,27 @@ def _evaluation_data(task_name: str, source: Any, data_root: Path) -> tuple[Path
     core = as_data_source(source, f"tasks.{task_name}.evaluation")
     identity = list(core.identity())
     record = target / EVALUATION_SOURCE
-    saved = (json.loads(record.read_text()).get("identity")
-             if verify_output(target) is None and record.is_file() else None)  # fmt: skip
+    saved = (
+        json.loads(record.read_text()).get("identity")
+        if verify_output(target) is None and record.is_file()
+        else None
+    )
     if saved != identity:  # missing, partial, changed, or another source: saved (again)
         with guarded_directory(
             target, overwrite=True, flag=f"tasks.{task_name} evaluation data"
         ) as tmp:
             open_source(source, key=f"tasks.{task_name}.evaluation").save_to_disk(str(tmp))
-            (tmp / EVALUATION_SOURCE).write_text(json.dumps({
-                "source": source.describe(), "identity": identity,
-                "commit": dataset_commit(core),
-            }, indent=2) + "\n")  # fmt: skip
+            (tmp / EVALUATION_SOURCE).write_text(
+                json.dumps(
+                    {
+                        "source": source.describe(),
+                        "identity": identity,
+                        "commit": dataset_commit(core),
+                    },
+                    indent=2,
+                )
+                + "\n"
+            )
     return target, None
 
 
@@ -106,17 +116,23 @@ def task_head(
     if not spec.zero_shot and not open_clip:
         return ExpertHead(expert, tokenizer_dir=base), False
     rows = open_source({"path": str(data), "split": split}, key=f"tasks.{task_name}.evaluation")
-    label_names = getattr(rows.features.get(spec.evaluation.label_column or "label"), "names",
-                          None) or None  # fmt: skip
-    names, templates = zero_shot_prompts(label_names, class_names=spec.class_names,
-                                         templates=spec.templates, prompt_set=spec.prompt_set,
-                                         key=f"tasks.{task_name}")  # fmt: skip
+    label_names = (
+        getattr(rows.features.get(spec.evaluation.label_column or "label"), "names", None) or None
+    )
+    names, templates = zero_shot_prompts(
+        label_names,
+        class_names=spec.class_names,
+        templates=spec.templates,
+        prompt_set=spec.prompt_set,
+        key=f"tasks.{task_name}",
+    )
     if open_clip:
         from featcal_core.open_clip.zero_shot import OpenCLIPZeroShotHead
 
         source = base_source if base_source is not None else _base_source(root, Path(base))
-        head = OpenCLIPZeroShotHead.from_source_record(source, base, names, templates,
-                                                       root / "heads")  # fmt: skip
+        head = OpenCLIPZeroShotHead.from_source_record(
+            source, base, names, templates, root / "heads"
+        )
         return head, True
     return ZeroShotHead(base, names, templates, root / "heads"), True
 
@@ -164,10 +180,18 @@ def evaluation_inputs(params: Any, results_dir: str) -> list[dict[str, Any]]:
 
     found = []
     for task_name, spec in params.tasks.items():
-        data, split = _evaluation_data(task_name, spec.evaluation,
-                                       Path(results_dir) / "evaluation_data")  # fmt: skip
-        found.append({"name": f"evaluation/{task_name}", "context": "evaluation",
-                      "path": str(data), "split": split, "sha256": sha256_tree(data)})  # fmt: skip
+        data, split = _evaluation_data(
+            task_name, spec.evaluation, Path(results_dir) / "evaluation_data"
+        )
+        found.append(
+            {
+                "name": f"evaluation/{task_name}",
+                "context": "evaluation",
+                "path": str(data),
+                "split": split,
+                "sha256": sha256_tree(data),
+            }
+        )
     return found
 
 
@@ -200,14 +224,17 @@ def evaluate_models(
         source = spec.evaluation
         data, split = _evaluation_data(task_name, source, root / "evaluation_data")
         if language_model:
-            table[task_name] = _evaluate_lm(params, task_name, spec, data, split, base,
-                                            {"expert": experts[task_name], **models})  # fmt: skip
+            table[task_name] = _evaluate_lm(
+                params, task_name, spec, data, split, base, {"expert": experts[task_name], **models}
+            )
             continue
         head, zero_shot = task_head(task_name, spec, Path(base), Path(experts[task_name]), root)
         # one tower pass per group: (checkpoint, head, {row: None (the head's own Linear) or a
         # refit Linear (weight, bias)}); a model's refit-head row shares its tower's pass
-        groups = {name: (directory, head, {name: None}) for name, directory in
-                  {"expert": experts[task_name], **models}.items()}  # fmt: skip
+        groups = {
+            name: (directory, head, {name: None})
+            for name, directory in {"expert": experts[task_name], **models}.items()
+        }
         if zero_shot:
             groups = {"base": (base, head, {"base": None}), **groups}
         order = list(groups)
@@ -225,14 +252,24 @@ def evaluate_models(
         found = {}
         batches = InputBatches()  # the task's rows preprocessed once for all its models
         for directory, model_head, linears in groups.values():
-            found.update(evaluate_linears(
-                directory, model_head, data, split, linears,
-                batch_size=settings.batch_size, max_examples=settings.max_examples_per_task,
-                image_column=source.image_column, text_column=source.text_column,
-                label_column=source.label_column, device=params.featcal.device,
-                progress=sys.stderr.isatty(),  # a bar per model on a terminal
-                batches=batches, precision=chosen.name,
-            ))  # fmt: skip
+            found.update(
+                evaluate_linears(
+                    directory,
+                    model_head,
+                    data,
+                    split,
+                    linears,
+                    batch_size=settings.batch_size,
+                    max_examples=settings.max_examples_per_task,
+                    image_column=source.image_column,
+                    text_column=source.text_column,
+                    label_column=source.label_column,
+                    device=params.featcal.device,
+                    progress=sys.stderr.isatty(),  # a bar per model on a terminal
+                    batches=batches,
+                    precision=chosen.name,
+                )
+            )
         row = {name: {**found[name], "precision": chosen.name} for name in order}
         table[task_name] = _normalize(task_name, row)
     return table
@@ -248,9 +285,10 @@ def _normalize(task_name: str, row: dict[str, dict[str, float]]) -> dict[str, di
             else float("nan")
         )
     log.info(
-        "evaluate %s: %s", task_name,
+        "evaluate %s: %s",
+        task_name,
         ", ".join(f"{n} {r['accuracy']:.4f}" for n, r in row.items()),
-    )  # fmt: skip
+    )
     return row
 
 
@@ -271,10 +309,17 @@ def _evaluate_lm(params, task_name, spec, data: Path, split, base: str, models: 
     row = {}
     for name, directory in {"base": base, **models}.items():
         row[name] = evaluate_lm_dataset(
-            directory, base, data, split, words, spec.prompt or DEFAULT_TEMPLATE,
-            text_column=source.text_column or "text", label_column=source.label_column or "label",
+            directory,
+            base,
+            data,
+            split,
+            words,
+            spec.prompt or DEFAULT_TEMPLATE,
+            text_column=source.text_column or "text",
+            label_column=source.label_column or "label",
             max_examples=params.evaluation.max_examples_per_task,
-            batch_size=params.evaluation.batch_size, device=params.featcal.device,
-        )  # fmt: skip
+            batch_size=params.evaluation.batch_size,
+            device=params.featcal.device,
+        )
         row[name]["precision"] = "float32"
     return _normalize(task_name, row)

@@ -45,30 +45,47 @@ def calibrate_heads(
     inputs = (base, *experts.values(), *models.values(), *calibration_sets.values())
     with ExitStack() as stack:  # one guarded folder per model: refit_heads/<model>/<task>/
         folders = {
-            name: stack.enter_context(guarded_directory(
-                root / "refit_heads" / name, overwrite=True, inputs=inputs,
-                flag=f"refit heads of {name}"))
+            name: stack.enter_context(
+                guarded_directory(
+                    root / "refit_heads" / name,
+                    overwrite=True,
+                    inputs=inputs,
+                    flag=f"refit heads of {name}",
+                )
+            )
             for name in models
-        }  # fmt: skip
+        }
         for task_name, spec in params.tasks.items():
             head, zero_shot = task_head(task_name, spec, Path(base), Path(experts[task_name]), root)
             features = "clip_image_embeds" if zero_shot else "pooler_output"
             rows = load_calibration_set(
-                task_name, calibration_sets[task_name], head.modality, featcal.num_per_task,
+                task_name,
+                calibration_sets[task_name],
+                head.modality,
+                featcal.num_per_task,
                 params.run.seed,
-            ).rows  # fmt: skip
+            ).rows
             labels = head.labels  # the expert's class names (id2label), or the zero-shot names
             for name, directory in models.items():
                 weight, bias = calibrate_head(
-                    head, experts[task_name], directory, rows, lam=featcal.head_lam,
-                    batch_size=featcal.batch_size, device=featcal.device, precision=chosen.name,
-                )  # fmt: skip
+                    head,
+                    experts[task_name],
+                    directory,
+                    rows,
+                    lam=featcal.head_lam,
+                    batch_size=featcal.batch_size,
+                    device=featcal.device,
+                    precision=chosen.name,
+                )
                 save_linear_head(folders[name] / task_name, weight, bias, labels, features=features)
                 out[name][task_name] = str(root / "refit_heads" / name / task_name)
             log.info("calibrate-heads %s: %d inputs, models %s", task_name, len(rows), list(models))
         for name, directory in models.items():  # what the heads were fit on (stale-head check)
-            record = {"model": directory, "weights": weight_digests(directory),
-                      "precision": chosen.name}  # fmt: skip
+            record = {
+                "model": directory,
+                "weights": weight_digests(directory),
+                "precision": chosen.name,
+            }
             (folders[name] / FITTED_ON).write_text(json.dumps(record, indent=2) + "\n")
     return out
 

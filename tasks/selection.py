@@ -40,9 +40,16 @@ def build_selection_sets(
         record = Path(calibration_root) / name / RECORD_NAME
         drawn = json.loads(record.read_text(encoding="utf-8"))["row_ids"]
         records[name] = draw_calibration_set(
-            name, spec.calibration, spec.evaluation, Path(out_root) / name, holdout,
-            params.run.seed, modality, exclude=drawn, count_key="select.holdout_per_task",
-        )  # fmt: skip
+            name,
+            spec.calibration,
+            spec.evaluation,
+            Path(out_root) / name,
+            holdout,
+            params.run.seed,
+            modality,
+            exclude=drawn,
+            count_key="select.holdout_per_task",
+        )
     counts = {task: record["n_rows"] for task, record in records.items()}
     log.info("selection sets: %s under %s", held_out_text(counts, holdout), out_root)
     return records
@@ -80,23 +87,39 @@ def score_candidates(
         batches = InputBatches()  # the held-out rows preprocessed once for all candidates
         expert = None
         if score != "validation":
-            expert = head_outputs(experts[task_name], head, selection_sets[task_name],
-                                  batch_size=batch, device=device, batches=batches,
-                                  precision=chosen.name)  # fmt: skip
+            expert = head_outputs(
+                experts[task_name],
+                head,
+                selection_sets[task_name],
+                batch_size=batch,
+                device=device,
+                batches=batches,
+                precision=chosen.name,
+            )
         for name, (checkpoint, surgery) in candidates.items():
             model_head = head
             if surgery is not None:
                 model_head = SurgeryHead(head, load_surgery(Path(surgery) / task_name))
             if score == "validation":
-                found[name][task_name] = _validation(params, task_name, spec, checkpoint,
-                                                     model_head, root, chosen.name)  # fmt: skip
+                found[name][task_name] = _validation(
+                    params, task_name, spec, checkpoint, model_head, root, chosen.name
+                )
             else:
-                outputs = head_outputs(checkpoint, model_head, selection_sets[task_name],
-                                       batch_size=batch, device=device, batches=batches,
-                                       precision=chosen.name)  # fmt: skip
+                outputs = head_outputs(
+                    checkpoint,
+                    model_head,
+                    selection_sets[task_name],
+                    batch_size=batch,
+                    device=device,
+                    batches=batches,
+                    precision=chosen.name,
+                )
                 found[name][task_name] = agreement_scores(outputs, expert)
-        log.info("score %s: %s", task_name, ", ".join(
-            f"{n} {_brief(s[task_name])}" for n, s in found.items()))  # fmt: skip
+        log.info(
+            "score %s: %s",
+            task_name,
+            ", ".join(f"{n} {_brief(s[task_name])}" for n, s in found.items()),
+        )
     return found
 
 
@@ -106,11 +129,19 @@ def _validation(params, task_name, spec, checkpoint, head, root: Path, precision
     source = spec.validation
     data, split = _evaluation_data(f"{task_name}-validation", source, root / "evaluation_data")
     result = evaluate(
-        checkpoint, head, data, split, batch_size=params.evaluation.batch_size,
-        max_examples=params.evaluation.max_examples_per_task, image_column=source.image_column,
-        text_column=source.text_column, label_column=source.label_column,
-        device=params.featcal.device, progress=False, precision=precision,
-    )  # fmt: skip
+        checkpoint,
+        head,
+        data,
+        split,
+        batch_size=params.evaluation.batch_size,
+        max_examples=params.evaluation.max_examples_per_task,
+        image_column=source.image_column,
+        text_column=source.text_column,
+        label_column=source.label_column,
+        device=params.featcal.device,
+        progress=False,
+        precision=precision,
+    )
     return {"validation": 100.0 * result["accuracy"], "examples": result["examples"]}
 
 

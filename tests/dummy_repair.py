@@ -21,15 +21,25 @@ def run(inputs: RepairInputs) -> dict:
         for path in merged.iterdir():  # the weights and the model's own files, not the records
             if path.is_file() and path.name not in (MARKER, "merge.json", "README.md"):
                 shutil.copy2(path, tmp / path.name)
-        record = {"method": "copy", "wall_seconds": 0.0, "peak_rss_bytes": 0,
-                  "tasks": sorted(inputs.experts)}  # fmt: skip
+        record = {
+            "method": "copy",
+            "wall_seconds": 0.0,
+            "peak_rss_bytes": 0,
+            "tasks": sorted(inputs.experts),
+        }
         (tmp / "copy.json").write_text(json.dumps(record))
     return record
 
 
 REPAIR = register(
-    Repair(name="copy", summary="copy the merge (a test plugin)", output="checkpoint",
-           step="copy", artifact="calibrated_model", run=run)  # fmt: skip
+    Repair(
+        name="copy",
+        summary="copy the merge (a test plugin)",
+        output="checkpoint",
+        step="copy",
+        artifact="calibrated_model",
+        run=run,
+    )
 )
 
 

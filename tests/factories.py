@@ -29,8 +29,15 @@ TINY_BERT = dict(
     max_position_embeddings=64,
 )
 
-__all__ = ["Zoo", "bert_zoo", "clip_zoo", "grey_image", "grey_images", "run_featcal",
-           "save_grey_image_splits"]  # fmt: skip
+__all__ = [
+    "Zoo",
+    "bert_zoo",
+    "clip_zoo",
+    "grey_image",
+    "grey_images",
+    "run_featcal",
+    "save_grey_image_splits",
+]
 
 #: rows of the tiny train and test splits of `save_grey_image_splits`
 N_TRAIN, N_TEST = 12, 5
@@ -43,8 +50,11 @@ def run_featcal(tmp_path: Path, params_path: Path, api_url: str | None = None, *
     import subprocess
     import sys
 
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
     env.pop("PREFECT_API_URL", None)
     if api_url is not None:
         env["PREFECT_API_URL"] = api_url
@@ -91,8 +101,16 @@ def clip_model_with_tower(vision_dir: Path, out: Path) -> Path:
     from transformers import CLIPConfig, CLIPModel
 
     vision = CLIPVisionModel.from_pretrained(vision_dir)
-    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                vocab_size=64, bos_token_id=0, eos_token_id=1, pad_token_id=1)  # fmt: skip
+    text = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        vocab_size=64,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
     model = CLIPModel(CLIPConfig(vision_config=vision.config.to_dict(), text_config=text))
     state = model.state_dict()
     for key, value in vision.state_dict().items():
@@ -115,9 +133,17 @@ def tiny_clip_model(out: Path, seed: int = 2) -> Path:
     for letter in [*string.ascii_lowercase, "."]:
         vocab[letter] = len(vocab)
         vocab[letter + "</w>"] = len(vocab)
-    text = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                vocab_size=len(vocab), max_position_embeddings=32, bos_token_id=0,
-                eos_token_id=1, pad_token_id=1)  # fmt: skip
+    text = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        vocab_size=len(vocab),
+        max_position_embeddings=32,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=1,
+    )
     config = CLIPConfig(vision_config=dict(TINY_CLIP), text_config=text, projection_dim=16)
     CLIPModel(config).eval().save_pretrained(out)
     CLIPTokenizer(vocab=vocab, merges=[]).save_pretrained(out)
@@ -196,8 +222,9 @@ def save_grey_image_splits(path: Path) -> Path:
     return path
 
 
-def hub_dataset_repo(root: Path, features, rows: dict, config: str,
-                     card_features=None, broken: tuple[str, ...] = ()) -> Path:  # fmt: skip
+def hub_dataset_repo(
+    root: Path, features, rows: dict, config: str, card_features=None, broken: tuple[str, ...] = ()
+) -> Path:
     """A dataset repository in the Hub's layout, as a folder `datasets.load_dataset_builder` and
     `load_dataset` read like a Hub id: `<config>/<split>-00000-of-00001.parquet` per split of
     `rows` (split → column → values, written with `features`), and a README whose `configs:`
@@ -209,14 +236,21 @@ def hub_dataset_repo(root: Path, features, rows: dict, config: str,
     (root / config).mkdir(parents=True)
     for split, columns in rows.items():
         datasets.Dataset.from_dict(columns, features=features).to_parquet(
-            str(root / config / f"{split}-00000-of-00001.parquet"))  # fmt: skip
+            str(root / config / f"{split}-00000-of-00001.parquet")
+        )
     for split in broken:
         (root / config / f"{split}-00000-of-00001.parquet").write_bytes(b"not parquet")
     card = {
-        "configs": [{"config_name": config, "data_files": [
-            {"split": s, "path": f"{config}/{s}-*"} for s in (*rows, *broken)]}],
-        "dataset_info": {"config_name": config,
-                         **datasets.DatasetInfo(features=card_features or features)._to_yaml_dict()},
-    }  # fmt: skip
+        "configs": [
+            {
+                "config_name": config,
+                "data_files": [{"split": s, "path": f"{config}/{s}-*"} for s in (*rows, *broken)],
+            }
+        ],
+        "dataset_info": {
+            "config_name": config,
+            **datasets.DatasetInfo(features=card_features or features)._to_yaml_dict(),
+        },
+    }
     (root / "README.md").write_text(f"---\n{yaml.safe_dump(card, sort_keys=False)}---\n")
     return root

@@ -51,8 +51,12 @@ def breadcrumbs(base, experts, density, gamma, scale) -> torch.Tensor:
 def ties_global(bases: dict, experts: list[dict], names: list[str], top_k, scale) -> dict:
     """TIES with the paper's global trim: one threshold per expert over the concatenation of
     every tensor in `names` (k = ceil(top_k % of all entries), ties kept)."""
-    flat = torch.stack([torch.cat([e[n].double().reshape(-1) - bases[n].double().reshape(-1)
-                                   for n in names]) for e in experts])  # fmt: skip
+    flat = torch.stack(
+        [
+            torch.cat([e[n].double().reshape(-1) - bases[n].double().reshape(-1) for n in names])
+            for e in experts
+        ]
+    )
     total = flat.shape[1]
     keep = min(total, max(1, math.ceil(total * top_k / 100)))
     thresholds = flat.abs().sort(dim=1, descending=True).values[:, keep - 1]

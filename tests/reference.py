@@ -24,9 +24,12 @@ class Family:
 
     def __init__(self, kind: str):
         self.kind = kind
-        self.exempt = {"clip": ("self_attn.k_proj", "self_attn.v_proj"),
-                       "bert": ("attention.self.key", "attention.self.value"),
-                       "llama": (), "open_clip": ("attn.in_proj",)}[kind]  # fmt: skip
+        self.exempt = {
+            "clip": ("self_attn.k_proj", "self_attn.v_proj"),
+            "bert": ("attention.self.key", "attention.self.value"),
+            "llama": (),
+            "open_clip": ("attn.in_proj",),
+        }[kind]
         self.pooled = kind != "llama"  # causal LMs: no pooled-token down-weighting
 
     def layers(self, model):
@@ -134,8 +137,11 @@ def _captured(layer, run, *args):
     seen, hooks = {}, []
     for name, module in layer.named_modules():
         if isinstance(module, (nn.Linear, nn.LayerNorm)) or _is_rms_norm(module):
-            hooks.append(module.register_forward_pre_hook(
-                lambda m, a, name=name: seen.__setitem__(name, a[0].detach())))  # fmt: skip
+            hooks.append(
+                module.register_forward_pre_hook(
+                    lambda m, a, name=name: seen.__setitem__(name, a[0].detach())
+                )
+            )
     try:
         out = run(layer, *args)
     finally:
@@ -245,8 +251,9 @@ def reference_featcal(family, base, merged, experts, inputs, alpha, rho, lam, ep
         expert_layers = {t: family.layers(experts[t])[index] for t in tasks}
 
         def weights(t, name, last=last):
-            return _weights(name, last, inputs[t].get("weight_mask", inputs[t]["attention_mask"]),
-                            family)  # fmt: skip
+            return _weights(
+                name, last, inputs[t].get("weight_mask", inputs[t]["attention_mask"]), family
+            )
 
         new = _solve_block(before, base_layer, expert_layers, xs, xe, weights, alpha, rho, lam, eps)
         layer.load_state_dict({**layer.state_dict(), **new})  # others (layer scale): as merged
@@ -266,20 +273,26 @@ def t5_inputs(tokenizer, texts, targets=None, max_length=128, start_id=0):
     truncation), and teacher-forced decoder ids/mask: labels = tokenizer(targets) (with its eos),
     decoder ids = [start] + labels[:-1], decoder mask = the labels' mask; without targets
     the decoder input is the start token alone (mask 1)."""
-    enc = tokenizer(list(texts), padding=True, truncation=True, max_length=max_length,
-                    return_tensors="pt")  # fmt: skip
+    enc = tokenizer(
+        list(texts), padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+    )
     batch = enc["input_ids"].shape[0]
     start = torch.full((batch, 1), start_id, dtype=torch.long)
     one = torch.ones(batch, 1, dtype=torch.long)
     if targets is None:
         dec_ids, dec_mask = start, one
     else:
-        labels = tokenizer(list(targets), padding=True, truncation=True, max_length=max_length,
-                           return_tensors="pt")  # fmt: skip
+        labels = tokenizer(
+            list(targets), padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+        )
         dec_ids = torch.cat([start, labels["input_ids"][:, :-1]], dim=1)
         dec_mask = labels["attention_mask"]  # position j predicts label j: real label tokens
-    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"],
-            "decoder_input_ids": dec_ids, "decoder_attention_mask": dec_mask}  # fmt: skip
+    return {
+        "input_ids": enc["input_ids"],
+        "attention_mask": enc["attention_mask"],
+        "decoder_input_ids": dec_ids,
+        "decoder_attention_mask": dec_mask,
+    }
 
 
 def _additive(allowed: torch.Tensor) -> torch.Tensor:
@@ -310,8 +323,13 @@ def t5_position_bias(stack, length: int) -> torch.Tensor:
 def t5_run_block(block, hidden, bias, mask, context=None, context_mask=None):
     """One HF T5Block with an explicit position bias and additive masks (decoder blocks: with the
     encoder context for cross-attention)."""
-    out = block(hidden, attention_mask=mask, position_bias=bias, encoder_hidden_states=context,
-                encoder_attention_mask=context_mask)  # fmt: skip
+    out = block(
+        hidden,
+        attention_mask=mask,
+        position_bias=bias,
+        encoder_hidden_states=context,
+        encoder_attention_mask=context_mask,
+    )
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -355,8 +373,9 @@ def _t5_stage(stack, cal, base, experts, inputs, hs, he, context, settings):
     masks = {t: t5_masks(inputs[t]) for t in tasks}
     self_mask = {t: masks[t][stack] for t in tasks}
     cross = {t: masks[t]["cross"] if decoder else None for t in tasks}
-    token_mask = {t: inputs[t]["decoder_attention_mask" if decoder else "attention_mask"]
-                  for t in tasks}  # fmt: skip
+    token_mask = {
+        t: inputs[t]["decoder_attention_mask" if decoder else "attention_mask"] for t in tasks
+    }
     # each model's own table, block 0 of the same stack (the student's is never calibrated)
     bias_s = {t: t5_position_bias(getattr(cal, stack), hs[t].shape[1]) for t in tasks}
     bias_e = {t: t5_position_bias(getattr(experts[t], stack), he[t].shape[1]) for t in tasks}
@@ -399,8 +418,10 @@ def reference_featcal_t5(base, merged, experts, inputs, alpha, rho, lam, eps=1e-
     he = {t: experts[t].shared(inputs[t]["input_ids"]) for t in tasks}
     _t5_stage("encoder", cal, base, experts, inputs, hs, he, None, settings)
     if _t5_has_decoder(cal):
-        context = ({t: cal.encoder.final_layer_norm(hs[t]) for t in tasks},
-                   {t: experts[t].encoder.final_layer_norm(he[t]) for t in tasks})  # fmt: skip
+        context = (
+            {t: cal.encoder.final_layer_norm(hs[t]) for t in tasks},
+            {t: experts[t].encoder.final_layer_norm(he[t]) for t in tasks},
+        )
         hs = {t: cal.shared(inputs[t]["decoder_input_ids"]) for t in tasks}
         he = {t: experts[t].shared(inputs[t]["decoder_input_ids"]) for t in tasks}
         _t5_stage("decoder", cal, base, experts, inputs, hs, he, context, settings)

@@ -58,8 +58,7 @@ def models(pool, tmp_path_factory):  # noqa: F811
         state.update({k: base_tower[k] for k in state if k.startswith(STEMS)})
         save_file(state, str(experts[task] / WEIGHTS), metadata={"format": "pt"})
     ta = root / "ta"
-    merge_checkpoints(base, experts, ta, "task_arithmetic", {"scale": DEFAULT_INIT},
-                      progress=False)  # fmt: skip
+    merge_checkpoints(base, experts, ta, "task_arithmetic", {"scale": DEFAULT_INIT}, progress=False)
     template = shutil.copytree(ta, root / "template")
     (template / MARKER).unlink()
     state = _tensors(template)
@@ -73,9 +72,17 @@ def models(pool, tmp_path_factory):  # noqa: F811
 def trained(models, tmp_path_factory):
     """30 steps at lr 1e-2 (the default 1e-3 moves λ by about 0.03 in 30 steps)."""
     out = tmp_path_factory.mktemp("trained") / "out"
-    record = adamerge_checkpoint(models["base"], models["template"], models["experts"],
-                                 models["calib"], out, steps=30, lr=1e-2, log_every=10,
-                                 progress=False)  # fmt: skip
+    record = adamerge_checkpoint(
+        models["base"],
+        models["template"],
+        models["experts"],
+        models["calib"],
+        out,
+        steps=30,
+        lr=1e-2,
+        log_every=10,
+        progress=False,
+    )
     return out, record
 
 
@@ -99,8 +106,11 @@ def test_tower_is_base_plus_weighted_task_vectors_and_the_rest_is_the_template(m
     tower = {k for k in template if k.startswith(TOWER)}
     stems = {k for k in tower if k[len(TOWER) :].startswith(STEMS)}
     assert learnt == tower - stems and stems  # all the tower but what no expert changes
-    assert record["tensors"] == {"learnt": len(learnt), "unchanged": len(stems),
-                                 "from_merged": len(template) - len(learnt)}  # fmt: skip
+    assert record["tensors"] == {
+        "learnt": len(learnt),
+        "unchanged": len(stems),
+        "from_merged": len(template) - len(learnt),
+    }
     for key, value in written.items():
         if key not in learnt:
             assert torch.equal(value, template[key]), key  # kept bit for bit, stems included
@@ -116,8 +126,16 @@ def test_tower_is_base_plus_weighted_task_vectors_and_the_rest_is_the_template(m
 # ------------------------------------------------------------ (2) one tiny step: Task Arithmetic
 def test_one_tiny_step_is_task_arithmetic_at_the_initial_scale(models, tmp_path):
     out = tmp_path / "out"
-    record = adamerge_checkpoint(models["base"], models["ta"], models["experts"], models["calib"],
-                                 out, steps=1, lr=1e-12, progress=False)  # fmt: skip
+    record = adamerge_checkpoint(
+        models["base"],
+        models["ta"],
+        models["experts"],
+        models["calib"],
+        out,
+        steps=1,
+        lr=1e-12,
+        progress=False,
+    )
     lambdas = [v for task in TASKS for v in record["coefficients"][task].values()]
     assert lambdas == pytest.approx([DEFAULT_INIT] * len(lambdas), abs=1e-7)
     written, ta = _tensors(out), _tensors(models["ta"])
@@ -165,16 +183,25 @@ def test_training_lowers_the_calibration_entropy_and_keeps_lambda_in_0_1(models,
         ({"calib": "delta"}, r"task 'delta' has no --expert delta=DIR"),
     ],
 )
-def test_bad_input_fails_naming_the_value_and_leaves_out_untouched(models, trained, tmp_path,
-                                                                   change, message):  # fmt: skip
+def test_bad_input_fails_naming_the_value_and_leaves_out_untouched(
+    models, trained, tmp_path, change, message
+):
     out = shutil.copytree(trained[0], tmp_path / "out")  # an earlier output of featcal's
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     calib = dict(models["calib"])
     if change.get("calib"):
         calib[change.pop("calib")] = models["calib"][TASKS[0]]
     with pytest.raises(FeatCalError, match=message):
-        adamerge_checkpoint(models["base"], models["ta"], models["experts"], calib, out,
-                            overwrite=True, progress=False, **change)  # fmt: skip
+        adamerge_checkpoint(
+            models["base"],
+            models["ta"],
+            models["experts"],
+            calib,
+            out,
+            overwrite=True,
+            progress=False,
+            **change,
+        )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert not list(tmp_path.glob(".out*"))
 
@@ -182,9 +209,18 @@ def test_bad_input_fails_naming_the_value_and_leaves_out_untouched(models, train
 # ---------------------------------------------------------------------------- (5) determinism
 def test_same_seed_gives_identical_coefficients(models, tmp_path):
     def run(name: str, seed: int) -> dict:
-        record = adamerge_checkpoint(models["base"], models["ta"], models["experts"],
-                                     models["calib"], tmp_path / name, steps=6, lr=1e-2,
-                                     batch_size=5, seed=seed, progress=False)  # fmt: skip
+        record = adamerge_checkpoint(
+            models["base"],
+            models["ta"],
+            models["experts"],
+            models["calib"],
+            tmp_path / name,
+            steps=6,
+            lr=1e-2,
+            batch_size=5,
+            seed=seed,
+            progress=False,
+        )
         return record["coefficients"]
 
     first, again, other = run("a", 3), run("b", 3), run("c", 4)
@@ -199,14 +235,36 @@ def test_same_seed_gives_identical_coefficients(models, tmp_path):
 def test_cli_writes_what_the_api_writes(models, tmp_path, capsys):
     from featcal_cli.main import main
 
-    args = ["adamerging", "--base", str(models["base"]), "--merged", str(models["template"]),
-            "--steps", "3", "--lr", "0.01", "--no-progress"]  # fmt: skip
+    args = [
+        "adamerging",
+        "--base",
+        str(models["base"]),
+        "--merged",
+        str(models["template"]),
+        "--steps",
+        "3",
+        "--lr",
+        "0.01",
+        "--no-progress",
+    ]
     for task in TASKS:
-        args += ["--expert", f"{task}={models['experts'][task]}",
-                 "--calib", f"{task}={models['calib'][task]}"]  # fmt: skip
+        args += [
+            "--expert",
+            f"{task}={models['experts'][task]}",
+            "--calib",
+            f"{task}={models['calib'][task]}",
+        ]
     assert main([*args, "--out", str(tmp_path / "cli")]) == 0
-    adamerge_checkpoint(models["base"], models["template"], models["experts"], models["calib"],
-                        tmp_path / "api", steps=3, lr=0.01, progress=False)  # fmt: skip
+    adamerge_checkpoint(
+        models["base"],
+        models["template"],
+        models["experts"],
+        models["calib"],
+        tmp_path / "api",
+        steps=3,
+        lr=0.01,
+        progress=False,
+    )
     assert (tmp_path / "cli" / WEIGHTS).read_bytes() == (tmp_path / "api" / WEIGHTS).read_bytes()
     cli, api = (json.loads((tmp_path / d / ADAMERGING_RECORD).read_text()) for d in ("cli", "api"))
     assert cli["coefficients"] == api["coefficients"]

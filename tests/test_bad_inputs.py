@@ -157,8 +157,11 @@ def test_expert_without_calib(zoo, tmp_path, capsys):
 def test_runner_options_need_the_flow_and_spill_dir_does_not_go_with_it(zoo, tmp_path, capsys):
     args = zoo.cli_args(tmp_path / "out")
     _fails(args + ["--runner", "dask"], capsys, "--runner dask", "--results-dir")
-    _fails(args + ["--results-dir", str(tmp_path / "r"), "--spill-dir", str(tmp_path / "s")],
-           capsys, "--spill-dir has no effect with --results-dir")  # fmt: skip
+    _fails(
+        args + ["--results-dir", str(tmp_path / "r"), "--spill-dir", str(tmp_path / "s")],
+        capsys,
+        "--spill-dir has no effect with --results-dir",
+    )
 
 
 def test_unsupported_architecture(zoo, tmp_path, capsys):
@@ -166,8 +169,14 @@ def test_unsupported_architecture(zoo, tmp_path, capsys):
     config = json.loads(config_path.read_text())
     config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
     config_path.write_text(json.dumps(config))
-    _fails(zoo.cli_args(tmp_path / "out"), capsys, str(config_path), "GPT2LMHeadModel",
-           "hf-bert", "hf-clip-vision")  # fmt: skip
+    _fails(
+        zoo.cli_args(tmp_path / "out"),
+        capsys,
+        str(config_path),
+        "GPT2LMHeadModel",
+        "hf-bert",
+        "hf-clip-vision",
+    )
 
 
 def test_existing_out_is_left_untouched(zoo, tmp_path, capsys):

@@ -367,16 +367,20 @@ def test_hub_split_loads_only_its_files_and_offline_from_the_cache(tmp_path, mon
     from featcal_core.provenance import resolve
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
-    features = datasets.Features({"x": datasets.Value("int32"),
-                                  "label": datasets.ClassLabel(names=["0", "1"])})  # fmt: skip
-    card = datasets.Features({"x": datasets.Value("int32"),
-                              "label": datasets.ClassLabel(names=["zero", "one"])})  # fmt: skip
+    features = datasets.Features(
+        {"x": datasets.Value("int32"), "label": datasets.ClassLabel(names=["0", "1"])}
+    )
+    card = datasets.Features(
+        {"x": datasets.Value("int32"), "label": datasets.ClassLabel(names=["zero", "one"])}
+    )
     rows = {"train": {"x": [1, 2, 3], "label": [1, 0, 1]}, "test": {"x": [4, 5], "label": [0, 1]}}
-    repo = factories.hub_dataset_repo(tmp_path / "digits", features, rows, "cropped_digits",
-                                      card_features=card, broken=("extra",))  # fmt: skip
+    repo = factories.hub_dataset_repo(
+        tmp_path / "digits", features, rows, "cropped_digits", card_features=card, broken=("extra",)
+    )
     with pytest.raises(datasets.exceptions.DatasetGenerationError):  # plain: every split read
-        datasets.load_dataset(str(repo), "cropped_digits", split="train",
-                              cache_dir=str(tmp_path / "plain"))  # fmt: skip
+        datasets.load_dataset(
+            str(repo), "cropped_digits", split="train", cache_dir=str(tmp_path / "plain")
+        )
     rows = load_hub_split(str(repo), "cropped_digits", "train")
     assert rows["x"] == [1, 2, 3]
     assert rows.features["label"].names == ["zero", "one"]
@@ -520,8 +524,9 @@ def test_prefect_task_builds_every_task(image_dir, text_dir, text_eval_dir, tmp_
     assert "tasks.sst2" in message
 
 
-def test_hashing_the_evaluation_rows_shows_a_bar_on_a_terminal_only(image_dir, tmp_path,
-                                                                     capsys, monkeypatch):  # fmt: skip
+def test_hashing_the_evaluation_rows_shows_a_bar_on_a_terminal_only(
+    image_dir, tmp_path, capsys, monkeypatch
+):
     draw(image_dir, tmp_path / "quiet")
     assert "hash the evaluation rows" not in capsys.readouterr().err  # not a terminal: no bar
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)

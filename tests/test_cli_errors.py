@@ -56,21 +56,75 @@ BAD_VALUES = [
 
 #: the least each command needs to reach its checks (paths that do not exist: nothing is read)
 REQUIRED = {
-    "merge": ["--base", "{tmp}/b", "--expert", "t={tmp}/e", "--method", "ties", "--out",
-              "{tmp}/out"],
-    "calibrate": ["--base", "{tmp}/b", "--merged", "{tmp}/m", "--expert", "t={tmp}/e", "--calib",
-                  "t={tmp}/c", "--out", "{tmp}/out"],
-    "regmean": ["--base", "{tmp}/b", "--merged", "{tmp}/m", "--expert", "t={tmp}/e", "--calib",
-                "t={tmp}/c", "--out", "{tmp}/out"],
-    "surgery": ["--merged", "{tmp}/m", "--expert", "t={tmp}/e", "--calib", "t={tmp}/c", "--out",
-                "{tmp}/out"],
-    "adamerging": ["--base", "{tmp}/b", "--merged", "{tmp}/m", "--expert", "t={tmp}/e",
-                   "--calib", "t={tmp}/c", "--out", "{tmp}/out"],
-    "zoo": ["--dataset", "t={tmp}/d", "--modality", "text", "--base", "{tmp}/b", "--out",
-            "{tmp}/zoo"],
+    "merge": [
+        "--base",
+        "{tmp}/b",
+        "--expert",
+        "t={tmp}/e",
+        "--method",
+        "ties",
+        "--out",
+        "{tmp}/out",
+    ],
+    "calibrate": [
+        "--base",
+        "{tmp}/b",
+        "--merged",
+        "{tmp}/m",
+        "--expert",
+        "t={tmp}/e",
+        "--calib",
+        "t={tmp}/c",
+        "--out",
+        "{tmp}/out",
+    ],
+    "regmean": [
+        "--base",
+        "{tmp}/b",
+        "--merged",
+        "{tmp}/m",
+        "--expert",
+        "t={tmp}/e",
+        "--calib",
+        "t={tmp}/c",
+        "--out",
+        "{tmp}/out",
+    ],
+    "surgery": [
+        "--merged",
+        "{tmp}/m",
+        "--expert",
+        "t={tmp}/e",
+        "--calib",
+        "t={tmp}/c",
+        "--out",
+        "{tmp}/out",
+    ],
+    "adamerging": [
+        "--base",
+        "{tmp}/b",
+        "--merged",
+        "{tmp}/m",
+        "--expert",
+        "t={tmp}/e",
+        "--calib",
+        "t={tmp}/c",
+        "--out",
+        "{tmp}/out",
+    ],
+    "zoo": [
+        "--dataset",
+        "t={tmp}/d",
+        "--modality",
+        "text",
+        "--base",
+        "{tmp}/b",
+        "--out",
+        "{tmp}/zoo",
+    ],
     "demo": ["--synthetic", "--work", "{tmp}/demo"],
     "serve": ["--params", "{tmp}/params.yaml"],
-}  # fmt: skip
+}
 
 _FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
@@ -114,16 +168,23 @@ def test_a_bad_number_names_exactly_the_flag_given(command, flag, value, tmp_pat
     [
         ([], ["a command is required", "see featcal --help"]),
         (["bogus"], ["unknown command 'bogus'", "see featcal --help"]),
-        (["merge", "--bogus"], ["featcal merge: unrecognized arguments: --bogus",
-                                "see featcal merge --help"]),
+        (
+            ["merge", "--bogus"],
+            ["featcal merge: unrecognized arguments: --bogus", "see featcal merge --help"],
+        ),
         (["merge", "--scale"], ["featcal merge --scale: expected one argument"]),
         (["merge", "--scale", "abc"], ["featcal merge --scale: 'abc' is not a number"]),
         (["merge", "--method", "magic"], ["featcal merge --method: invalid choice: 'magic'"]),
         (["merge", "--hp", "oops"], ["featcal merge --hp:", "KEY=VALUE"]),
         (["merge", "--hp", "scale=[1"], ["featcal merge --hp:", "is not a value"]),
         (["calibrate", "--expert", "nodir"], ["featcal calibrate --expert:", "TASK=DIR"]),
-        (["surgery", "--expert", "t=e"], ["featcal surgery: the following arguments are "
-                                         "required: --merged, --out", "see featcal surgery --help"]),
+        (
+            ["surgery", "--expert", "t=e"],
+            [
+                "featcal surgery: the following arguments are required: --merged, --out",
+                "see featcal surgery --help",
+            ],
+        ),
         (["-v", "lineage"], ["featcal lineage: the following arguments are required: PATH"]),
         (["lineage", "a", "b"], ["featcal lineage: unrecognized arguments: b"]),
         (["calibrate", "--alpha", "nan"], ["featcal calibrate --alpha: 'nan' is not a number"]),
@@ -131,7 +192,7 @@ def test_a_bad_number_names_exactly_the_flag_given(command, flag, value, tmp_pat
         (["calibrate", "--num-per-task", "1e3"], ["--num-per-task: '1e3' is not a whole number"]),
         (["calibrate", "--heads", "x"], ["featcal calibrate: unrecognized arguments: x"]),
     ],
-)  # fmt: skip
+)
 def test_usage_errors_are_one_line_naming_the_command(argv, needles, capsys):
     """(c) argparse's complaints: one line, `featcal: error:`, the command and the flag, and
     where the flags are listed; no usage text; exit status 2 (main returns it)."""
@@ -155,8 +216,15 @@ def test_the_parser_alone_still_exits_2(capsys):
 
 
 # ----------------------------------------------------------------------------------- numbers (8a)
-YAML_12_NUMBERS = [("1e-3", 0.001), ("1E3", 1000.0), ("-2e-1", -0.2), (".5", 0.5), ("+1.5", 1.5),
-                   ("1.0e-3", 0.001), ("30", 30)]  # fmt: skip
+YAML_12_NUMBERS = [
+    ("1e-3", 0.001),
+    ("1E3", 1000.0),
+    ("-2e-1", -0.2),
+    (".5", 0.5),
+    ("+1.5", 1.5),
+    ("1.0e-3", 0.001),
+    ("30", 30),
+]
 
 
 @pytest.mark.parametrize(("text", "number"), YAML_12_NUMBERS)
@@ -179,8 +247,10 @@ def test_numbers_read_alike_in_hp_set_flags_and_files(text, number, tmp_path):
     )
     assert load_params(params).merge.hyperparameters["scale"] == number
     in_bounds = 0 <= number <= 10  # featcal.rho's bounds
-    over = load_params(params, [f"merge.hyperparameters.scale={text}"]
-                       + ([f"featcal.rho={text}"] if in_bounds else []))  # fmt: skip
+    over = load_params(
+        params,
+        [f"merge.hyperparameters.scale={text}"] + ([f"featcal.rho={text}"] if in_bounds else []),
+    )
     assert over.merge.hyperparameters["scale"] == number
     assert over.featcal.rho == (number if in_bounds else over.featcal.rho)
 
@@ -188,36 +258,70 @@ def test_numbers_read_alike_in_hp_set_flags_and_files(text, number, tmp_path):
 def test_hp_scale_1e_3_reaches_the_merge(tmp_path, capsys):
     """The case of the issue: `featcal merge --hp scale=1e-3` passes the method's check (the
     merge then stops at the missing base, the first thing it reads)."""
-    code, err = _run(["merge", "--base", str(tmp_path / "b"), "--expert", f"t={tmp_path}/e",
-                      "--method", "task_arithmetic", "--hp", "scale=1e-3", "--out",
-                      str(tmp_path / "out")], capsys)  # fmt: skip
+    code, err = _run(
+        [
+            "merge",
+            "--base",
+            str(tmp_path / "b"),
+            "--expert",
+            f"t={tmp_path}/e",
+            "--method",
+            "task_arithmetic",
+            "--hp",
+            "scale=1e-3",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        capsys,
+    )
     assert code == 2 and "base model directory" in _one_line(err), err
 
 
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["--hp", "scale=true"], "hyperparameter 'scale' (--hp scale=true) of merge method "
-                                 "'ties' must be a number, got True"),
-        (["--hp", "scale=nan"], "(--hp scale=nan) of merge method 'ties' must be a number, "
-                                "got 'nan'"),
+        (
+            ["--hp", "scale=true"],
+            "hyperparameter 'scale' (--hp scale=true) of merge method "
+            "'ties' must be a number, got True",
+        ),
+        (
+            ["--hp", "scale=nan"],
+            "(--hp scale=nan) of merge method 'ties' must be a number, got 'nan'",
+        ),
         (["--hp", "scale=.nan"], "(--hp scale=.nan) of merge method 'ties' must be finite"),
         (["--hp", "scale=abc"], "must be a number, got 'abc'"),
-        (["--hp", "top_k=1E3"], "hyperparameter 'top_k' (--hp top_k=1E3) of merge method 'ties' "
-                                "must be > 0 and <= 100, got 1000.0"),
+        (
+            ["--hp", "top_k=1E3"],
+            "hyperparameter 'top_k' (--hp top_k=1E3) of merge method 'ties' "
+            "must be > 0 and <= 100, got 1000.0",
+        ),
         (["--top-k", "0"], "hyperparameter 'top_k' (--top-k) of merge method 'ties' must be > 0"),
-        (["--hp", "density=0.5"], "hyperparameter 'density' (--hp density=0.5) is not used by "
-                                  "merge method 'ties'"),
-        (["--scale", "2", "--hp", "scale=1e-3"], "'scale' is given twice (--scale and --hp "
-                                                 "scale=1e-3)"),
+        (
+            ["--hp", "density=0.5"],
+            "hyperparameter 'density' (--hp density=0.5) is not used by merge method 'ties'",
+        ),
+        (
+            ["--scale", "2", "--hp", "scale=1e-3"],
+            "'scale' is given twice (--scale and --hp scale=1e-3)",
+        ),
     ],
-)  # fmt: skip
+)
 def test_merge_hyperparameter_errors_name_the_flag_typed(argv, needle, tmp_path, capsys):
     """(a, b) strictness kept (booleans, text and nan are not numbers) and each error names
     the flag the value came with: `--hp KEY=VALUE` or `--top-k`, not a `--<key>` flag that
     does not exist."""
-    base = ["merge", "--base", str(tmp_path / "b"), "--expert", f"t={tmp_path}/e", "--method",
-            "ties", "--out", str(tmp_path / "out")]  # fmt: skip
+    base = [
+        "merge",
+        "--base",
+        str(tmp_path / "b"),
+        "--expert",
+        f"t={tmp_path}/e",
+        "--method",
+        "ties",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     code, err = _run([*base, *argv], capsys)
     assert code == 2 and needle in _one_line(err), err
 
@@ -225,8 +329,11 @@ def test_merge_hyperparameter_errors_name_the_flag_typed(argv, needle, tmp_path,
 @pytest.mark.parametrize(
     ("override", "needle"),
     [
-        ("merge.hyperparameters.top_k=20", "merge.hyperparameters.top_k: hyperparameter 'top_k' "
-                                           "is not used by merge method 'task_arithmetic'"),
+        (
+            "merge.hyperparameters.top_k=20",
+            "merge.hyperparameters.top_k: hyperparameter 'top_k' "
+            "is not used by merge method 'task_arithmetic'",
+        ),
         ("merge.hyperparameters.scale=true", "merge.hyperparameters"),
         ("featcal.num_per_task=1.5", "featcal.num_per_task: Input should be a valid integer"),
         ("featcal.num_per_task=1e3", "featcal.num_per_task: Input should be a valid integer"),
@@ -234,7 +341,7 @@ def test_merge_hyperparameter_errors_name_the_flag_typed(argv, needle, tmp_path,
         ("featcal.alpha=nan", "featcal.alpha: Input should be a valid number"),
         ("featcal.lam=.inf", "featcal.lam: Input should be a finite number"),
     ],
-)  # fmt: skip
+)
 def test_set_overrides_keep_the_strict_types_and_name_the_key(override, needle, tmp_path):
     """--set: `1e3` is a number but not an integer, `true` and `nan` are not numbers; a merge
     hyperparameter's error names its key path, not a flag of `featcal merge`."""
@@ -250,8 +357,17 @@ def test_set_overrides_keep_the_strict_types_and_name_the_key(override, needle, 
     assert not _FLAG.findall(message), message
 
 
-@pytest.mark.parametrize("text,value", [("010", 10), ("1:30", "1:30"), ("1_000", "1_000"),
-                                        ("0x10", 16), ("1e3", 1000.0), ("-.5", -0.5)])  # fmt: skip
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("010", 10),
+        ("1:30", "1:30"),
+        ("1_000", "1_000"),
+        ("0x10", 16),
+        ("1e3", 1000.0),
+        ("-.5", -0.5),
+    ],
+)
 def test_flag_values_follow_yaml_1_2(text, value):
     """What YAML 1.1 alone reads as a number (`1:30` = 90, `1_000`, `010` = 8) is read as YAML
     1.2 and Python read it."""

@@ -44,12 +44,20 @@ def test_quiet_by_default_loud_on_request(monkeypatch):
 def test_run_ends_with_a_table_and_where_the_record_is():
     from featcal.flows.summary import run_summary
 
-    row = {"expert": {"accuracy": 0.9}, "merged": {"accuracy": 0.5},
-           "calibrated": {"accuracy": 0.7}}  # fmt: skip
-    text = run_summary({
-        "evaluation": {"mnist": row}, "report": "reports/x/report.html",
-        "mlflow_run_id": "abc", "mlflow_uri": "sqlite:///m.db", "paths": {"root": "data/results"},
-    })  # fmt: skip
+    row = {
+        "expert": {"accuracy": 0.9},
+        "merged": {"accuracy": 0.5},
+        "calibrated": {"accuracy": 0.7},
+    }
+    text = run_summary(
+        {
+            "evaluation": {"mnist": row},
+            "report": "reports/x/report.html",
+            "mlflow_run_id": "abc",
+            "mlflow_uri": "sqlite:///m.db",
+            "paths": {"root": "data/results"},
+        }
+    )
     lines = text.splitlines()
     assert any(line.startswith("mnist") and "90.0" in line and "70.0" in line for line in lines)
     assert "report:      reports/x/report.html" in lines and "results:     data/results" in lines
@@ -78,8 +86,9 @@ def test_help_imports_neither_torch_nor_the_orchestration():
         "heavy = ('torch', 'transformers', 'prefect', 'mlflow', 'dvc', 'datasets')\n"
         "print(len(commands), sorted(m for m in heavy if m in sys.modules))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     count, loaded = done.stdout.split(" ", 1)
     assert int(count) >= 10 and loaded.strip() == "[]", done.stdout

@@ -39,13 +39,19 @@ def _compare_params(tmp_path):
 def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
     params_path = _compare_params(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": uri,
-           "PREFECT_API_URL": prefect_api}  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "MLFLOW_TRACKING_URI": uri,
+        "PREFECT_API_URL": prefect_api,
+    }
     cmd = [sys.executable, "-m", "featcal_cli.main", "compare", "--params", str(params_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| `ties-featcal` |" in proc.stdout and "comparison:  reports/cmp-compare/compare.md" \
-        in proc.stdout  # fmt: skip
+    assert (
+        "| `ties-featcal` |" in proc.stdout
+        and "comparison:  reports/cmp-compare/compare.md" in proc.stdout
+    )
 
     report = tmp_path / "reports" / "cmp-compare"
     record = json.loads((report / "compare.json").read_text())
@@ -73,28 +79,35 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
     results = tmp_path / "results"
     assert (results / "variants" / "ta-featcal" / "calibrated" / "featcal.json").is_file()
     assert (results / "variants" / "ta-regmean" / "calibrated" / "regmean.json").is_file()
-    featcal = json.loads((results / "variants" / "ties-featcal" / "calibrated" /
-                          "featcal.json").read_text())  # fmt: skip
+    featcal = json.loads(
+        (results / "variants" / "ties-featcal" / "calibrated" / "featcal.json").read_text()
+    )
     assert featcal["hyperparameters"]["alpha"] == 0.5
     # the shared sets hold the largest count (12); the params' own 8 is a seeded sample of them
-    shared = json.loads((results / "calibration_sets" / "alpha" / "calibration_set.json")
-                        .read_text())  # fmt: skip
+    shared = json.loads(
+        (results / "calibration_sets" / "alpha" / "calibration_set.json").read_text()
+    )
     assert shared["n_requested"] == shared["n_rows"] == 12
     for name, count in (("ta-featcal", 8), ("ties-featcal", 8), ("ta-featcal-n12", 12)):
-        calibration = json.loads((results / "variants" / name / "calibrated" / "featcal.json")
-                                 .read_text())  # fmt: skip
+        calibration = json.loads(
+            (results / "variants" / name / "calibrated" / "featcal.json").read_text()
+        )
         assert calibration["hyperparameters"]["num_per_task"] == count
         for used in calibration["inputs"]["calibration"].values():
             assert used["rows"] == 12 and len(used["indices"]) == count
     assert not (results / "variants" / "ta" / "calibrated").exists()
-    surgery = json.loads((results / "variants" / "ta-surgery" / "calibrated" / "alpha" /
-                          "surgery.json").read_text())  # fmt: skip
+    surgery = json.loads(
+        (results / "variants" / "ta-surgery" / "calibrated" / "alpha" / "surgery.json").read_text()
+    )
     assert surgery["rank"] == 16 and rows["ta-surgery"]["repair"] == "surgery"
     assert "ta-surgery" in evaluation["alpha"]  # the merge under the task's module
-    adamerging = json.loads((results / "variants" / "ta-adamerging" / "calibrated" /
-                             "adamerging.json").read_text())  # fmt: skip
-    assert adamerging["hyperparameters"]["steps"] == 5 and rows["ta-adamerging"]["repair"] == \
-        "adamerging"  # fmt: skip
+    adamerging = json.loads(
+        (results / "variants" / "ta-adamerging" / "calibrated" / "adamerging.json").read_text()
+    )
+    assert (
+        adamerging["hyperparameters"]["steps"] == 5
+        and rows["ta-adamerging"]["repair"] == "adamerging"
+    )
     assert set(adamerging["coefficients"]) == {"alpha", "beta"}
     assert "ta-adamerging" in evaluation["alpha"] and "ta-adamerging" in evaluation["beta"]
     # head calibration, as `featcal run` does it: the variant's model under its refit heads

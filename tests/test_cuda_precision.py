@@ -34,8 +34,17 @@ def test_cuda_bfloat16_and_float32_against_cpu_float64(tmp_path, kind, record_pr
     for precision, device in runs.items():
         out = tmp_path / precision
         started = time.perf_counter()
-        record = calibrate(zoo.base, zoo.merged, zoo.experts, zoo.calib, out, num_per_task=8,
-                           device=device, precision=precision, progress=False)  # fmt: skip
+        record = calibrate(
+            zoo.base,
+            zoo.merged,
+            zoo.experts,
+            zoo.calib,
+            out,
+            num_per_task=8,
+            device=device,
+            precision=precision,
+            progress=False,
+        )
         seconds[precision] = time.perf_counter() - started
         assert record["hyperparameters"]["precision"] == precision
         weights[precision] = load_file(str(out / "model.safetensors"))
@@ -46,6 +55,8 @@ def test_cuda_bfloat16_and_float32_against_cpu_float64(tmp_path, kind, record_pr
     for precision, bound in (("float32", 1e-2), ("bfloat16", 5e-2)):  # TF32 is ~1e-3 relative
         errors = sorted(_relative(weights[precision][k], exact[k]) for k in calibrated)
         worst, median = errors[-1], errors[len(errors) // 2]
-        record_property(f"report: cuda {precision} vs cpu float64 ({kind})",
-                        f"worst {worst:.2e}, median {median:.2e}, {seconds[precision]:.1f} s")  # fmt: skip
+        record_property(
+            f"report: cuda {precision} vs cpu float64 ({kind})",
+            f"worst {worst:.2e}, median {median:.2e}, {seconds[precision]:.1f} s",
+        )
         assert worst <= bound

@@ -28,8 +28,13 @@ pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="nee
 
 def _hash_in_new_process(path, store) -> dict:
     env = {**os.environ, "FEATCAL_DIGEST_CACHE": str(store)}
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(path)], env=env, capture_output=True,
-                          text=True, check=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(proc.stdout)
 
 

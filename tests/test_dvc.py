@@ -29,9 +29,11 @@ def _env(tmp_path: Path, api_url: str) -> dict[str, str]:
         "PREFECT_HOME": str(tmp_path / "prefect"),
         "DVC_NO_ANALYTICS": "1",
         "DVC_SITE_CACHE_DIR": str(tmp_path / "dvc-site"),
-        "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
         "GIT_COMMITTER_EMAIL": "t@t",
-    }  # fmt: skip
+    }
 
 
 def _sh(args: list[str], cwd: Path, env: dict[str, str], stdout_only: bool = False) -> str:
@@ -136,8 +138,9 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api):
     # which depend on featcal.num_per_task only), and `dvc exp show` lists it
     _sh(["git", "add", "-A"], repo, env)
     _sh(["git", "commit", "-qm", "second run"], repo, env)
-    experiment = _sh(["dvc", "exp", "run", "-S", "featcal.alpha=0.5", "-n", "alpha-half"], repo,
-                     env)  # fmt: skip
+    experiment = _sh(
+        ["dvc", "exp", "run", "-S", "featcal.alpha=0.5", "-n", "alpha-half"], repo, env
+    )
     # (select reruns on any featcal change; without select: its record stays the same)
     assert _ran(experiment) == ["code", "select", "calibrate", "evaluate", "report"]
     shown = _json_out(_sh(["dvc", "exp", "show", "--json"], repo, env, stdout_only=True))

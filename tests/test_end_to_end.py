@@ -69,8 +69,10 @@ def _assert_matches(out_dir, reference, prefix="", rtol=1e-9, atol=1e-11):
 
 @pytest.mark.parametrize("kind", ["clip", "bert"])
 def test_cli_matches_float64_reference(tmp_path, kind):
-    build, model_cls = {"clip": (factories.clip_zoo, CLIPVisionModel),
-                        "bert": (factories.bert_zoo, BertModel)}[kind]  # fmt: skip
+    build, model_cls = {
+        "clip": (factories.clip_zoo, CLIPVisionModel),
+        "bert": (factories.bert_zoo, BertModel),
+    }[kind]
     zoo = build(tmp_path / "zoo", tasks=("alpha", "beta", "gamma"), dtype=torch.float64)
     out = tmp_path / "out"
     assert main(zoo.cli_args(out)) == 0
@@ -132,9 +134,24 @@ def test_calibration_reduces_block_drift(tmp_path, extra):
 def test_single_expert_equal_to_merged_comes_back_unchanged(tmp_path):
     zoo = factories.clip_zoo(tmp_path / "zoo", tasks=("only",), dtype=torch.float64, rows=16)
     out = tmp_path / "out"
-    args = ["calibrate", "--base", str(zoo.base), "--merged", str(zoo.experts["only"]),
-            "--expert", f"only={zoo.experts['only']}", "--calib", f"only={zoo.calib['only']}",
-            "--out", str(out), "--lam", "0", "--eps", "0", "--no-progress"]  # fmt: skip
+    args = [
+        "calibrate",
+        "--base",
+        str(zoo.base),
+        "--merged",
+        str(zoo.experts["only"]),
+        "--expert",
+        f"only={zoo.experts['only']}",
+        "--calib",
+        f"only={zoo.calib['only']}",
+        "--out",
+        str(out),
+        "--lam",
+        "0",
+        "--eps",
+        "0",
+        "--no-progress",
+    ]
     assert main(args) == 0
     got = load_file(str(out / "model.safetensors"))
     expert = load_file(str(zoo.experts["only"] / "model.safetensors"))

@@ -414,8 +414,11 @@ def test_saved_hub_evaluation_split_follows_its_source(monkeypatch, tmp_path):
     folder, split = _evaluation_data("t", source, tmp_path)
     assert split is None and loads == [None]
     record = json.loads((folder / EVALUATION_SOURCE).read_text())
-    assert record == {"source": "hub owner/data, split test",
-                      "identity": ["hub", "owner/data", None, "test"], "commit": None}  # fmt: skip
+    assert record == {
+        "source": "hub owner/data, split test",
+        "identity": ["hub", "owner/data", None, "test"],
+        "commit": None,
+    }
     _evaluation_data("t", source, tmp_path)
     assert loads == [None]  # reused
     _evaluation_data("t", DataSource(hub="owner/data", split="test", revision="v2"), tmp_path)
@@ -431,13 +434,16 @@ def test_task_head_takes_a_prompt_set_and_checks_class_names_against_the_labels(
     from featcal_core.evaluation.prompt_sets import named_set
     from featcal_core.params import TaskSpec
 
-    features = datasets.Features({"img": datasets.Image(),
-                                  "label": datasets.ClassLabel(names=["AnnualCrop", "SeaLake"])})  # fmt: skip
+    features = datasets.Features(
+        {"img": datasets.Image(), "label": datasets.ClassLabel(names=["AnnualCrop", "SeaLake"])}
+    )
     rows = {"img": clip["images"][:2], "label": [0, 1]}
     datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "eval"))
-    spec = TaskSpec(calibration={"path": str(clip["data"])},
-                    evaluation={"path": str(tmp_path / "eval"), "image_column": "img"},
-                    prompt_set="eurosat")  # fmt: skip
+    spec = TaskSpec(
+        calibration={"path": str(clip["data"])},
+        evaluation={"path": str(tmp_path / "eval"), "image_column": "img"},
+        prompt_set="eurosat",
+    )
     head, zero_shot = task_head("sat", spec, clip["base"], clip["vision5"], tmp_path / "results")
     assert zero_shot and isinstance(head, ZeroShotHead)
     assert head.class_names == ["annual crop land", "sea or lake"]

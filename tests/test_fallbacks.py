@@ -69,8 +69,9 @@ def test_linear_stats_with_a_dead_input_feature_fall_back_per_module(caplog):
     """A feature that is zero in every token (λ = ε = 0): Cholesky fails at column 1; every
     module sharing the input is solved by least squares, equal to lstsq on the same system."""
     gen = torch.Generator().manual_seed(3)
-    stats = LinearInputStats(5, {"q": (3, True), "k": (2, False)}, CPU,
-                             params=FeatCalParams(alpha=0.0, lam=0.0, eps=0.0))  # fmt: skip
+    stats = LinearInputStats(
+        5, {"q": (3, True), "k": (2, False)}, CPU, params=FeatCalParams(alpha=0.0, lam=0.0, eps=0.0)
+    )
     gram, cross_q = torch.zeros(5, 5, dtype=D64), torch.zeros(5, 3, dtype=D64)
     for _ in range(2):
         x_s, x_e = torch.randn(20, 5, generator=gen, dtype=D64), torch.randn(20, 5, generator=gen)
@@ -144,8 +145,14 @@ def test_task_without_weighted_tokens(caplog):
 
 
 def test_task_statistics_carry_their_fallbacks_through_a_file(tmp_path):
-    entry = {"kind": "clamped_task_scale", "module": "fc", "parameter": None, "task": "a",
-             "count": 1, "reason": "r"}  # fmt: skip
+    entry = {
+        "kind": "clamped_task_scale",
+        "module": "fc",
+        "parameter": None,
+        "task": "a",
+        "count": 1,
+        "reason": "r",
+    }
     TaskStatistics("a", 0, {}, {}, {}, 0.5, [entry]).save(tmp_path / "s.safetensors")
     assert TaskStatistics.load(tmp_path / "s.safetensors").fallbacks == [entry]
 
@@ -175,8 +182,16 @@ def test_tiny_calibration_records_the_fallback_in_the_block_summary(tmp_path, ca
     with caplog.at_level(logging.WARNING, logger="featcal_core"):
         cal, result = run(None)
     lstsq = [e for e in result.fallbacks if e["kind"] == "lstsq"]
-    assert lstsq == [{"kind": "lstsq", "module": "mlp.fc2", "parameter": "weight", "task": None,
-                      "count": 1, "reason": lstsq[0]["reason"]}]  # fmt: skip
+    assert lstsq == [
+        {
+            "kind": "lstsq",
+            "module": "mlp.fc2",
+            "parameter": "weight",
+            "task": None,
+            "count": 1,
+            "reason": lstsq[0]["reason"],
+        }
+    ]
     assert "Cholesky failed at column 1 " in lstsq[0]["reason"]
     assert any("block 0" in m and "mlp.fc2.weight" in m for m in _warnings(caplog))
     # the least-squares solution is the minimum-norm one: no weight on the dead feature

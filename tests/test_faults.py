@@ -28,17 +28,28 @@ from featcal_core.io.run_lock import run_lock
 # ------------------------------------------------------------------------------------ helpers
 
 
-def _run(tmp_path: Path, params: Path, api: str, *extra: str, failpoint: str | None = None,
-         background: bool = False):  # fmt: skip
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": api,
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # fmt: skip
+def _run(
+    tmp_path: Path,
+    params: Path,
+    api: str,
+    *extra: str,
+    failpoint: str | None = None,
+    background: bool = False,
+):
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_API_URL": api,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
     env.pop("FEATCAL_FAILPOINT", None)
     if failpoint is not None:
         env["FEATCAL_FAILPOINT"] = failpoint
     cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params), *extra]
     if background:
-        return subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)  # fmt: skip
+        return subprocess.Popen(
+            cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
     return subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=900)
 
 
@@ -54,8 +65,11 @@ def _weights(results: Path) -> dict[str, bytes]:
 
 def _accuracies(results: Path) -> dict:
     table = json.loads((results / "evaluation.json").read_text())
-    return {task: {model: row.get("accuracy") for model, row in models.items()}
-            for task, models in table.items() if isinstance(models, dict)}  # fmt: skip
+    return {
+        task: {model: row.get("accuracy") for model, row in models.items()}
+        for task, models in table.items()
+        if isinstance(models, dict)
+    }
 
 
 def _stat_tree(root: Path) -> dict[str, tuple[int, int]]:
@@ -63,8 +77,13 @@ def _stat_tree(root: Path) -> dict[str, tuple[int, int]]:
 
 
 def _leftovers(*roots: Path) -> list[str]:
-    return [str(p) for root in roots if root.exists() for p in root.rglob("*")
-            if TEMP_TAG in p.name or OLD_TAG in p.name or p.name == "work"]  # fmt: skip
+    return [
+        str(p)
+        for root in roots
+        if root.exists()
+        for p in root.rglob("*")
+        if TEMP_TAG in p.name or OLD_TAG in p.name or p.name == "work"
+    ]
 
 
 def _one_line(proc, *needles: str) -> str:
@@ -116,8 +135,14 @@ def test_sigkill_at_every_step_then_rerun_is_bitwise_identical(
     params = _fresh(project, tmp_path)
     results, reports = tmp_path / "results", tmp_path / "reports"
     # each run dies at a later place; the next one recovers what the last one left behind
-    for point in ("commit:alpha", "commit:merged", "commit:state", "commit:calibrated",
-                  "commit:evaluation.json", "commit:e2e"):  # fmt: skip
+    for point in (
+        "commit:alpha",
+        "commit:merged",
+        "commit:state",
+        "commit:calibrated",
+        "commit:evaluation.json",
+        "commit:e2e",
+    ):
         proc = _run(tmp_path, params, prefect_api, failpoint=point)
         assert proc.returncode == -9, (point, proc.returncode, proc.stderr[-2000:])
         assert _leftovers(results, reports), f"{point}: the kill left no temporary files"
@@ -143,8 +168,9 @@ def test_second_run_stops_before_writing_and_the_first_is_unchanged(
     other = tmp_path / "other.yaml"  # a different merge scale, the same results folder
     other.write_text(params.read_text().replace("scale: 0.3", "scale: 0.5"))
     release = tmp_path / "release"
-    first = _run(tmp_path, params, prefect_api, failpoint=f"commit:merged:wait={release}",
-                 background=True)  # fmt: skip
+    first = _run(
+        tmp_path, params, prefect_api, failpoint=f"commit:merged:wait={release}", background=True
+    )
     lock = tmp_path / "results" / ".featcal.lock"
     deadline = time.monotonic() + 300
     while not (tmp_path / "results" / "calibration_sets" / "beta").is_dir():
@@ -197,13 +223,17 @@ def test_sigterm_stops_the_run_removes_its_temporaries_and_prefects_server(proje
     it exits 143, leaves no temporary output and no lock held, and the temporary Prefect server
     it started is gone (before, the server outlived the killed run)."""
     params = _fresh(project, tmp_path)
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
-           "FEATCAL_FAILPOINT": f"commit:merged:wait={tmp_path / 'never'}"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+        "FEATCAL_FAILPOINT": f"commit:merged:wait={tmp_path / 'never'}",
+    }
     env.pop("PREFECT_API_URL", None)
     cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params)]
-    run = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)  # fmt: skip
+    run = subprocess.Popen(
+        cmd, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     results = tmp_path / "results"
     deadline = time.monotonic() + 300
     try:
@@ -279,9 +309,15 @@ def test_corrupt_or_deleted_merged_checkpoint_is_merged_again(
     for damaged, command in (
         (next((results / "calibration_sets" / "alpha").glob("*.arrow")), "calibrate"),
         (results / "calibrated" / "model.safetensors", "evaluate"),
-        (next(Path(yaml.safe_load(params.read_text())["models"]["experts"]["beta"]).glob(
-            "*.safetensors")), "merge"),
-    ):  # fmt: skip
+        (
+            next(
+                Path(yaml.safe_load(params.read_text())["models"]["experts"]["beta"]).glob(
+                    "*.safetensors"
+                )
+            ),
+            "merge",
+        ),
+    ):
         original = damaged.read_bytes()
         damaged.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
         capsys.readouterr()
@@ -308,9 +344,20 @@ def test_out_holding_the_inputs_is_refused_and_nothing_is_lost(zoo, command, cap
     folder = zoo.base.parent  # holds base, merged, experts and calibration sets
     (folder / "notes.txt").write_text("the user's own file")
     before = _snapshot(folder)
-    args = zoo.cli_args(folder) if command == "calibrate" else [
-        "merge", "--base", str(zoo.base), "--method", "task_arithmetic", "--out", str(folder),
-        *[a for t, p in zoo.experts.items() for a in ("--expert", f"{t}={p}")]]  # fmt: skip
+    args = (
+        zoo.cli_args(folder)
+        if command == "calibrate"
+        else [
+            "merge",
+            "--base",
+            str(zoo.base),
+            "--method",
+            "task_arithmetic",
+            "--out",
+            str(folder),
+            *[a for t, p in zoo.experts.items() for a in ("--expert", f"{t}={p}")],
+        ]
+    )
     capsys.readouterr()
     assert main(args + ["--overwrite"]) == 2
     err = capsys.readouterr().err.strip()
@@ -331,9 +378,20 @@ def test_out_equal_to_merged_is_refused(zoo, capsys):
 def test_task_names_that_are_paths_are_refused(zoo, tmp_path, name, capsys):
     expert = zoo.experts["alpha"]
     before = _snapshot(expert)
-    args = ["calibrate", "--base", str(zoo.base), "--merged", str(zoo.merged),
-            "--expert", f"{name}={expert}", "--calib", f"{name}={zoo.calib['alpha']}",
-            "--out", str(tmp_path / "out"), "--heads"]  # fmt: skip
+    args = [
+        "calibrate",
+        "--base",
+        str(zoo.base),
+        "--merged",
+        str(zoo.merged),
+        "--expert",
+        f"{name}={expert}",
+        "--calib",
+        f"{name}={zoo.calib['alpha']}",
+        "--out",
+        str(tmp_path / "out"),
+        "--heads",
+    ]
     factories.cli_fails(args, capsys, "task name", "may hold only letters")
     assert _snapshot(expert) == before
 
@@ -348,8 +406,7 @@ def test_results_dir_of_the_user_is_refused(project, tmp_path, capsys):
     params = _fresh(project, tmp_path)
     for command in (["run"], ["merge"], ["download"]):
         capsys.readouterr()
-        assert main([*command, "--params", str(params), "--set",
-                     f"run.results_dir={results}"]) == 2  # fmt: skip
+        assert main([*command, "--params", str(params), "--set", f"run.results_dir={results}"]) == 2
         err = capsys.readouterr().err
         assert "did not create" in err and str(results) in err, err
     assert _snapshot(results) == before
@@ -357,9 +414,11 @@ def test_results_dir_of_the_user_is_refused(project, tmp_path, capsys):
 
 def test_results_root_and_run_name_outside_reports_are_refused(project, tmp_path, capsys):
     params = _fresh(project, tmp_path)
-    for override, needle in (("run.results_dir=/", "filesystem root"),
-                             ("run.name=../../x", "may hold only letters"),
-                             (f"run.results_dir={Path.home()}", "home folder")):  # fmt: skip
+    for override, needle in (
+        ("run.results_dir=/", "filesystem root"),
+        ("run.name=../../x", "may hold only letters"),
+        (f"run.results_dir={Path.home()}", "home folder"),
+    ):
         capsys.readouterr()
         assert main(["run", "--params", str(params), "--set", override]) == 2
         err = capsys.readouterr().err
@@ -409,18 +468,23 @@ def test_a_swap_cut_between_its_renames_restores_the_old_output(tmp_path):
 
 @pytest.mark.parametrize(
     "flag,value,needle",
-    [("--alpha", "5", "less than or equal to 1"), ("--alpha", "-1", "greater than or equal to 0"),
-     ("--lam", "-1", "greater than or equal to 0"), ("--rho", "-1", "greater than or equal to 0"),
-     ("--rho", "nan", "--rho: 'nan' is not a number"),
-     ("--eps", "-1", "greater than or equal to 0")],
-)  # fmt: skip
+    [
+        ("--alpha", "5", "less than or equal to 1"),
+        ("--alpha", "-1", "greater than or equal to 0"),
+        ("--lam", "-1", "greater than or equal to 0"),
+        ("--rho", "-1", "greater than or equal to 0"),
+        ("--rho", "nan", "--rho: 'nan' is not a number"),
+        ("--eps", "-1", "greater than or equal to 0"),
+    ],
+)
 def test_calibrate_flags_have_the_params_bounds(zoo, tmp_path, flag, value, needle, capsys):
     args = zoo.cli_args(tmp_path / "out") + [flag, value]
     factories.cli_fails(args, capsys, flag, needle)
 
 
-@pytest.mark.parametrize("values", [{"alpha": 5}, {"rho": -1}, {"lam": float("nan")},
-                                    {"eps": True}, {"alpha": "0.5"}])  # fmt: skip
+@pytest.mark.parametrize(
+    "values", [{"alpha": 5}, {"rho": -1}, {"lam": float("nan")}, {"eps": True}, {"alpha": "0.5"}]
+)
 def test_library_params_have_the_same_bounds(values):
     from featcal_core import FeatCalParams
 
@@ -430,11 +494,14 @@ def test_library_params_have_the_same_bounds(values):
 
 @pytest.mark.parametrize(
     "override,needle",
-    [("featcal.num_per_task=true", "valid integer"), ("featcal.lam=.inf", "finite"),
-     ("merge.hyperparameters.scale=.nan", "finite"),
-     ("merge.hyperparameters.top_k=20", "top_k: hyperparameter 'top_k' is not used by"),
-     ("featcal.heads=1", "valid boolean")],
-)  # fmt: skip
+    [
+        ("featcal.num_per_task=true", "valid integer"),
+        ("featcal.lam=.inf", "finite"),
+        ("merge.hyperparameters.scale=.nan", "finite"),
+        ("merge.hyperparameters.top_k=20", "top_k: hyperparameter 'top_k' is not used by"),
+        ("featcal.heads=1", "valid boolean"),
+    ],
+)
 def test_params_are_strict(project, tmp_path, override, needle, capsys):
     params = _fresh(project, tmp_path)
     capsys.readouterr()
@@ -466,23 +533,38 @@ def test_calibrating_on_a_copy_of_the_test_split_is_refused(project, tmp_path, c
 
 def _mount_tmpfs(path: Path, options: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
-                          capture_output=True)  # fmt: skip
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True
+    )
     return proc.returncode == 0
 
 
-@pytest.mark.parametrize("options,needle", [("size=64k", "No space left on device"),
-                                            ("ro,size=1m", "Read-only file system")])  # fmt: skip
+@pytest.mark.parametrize(
+    "options,needle",
+    [("size=64k", "No space left on device"), ("ro,size=1m", "Read-only file system")],
+)
 def test_full_or_read_only_disk_is_one_line_and_leaves_nothing(zoo, tmp_path, options, needle):
     mount = tmp_path / "disk"
     if not _mount_tmpfs(mount, options):
         pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
     try:
         out = mount / "merged"
-        args = ["merge", "--base", str(zoo.base), "--method", "task_arithmetic", "--out", str(out),
-                *[a for t, p in zoo.experts.items() for a in ("--expert", f"{t}={p}")]]  # fmt: skip
-        proc = subprocess.run([sys.executable, "-m", "featcal_cli.main", *args],
-                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        args = [
+            "merge",
+            "--base",
+            str(zoo.base),
+            "--method",
+            "task_arithmetic",
+            "--out",
+            str(out),
+            *[a for t, p in zoo.experts.items() for a in ("--expert", f"{t}={p}")],
+        ]
+        proc = subprocess.run(
+            [sys.executable, "-m", "featcal_cli.main", *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         line = _one_line(proc, needle)
         assert str(out) in line
         assert list(mount.iterdir()) == []
@@ -577,20 +659,31 @@ def test_a_users_folder_with_the_layouts_names_is_refused_whole(project, zoo, tm
     calibration/work/, work/) is the user's: every command refuses it before writing a byte (no
     marker, no lock added); the calibration flow's --results-dir too, before Prefect starts."""
     mine = tmp_path / "mine"
-    for name, text in (("plots/accuracy.csv", "task,mine\n"),
-                       ("calibration/work/thesis.tex", "\\section{mine}"),
-                       ("work/thesis.tex", "\\section{mine}"), ("merged/notes.md", "mine")):  # fmt: skip
+    for name, text in (
+        ("plots/accuracy.csv", "task,mine\n"),
+        ("calibration/work/thesis.tex", "\\section{mine}"),
+        ("work/thesis.tex", "\\section{mine}"),
+        ("merged/notes.md", "mine"),
+    ):
         (mine / name).parent.mkdir(parents=True, exist_ok=True)
         (mine / name).write_text(text)
     before = _tree(mine)
     params = _fresh(project, tmp_path)
     for command in (["run"], ["download"], ["report"], ["evaluate"]):
-        _refused([*command, "--params", str(params), "--set", f"run.results_dir={mine}"], capsys,
-                 "did not create", str(mine))  # fmt: skip
+        _refused(
+            [*command, "--params", str(params), "--set", f"run.results_dir={mine}"],
+            capsys,
+            "did not create",
+            str(mine),
+        )
     args = zoo.cli_args(tmp_path / "calibrated") + ["--results-dir", str(mine)]
     _refused(args, capsys, "--results-dir", "did not create")
-    _refused(zoo.cli_args(tmp_path / "calibrated") + ["--results-dir", str(mine / "work")],
-             capsys, "--results-dir", "did not create")  # fmt: skip
+    _refused(
+        zoo.cli_args(tmp_path / "calibrated") + ["--results-dir", str(mine / "work")],
+        capsys,
+        "--results-dir",
+        "did not create",
+    )
     assert _tree(mine) == before
     assert not (tmp_path / "calibrated").exists()
 
@@ -660,10 +753,13 @@ def test_code_digests_out_is_checked(zoo, tmp_path, capsys, monkeypatch):
     with guarded_directory(written, overwrite=False) as tmp:
         (tmp / "config.json").write_text("{}")
     watched = {p: _tree(p) for p in (tmp_path / "home", user, zoo.experts["alpha"], written)}
-    for out, needle in (("/", "filesystem root"), (str(tmp_path / "home"), "home folder"),
-                        (str(zoo.experts["alpha"]), "did not create"),
-                        (str(written), "not as code-digests"),
-                        (str(user), "did not create")):  # fmt: skip
+    for out, needle in (
+        ("/", "filesystem root"),
+        (str(tmp_path / "home"), "home folder"),
+        (str(zoo.experts["alpha"]), "did not create"),
+        (str(written), "not as code-digests"),
+        (str(user), "did not create"),
+    ):
         _refused(["code-digests", "--out", out], capsys, "--out", needle)
     assert {p: _tree(p) for p in watched} == watched
     for _ in range(2):
@@ -694,8 +790,13 @@ def test_a_full_disk_at_the_run_lock_is_one_line(project, tmp_path, capsys):
         with pytest.raises(OSError):
             filler.write_bytes(b"x" * (1 << 20))  # now full
         params = _fresh(project, tmp_path)
-        _refused(["download", "--params", str(params), "--set", f"run.results_dir={results}"],
-                 capsys, "run lock", str(results / ".featcal.lock"), "No space left")  # fmt: skip
+        _refused(
+            ["download", "--params", str(params), "--set", f"run.results_dir={results}"],
+            capsys,
+            "run lock",
+            str(results / ".featcal.lock"),
+            "No space left",
+        )
     finally:
         subprocess.run(["umount", str(mount)], check=False)
 
@@ -747,7 +848,15 @@ def test_a_spill_dir_above_the_inputs_is_taken(zoo, tmp_path):
 
     before = _tree(zoo.base.parent)
     out = tmp_path / "calibrated"
-    calibrate(zoo.base, zoo.merged, zoo.experts, zoo.calib, out, num_per_task=4,
-              spill_dir=zoo.base.parent, progress=False)  # fmt: skip
+    calibrate(
+        zoo.base,
+        zoo.merged,
+        zoo.experts,
+        zoo.calib,
+        out,
+        num_per_task=4,
+        spill_dir=zoo.base.parent,
+        progress=False,
+    )
     assert (out / "featcal.json").is_file()
     assert _tree(zoo.base.parent) == before  # nothing left in the spill folder

@@ -45,8 +45,10 @@ def cases(bert, clip, tmp_path):  # noqa: F811
 
 def test_evaluation_runs_the_tower_in_bfloat16_and_stays_near_float32(cases, record_property):
     for name, model, head, data, where in cases:
-        found = {p: evaluate(model, head, data, batch_size=4, progress=False, precision=p, **where)
-                 for p in ("float32", "bfloat16")}  # fmt: skip
+        found = {
+            p: evaluate(model, head, data, batch_size=4, progress=False, precision=p, **where)
+            for p in ("float32", "bfloat16")
+        }
         fast, exact = found["bfloat16"], found["float32"]
         moved = abs(fast["loss"] / exact["loss"] - 1)
         record_property(f"report: {name} evaluation loss, bfloat16 vs float32", f"{moved:.2e}")
@@ -69,8 +71,10 @@ def test_held_out_scoring_in_bfloat16_keeps_the_scores(cases, tmp_path, record_p
         if column != head.modality:
             rows = rows.rename_column(column, head.modality)
         rows.save_to_disk(str(held_out))
-        outputs = {p: head_outputs(model, head, held_out, batch_size=4, precision=p)
-                   for p in ("float32", "bfloat16")}  # fmt: skip
+        outputs = {
+            p: head_outputs(model, head, held_out, batch_size=4, precision=p)
+            for p in ("float32", "bfloat16")
+        }
         error = _relative(outputs["bfloat16"].features, outputs["float32"].features)
         record_property(f"report: {name} held-out features, bfloat16 vs float32", f"{error:.2e}")
         assert outputs["bfloat16"].features.dtype == torch.float32  # scored in float32
@@ -81,8 +85,12 @@ def test_held_out_scoring_in_bfloat16_keeps_the_scores(cases, tmp_path, record_p
 
 def test_head_calibration_feature_pass_in_bfloat16(bert, record_property):  # noqa: F811
     head = ExpertHead(bert["expert"])
-    fitted = {p: calibrate_head(head, bert["expert"], bert["bare"], bert["texts"], lam=0.05,
-                                batch_size=5, precision=p) for p in ("float32", "bfloat16")}  # fmt: skip
+    fitted = {
+        p: calibrate_head(
+            head, bert["expert"], bert["bare"], bert["texts"], lam=0.05, batch_size=5, precision=p
+        )
+        for p in ("float32", "bfloat16")
+    }
     error = _relative(fitted["bfloat16"][0], fitted["float32"][0])
     record_property("report: refit head weight, bfloat16 vs float32", f"{error:.2e}")
     assert fitted["bfloat16"][0].dtype == torch.float32

@@ -124,8 +124,9 @@ def test_calibrated_bert_head_matches_the_closed_form_and_the_expert_better(bert
     classifier = refit.classifier(bert["bare"], torch.device("cpu"))
     with torch.no_grad():
         logits = classifier(**refit.preprocess(texts)).double()
-    torch.testing.assert_close(logits, student_pooled @ weight.double().T + bias.double(),
-                               rtol=1e-4, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        logits, student_pooled @ weight.double().T + bias.double(), rtol=1e-4, atol=1e-5
+    )
     result = evaluate(bert["bare"], refit, bert["data"], "test", progress=False)
     assert 0.0 <= result["accuracy"] <= 1.0 and result["examples"] == len(texts)
 
@@ -137,15 +138,34 @@ def test_one_tower_pass_gives_every_linears_separate_result(bert):  # noqa: F811
     head = ExpertHead(bert["expert"])
     generator = torch.Generator().manual_seed(3)
     d = 32  # the tiny BERT's hidden size
-    pairs = {f"refit{i}": (torch.randn(head.num_classes, d, generator=generator),
-                           torch.randn(head.num_classes, generator=generator)) for i in range(2)}  # fmt: skip
-    together = evaluate_linears(bert["bare"], head, bert["data"], "test",
-                                {"own": None, **pairs}, batch_size=3, progress=False)  # fmt: skip
-    alone = {"own": evaluate(bert["bare"], head, bert["data"], "test", batch_size=3,
-                             progress=False)}  # fmt: skip
+    pairs = {
+        f"refit{i}": (
+            torch.randn(head.num_classes, d, generator=generator),
+            torch.randn(head.num_classes, generator=generator),
+        )
+        for i in range(2)
+    }
+    together = evaluate_linears(
+        bert["bare"],
+        head,
+        bert["data"],
+        "test",
+        {"own": None, **pairs},
+        batch_size=3,
+        progress=False,
+    )
+    alone = {
+        "own": evaluate(bert["bare"], head, bert["data"], "test", batch_size=3, progress=False)
+    }
     for name, (weight, bias) in pairs.items():
-        alone[name] = evaluate(bert["bare"], head.with_linear(weight, bias), bert["data"],
-                               "test", batch_size=3, progress=False)  # fmt: skip
+        alone[name] = evaluate(
+            bert["bare"],
+            head.with_linear(weight, bias),
+            bert["data"],
+            "test",
+            batch_size=3,
+            progress=False,
+        )
     assert list(together) == ["own", *pairs]
     for name, result in alone.items():
         assert together[name]["accuracy"] == result["accuracy"]
@@ -168,22 +188,44 @@ def test_shared_input_batches_preprocess_each_row_once_and_change_no_number(bert
         head, "preprocess", lambda rows: calls.append(len(rows)) or preprocess(rows)
     )
     models = {"bare": bert["bare"], "expert": bert["expert"]}
-    alone = {name: evaluate_linears(path, head, bert["data"], "test", {name: None}, batch_size=3,
-                                    progress=False)[name] for name, path in models.items()}  # fmt: skip
+    alone = {
+        name: evaluate_linears(
+            path, head, bert["data"], "test", {name: None}, batch_size=3, progress=False
+        )[name]
+        for name, path in models.items()
+    }
     rows = sum(calls[: len(calls) // 2])
     calls.clear()
     batches = InputBatches()
-    shared = {name: evaluate_linears(path, head, bert["data"], "test", {name: None}, batch_size=3,
-                                     progress=False, batches=batches)[name]
-              for name, path in models.items()}  # fmt: skip
+    shared = {
+        name: evaluate_linears(
+            path,
+            head,
+            bert["data"],
+            "test",
+            {name: None},
+            batch_size=3,
+            progress=False,
+            batches=batches,
+        )[name]
+        for name, path in models.items()
+    }
     assert shared == alone
     assert sum(calls) == rows and batches.made == len(calls) == batches.reused
     assert alone["bare"]["loss"] != alone["expert"]["loss"]  # two different models
     calls.clear()
     none_kept = InputBatches(budget_mb=0)
     for path in models.values():
-        evaluate_linears(path, head, bert["data"], "test", {"m": None}, batch_size=3,
-                         progress=False, batches=none_kept)  # fmt: skip
+        evaluate_linears(
+            path,
+            head,
+            bert["data"],
+            "test",
+            {"m": None},
+            batch_size=3,
+            progress=False,
+            batches=none_kept,
+        )
     assert sum(calls) == 2 * rows and none_kept.reused == 0 and none_kept.kept_bytes == 0
 
 
@@ -207,8 +249,21 @@ def test_featcal_calibrate_heads_writes_refit_heads(tmp_path, prefect_api):
     base, experts = _bert_with_heads(tmp_path)
     merged = tmp_path / "merged"
     merge_checkpoints(base, experts, merged, "task_arithmetic", {"scale": 0.5}, progress=False)
-    argv = ["calibrate", "--base", str(base), "--merged", str(merged), "--out", str(tmp_path / "out"),
-            "--num-per-task", "10", "--heads", "--head-lam", "0.2", "--no-progress"]  # fmt: skip
+    argv = [
+        "calibrate",
+        "--base",
+        str(base),
+        "--merged",
+        str(merged),
+        "--out",
+        str(tmp_path / "out"),
+        "--num-per-task",
+        "10",
+        "--heads",
+        "--head-lam",
+        "0.2",
+        "--no-progress",
+    ]
     for i, (task, path) in enumerate(experts.items()):
         data = _labelled_texts(tmp_path / f"text_{task}", seed=i)
         argv += ["--expert", f"{task}={path}", "--calib", f"{task}={data}"]
@@ -223,8 +278,14 @@ def test_featcal_calibrate_heads_writes_refit_heads(tmp_path, prefect_api):
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": prefect_api}
     flow_out = tmp_path / "flow_out"
     flow_argv = [str(flow_out) if a == str(tmp_path / "out") else a for a in argv]
-    cmd = [sys.executable, "-m", "featcal_cli.main", *flow_argv, "--results-dir",
-           str(tmp_path / "results")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "featcal_cli.main",
+        *flow_argv,
+        "--results-dir",
+        str(tmp_path / "results"),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for task in experts:
@@ -242,11 +303,20 @@ def test_flags_that_would_be_ignored_are_refused(tmp_path, capsys):
     params = tmp_path / "p.yaml"
     params.write_text("run: {name: x}\n")
     cases = [
-        (["calibrate", "--params", str(params), "--alpha", "0.3", "--out", "o"], ["--alpha", "--out", "--set"]),
+        (
+            ["calibrate", "--params", str(params), "--alpha", "0.3", "--out", "o"],
+            ["--alpha", "--out", "--set"],
+        ),
         (["merge", "--params", str(params), "--method", "ties"], ["--method"]),
-        (["calibrate", "--base", "b", "--merged", "m", "--out", "o", "--set", "featcal.alpha=1"], ["--set", "needs --params"]),
-        (["calibrate", "--base", "b", "--merged", "m", "--out", "o", "--memory-budget", "1"], ["--memory-budget", "--results-dir"]),
-    ]  # fmt: skip
+        (
+            ["calibrate", "--base", "b", "--merged", "m", "--out", "o", "--set", "featcal.alpha=1"],
+            ["--set", "needs --params"],
+        ),
+        (
+            ["calibrate", "--base", "b", "--merged", "m", "--out", "o", "--memory-budget", "1"],
+            ["--memory-budget", "--results-dir"],
+        ),
+    ]
     for argv, needles in cases:
         capsys.readouterr()
         assert main(argv) == 2, argv

@@ -35,15 +35,23 @@ LEFT = TRAIN_ROWS - NUM_PER_TASK
 def _params(tmp_path, holdout):
     path = write_params(tmp_path)
     data = yaml.safe_load(path.read_text())
-    data["select"] = {"holdout_per_task": holdout, "candidates": [
-        {"name": "plain", "set": ["repair.method=none"]}, {"name": "featcal", "set": []}]}  # fmt: skip
+    data["select"] = {
+        "holdout_per_task": holdout,
+        "candidates": [
+            {"name": "plain", "set": ["repair.method=none"]},
+            {"name": "featcal", "set": []},
+        ],
+    }
     path.write_text(yaml.safe_dump(data))
     return load_params(path)
 
 
 def _warnings(caplog, needle: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.WARNING and needle in r.getMessage()]  # fmt: skip
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and needle in r.getMessage()
+    ]
 
 
 def _select(params, monkeypatch):
@@ -53,15 +61,26 @@ def _select(params, monkeypatch):
     build_calibration_sets.fn(params, "image", str(steps.paths["calibration_sets"]))
 
     def merges(steps, sources, step_run):
-        return {merge_key(p.merge): {"path": "merged", "hyperparameters": {}, "seconds": 0.0}
-                for _, p in sources}  # fmt: skip
+        return {
+            merge_key(p.merge): {"path": "merged", "hyperparameters": {}, "seconds": 0.0}
+            for _, p in sources
+        }
 
     def scores(steps, variants, merges, costs, holdout, score="agreement"):
-        sets = build_selection_sets.fn(params, "image", str(steps.paths["calibration_sets"]),
-                                       str(steps.paths["selection_sets"]), holdout)  # fmt: skip
-        found = {name: {t: {"agreement": 50.0 + i, "drift": 0.1, "kl": 0.1,
-                            "examples": sets[t]["n_rows"]} for t in sets}
-                 for i, name in enumerate(variants)}  # fmt: skip
+        sets = build_selection_sets.fn(
+            params,
+            "image",
+            str(steps.paths["calibration_sets"]),
+            str(steps.paths["selection_sets"]),
+            holdout,
+        )
+        found = {
+            name: {
+                t: {"agreement": 50.0 + i, "drift": 0.1, "kl": 0.1, "examples": sets[t]["n_rows"]}
+                for t in sets
+            }
+            for i, name in enumerate(variants)
+        }
         return sets, found
 
     monkeypatch.setattr(selection, "run_merges", merges)
@@ -83,13 +102,16 @@ def test_holdout_larger_than_the_rows_left_is_recorded_warned_and_printed(
     assert record["holdout_per_task"] == 100  # requested
     assert record["held_out"] == {"alpha": LEFT, "beta": LEFT}  # used
     for task in ("alpha", "beta"):
-        held = json.loads((tmp_path / "results" / "selection_sets" / task /
-                           "calibration_set.json").read_text())  # fmt: skip
+        held = json.loads(
+            (tmp_path / "results" / "selection_sets" / task / "calibration_set.json").read_text()
+        )
         assert (held["n_requested"], held["n_rows"]) == (100, LEFT)
         warned = _warnings(caplog, f"task {task!r}: select.holdout_per_task")
-        assert warned == [f"task {task!r}: select.holdout_per_task is 100 but only {LEFT} of its "
-                          f"{TRAIN_ROWS} rows are left besides the calibration set "
-                          f"({held['source']}), so the set holds {LEFT} rows, not 100"]  # fmt: skip
+        assert warned == [
+            f"task {task!r}: select.holdout_per_task is 100 but only {LEFT} of its "
+            f"{TRAIN_ROWS} rows are left besides the calibration set "
+            f"({held['source']}), so the set holds {LEFT} rows, not 100"
+        ]
     counts = f"held-out unlabeled inputs alpha {LEFT}, beta {LEFT} (100 requested per task"
     assert counts in record["why"]
     assert any(counts in r.getMessage() for r in caplog.records)  # the step's log line
@@ -115,11 +137,26 @@ def test_a_selection_record_without_held_out_counts_still_prints():
     """A selection.json written before `held_out` existed: the requested count, as it said."""
     from featcal_core.report.selection import selection_lines, selection_table
 
-    record = {"winner": "a", "set": [], "score": "agreement", "higher_is_better": True,
-              "holdout_per_task": 7, "why": "a: best", "ranking": ["a"],
-              "candidates": [{"name": "a", "merge": {"method": "ties"}, "repair": "none",
-                              "mean": 50.0, "tasks": {"t": {"agreement": 50.0}},
-                              "merge_seconds": 1.0, "repair_seconds": 1.0}]}  # fmt: skip
+    record = {
+        "winner": "a",
+        "set": [],
+        "score": "agreement",
+        "higher_is_better": True,
+        "holdout_per_task": 7,
+        "why": "a: best",
+        "ranking": ["a"],
+        "candidates": [
+            {
+                "name": "a",
+                "merge": {"method": "ties"},
+                "repair": "none",
+                "mean": 50.0,
+                "tasks": {"t": {"agreement": 50.0}},
+                "merge_seconds": 1.0,
+                "repair_seconds": 1.0,
+            }
+        ],
+    }
     assert "on 7 held-out unlabeled inputs per task" in selection_lines(record)[1]
     assert selection_table(record)[0][5] == "t"
 
@@ -158,20 +195,30 @@ def _row(accuracy: float, examples: int) -> dict:
 
 @pytest.mark.parametrize(
     ("examples", "said"),
-    [({"mnist": 50, "svhn": 50}, "50 rows per task"),
-     ({"mnist": 50, "svhn": 30}, "mnist 50, svhn 30 rows")],
-)  # fmt: skip
+    [
+        ({"mnist": 50, "svhn": 50}, "50 rows per task"),
+        ({"mnist": 50, "svhn": 30}, "mnist 50, svhn 30 rows"),
+    ],
+)
 def test_accuracy_table_and_report_say_the_rows_evaluated(tmp_path, examples, said):
     """evaluation.max_examples_per_task cuts each task's evaluation split: evaluation.json's
     `examples` records the rows used, and the printed table's header and the report say them."""
     from featcal_core.report import write_report
 
-    evaluation = {task: {"expert": _row(0.9, n), "merged": _row(0.5, n),
-                         "calibrated": _row(0.7, n)} for task, n in examples.items()}  # fmt: skip
+    evaluation = {
+        task: {"expert": _row(0.9, n), "merged": _row(0.5, n), "calibrated": _row(0.7, n)}
+        for task, n in examples.items()
+    }
     assert accuracy_table(evaluation).splitlines()[0] == (
         f"accuracy (%) on the evaluation split ({said})"
     )
-    paths = write_report(tmp_path / "report", run_name="r", evaluation=evaluation,
-                         calibration=None, merge=None, lock=None)  # fmt: skip
+    paths = write_report(
+        tmp_path / "report",
+        run_name="r",
+        evaluation=evaluation,
+        calibration=None,
+        merge=None,
+        lock=None,
+    )
     assert f"evaluated on {said} of the evaluation split" in paths["report.md"].read_text()
     assert f"evaluated on {said} of the evaluation split" in paths["report.html"].read_text()

@@ -24,8 +24,15 @@ import yaml
 import factories
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ["pyproject.toml", "README.md", "featcal_core", "featcal_cli", "flows", "tasks",
-           "tracking"]  # fmt: skip
+SOURCES = [
+    "pyproject.toml",
+    "README.md",
+    "featcal_core",
+    "featcal_cli",
+    "flows",
+    "tasks",
+    "tracking",
+]
 
 
 def _fresh_environment(tmp_path: Path) -> Path:
@@ -35,8 +42,10 @@ def _fresh_environment(tmp_path: Path) -> Path:
     python = venv / "bin" / "python"
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip()  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     (Path(purelib) / "featcal_test_env.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python
 
@@ -52,8 +61,18 @@ def _install(python: Path, tmp_path: Path) -> Path:
             )
         else:
             shutil.copy2(ROOT / name, source / name)
-    cmd = [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-           "--ignore-installed", "--no-index", str(source)]  # fmt: skip
+    cmd = [
+        str(python),
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--no-build-isolation",
+        "--ignore-installed",
+        "--no-index",
+        str(source),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return python.parent / "featcal"
@@ -96,7 +115,7 @@ def test_installed_featcal_runs_from_a_user_folder(tmp_path):
             text=True,
             check=True,
             cwd=tmp_path,
-        ).stdout.strip()  # fmt: skip
+        ).stdout.strip()
     ).parents[1]
     assert site.is_relative_to(tmp_path / "venv"), site  # the installed copy, not the checkout
     assert (site / "featcal" / "flows" / "pipeline.py").is_file()
@@ -113,17 +132,25 @@ def test_installed_featcal_runs_from_a_user_folder(tmp_path):
         "import importlib.util as u; "
         "print([u.find_spec(m) is None for m in ('flows', 'tasks', 'tracking')])"
     )
-    names = subprocess.run([str(python), "-c", probe], capture_output=True, text=True,
-                           check=True, cwd=tmp_path)  # fmt: skip
+    names = subprocess.run(
+        [str(python), "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
     assert names.stdout.strip() == "[True, True, True]"
 
     user = _user_folder(tmp_path)
     installed_before = sorted(p.relative_to(site) for p in site.rglob("*") if p.is_file())
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PREFECT_", "MLFLOW_", "FEATCAL_"))}  # fmt: skip
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "FEATCAL_"))
+    }
     env["PATH"] = f"{featcal.parent}{os.pathsep}{env.get('PATH', '')}"
-    proc = subprocess.run(["featcal", "run", "--params", "my.yaml", "--json"], env=env, cwd=user,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        ["featcal", "run", "--params", "my.yaml", "--json"],
+        env=env,
+        cwd=user,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout[proc.stdout.index("{") :])
 

@@ -128,18 +128,28 @@ def run(tmp_path) -> dict[str, Path]:
     write_lock(
         results / "models.lock.json",
         ResolvedModel(
-            role="models.base", reference=f"{HUB_ID}@main", kind="hub", path=base, commit=COMMIT,
-            files=_files(base, SHARDS), repo_id=HUB_ID, revision="main",
+            role="models.base",
+            reference=f"{HUB_ID}@main",
+            kind="hub",
+            path=base,
+            commit=COMMIT,
+            files=_files(base, SHARDS),
+            repo_id=HUB_ID,
+            revision="main",
         ),
         {
             t: ResolvedModel(
-                role=f"models.experts.{t}", reference=str(p), kind="local", path=p, commit=None,
+                role=f"models.experts.{t}",
+                reference=str(p),
+                kind="local",
+                path=p,
+                commit=None,
                 files=_files(p, SINGLE),
             )
             for t, p in experts.items()
         },
         {"architecture": "hf-clip-vision"},
-    )  # fmt: skip
+    )
 
     sets = {
         t: _calibration_set(results / "calibration_sets" / t, t, 7, [2, 5, 11], 20) for t in TASKS
@@ -203,12 +213,16 @@ def run(tmp_path) -> dict[str, Path]:
                 "inputs_digest": "f" * 64,
             },
             indent=2,
-        )  # fmt: skip
+        )
     )
 
     def row(accuracy, expert):
-        return {"accuracy": accuracy, "loss": 1 - accuracy, "examples": 50,
-                "normalized": accuracy / expert if expert else float("nan")}  # fmt: skip
+        return {
+            "accuracy": accuracy,
+            "loss": 1 - accuracy,
+            "examples": 50,
+            "normalized": accuracy / expert if expert else float("nan"),
+        }
 
     (results / "evaluation.json").write_text(
         json.dumps(
@@ -225,7 +239,7 @@ def run(tmp_path) -> dict[str, Path]:
                 },
             },
             indent=2,
-        )  # fmt: skip
+        )
     )
     (results / "provenance.json").write_text(json.dumps(PROVENANCE))
     (results / "report").mkdir()
@@ -492,9 +506,14 @@ def test_model_card_from_trace(run):
         "library_name": "transformers",
         "base_model": [HUB_ID],
         "base_model_relation": "merge",
-        "tags": ["featcal", "model-merging", "task_arithmetic", "hf-clip-vision",
-                 "clip_vision_model"],
-    }  # fmt: skip
+        "tags": [
+            "featcal",
+            "model-merging",
+            "task_arithmetic",
+            "hf-clip-vision",
+            "clip_vision_model",
+        ],
+    }
     assert [r["dataset"]["name"] for r in front["model-index"][0]["results"]] == list(TASKS)
     body = text.split("\n---\n", 1)[1]
     assert "# calibrated: FeatCal-calibrated task_arithmetic merge of 2 experts" in body
@@ -528,15 +547,28 @@ def test_model_card_arguments_by_hand(tmp_path):
         "featcal": {"alpha": 0.3, "rho": 1.5, "lambda": 0.01, "n_per_task": 64, "seed": 3},
     }
     inputs = {
-        "base": {"reference": "./models/base", "kind": "local", "sha256": {"model.safetensors": "ab" * 32}},
-        "experts": {"a|b": {"reference": "me/expert-a", "revision": "v1", "commit": "d" * 40,
-                            "sha256": {"model.safetensors": "cd" * 32}}},
+        "base": {
+            "reference": "./models/base",
+            "kind": "local",
+            "sha256": {"model.safetensors": "ab" * 32},
+        },
+        "experts": {
+            "a|b": {
+                "reference": "me/expert-a",
+                "revision": "v1",
+                "commit": "d" * 40,
+                "sha256": {"model.safetensors": "cd" * 32},
+            }
+        },
         "calibration_sets": {"a|b": {"digest": "ef" * 32, "n_rows": 64, "seed": 3}},
-    }  # fmt: skip
+    }
     path = write_model_card(
-        tmp_path, title="My merged model", recipe=recipe, inputs=inputs,
+        tmp_path,
+        title="My merged model",
+        recipe=recipe,
+        inputs=inputs,
         metrics={"a|b": {"accuracy": 0.91234, "examples": 10}},
-    )  # fmt: skip
+    )
     text = path.read_text(encoding="utf-8")
     front = _front_matter(text)
     assert front["base_model"] == ["me/expert-a"]  # a local base is no Hub id; the expert is
@@ -616,19 +648,34 @@ def test_chain_written_by_the_real_writers(tmp_path):
     )
     sets = {
         t: draw_calibration_set(
-            t, {"path": str(p)}, None, results / "calibration_sets" / t, n=4, seed=0,
+            t,
+            {"path": str(p)},
+            None,
+            results / "calibration_sets" / t,
+            n=4,
+            seed=0,
             modality="image",
         )
         for t, p in zoo.calib.items()
-    }  # fmt: skip
+    }
     merge_checkpoints(
-        zoo.base, zoo.experts, results / "merged", "task_arithmetic", {"scale": 0.3},
+        zoo.base,
+        zoo.experts,
+        results / "merged",
+        "task_arithmetic",
+        {"scale": 0.3},
         progress=False,
-    )  # fmt: skip
+    )
     calibrate(
-        zoo.base, results / "merged", zoo.experts, {t: s["path"] for t, s in sets.items()},
-        results / "calibrated", num_per_task=3, seed=5, progress=False,
-    )  # fmt: skip
+        zoo.base,
+        results / "merged",
+        zoo.experts,
+        {t: s["path"] for t, s in sets.items()},
+        results / "calibrated",
+        num_per_task=3,
+        seed=5,
+        progress=False,
+    )
 
     result = check(results / "calibrated")
     chain = result["chain"]
@@ -640,8 +687,10 @@ def test_chain_written_by_the_real_writers(tmp_path):
         assert entry["digest"] == record["digest"] and entry["row_ids"] == record["row_ids"]
         assert entry["status"] == "ok" and len(entry["indices"]) == 3
     assert {Path(p).name for p in chain["base"]["recorded_in"]} == {
-        "featcal.json", "merge.json", "models.lock.json",
-    }  # fmt: skip
+        "featcal.json",
+        "merge.json",
+        "models.lock.json",
+    }
 
     card = write_model_card(results / "calibrated", **model_card_fields(result))
     assert "| seed (calibration sample) | 5 |" in card.read_text(encoding="utf-8")

@@ -240,14 +240,20 @@ def test_targets_and_answer_weighting_match_float64_reference(llama_pool, tmp_pa
     assert record["hyperparameters"]["token_weighting"] == weighting
 
     def load(path):
-        return LlamaForCausalLM.from_pretrained(path, dtype=torch.float64,
-                                                attn_implementation="eager").eval()  # fmt: skip
+        return LlamaForCausalLM.from_pretrained(
+            path, dtype=torch.float64, attn_implementation="eager"
+        ).eval()
 
     reference = reference_featcal(
-        Family("llama"), load(zoo.base), load(zoo.merged),
-        {t: load(p) for t, p in zoo.experts.items()}, _answer_inputs(zoo, weighting == "answer"),
-        ALPHA, RHO, LAM,
-    )  # fmt: skip
+        Family("llama"),
+        load(zoo.base),
+        load(zoo.merged),
+        {t: load(p) for t, p in zoo.experts.items()},
+        _answer_inputs(zoo, weighting == "answer"),
+        ALPHA,
+        RHO,
+        LAM,
+    )
     _assert_matches(out, reference)
 
 
@@ -257,8 +263,10 @@ def test_answer_weighting_differs_from_all_and_drift_is_measured_on_answers(llam
     for weighting in ("all", "answer"):
         out = tmp_path / weighting
         assert main(zoo.cli_args(out) + ["--token-weighting", weighting]) == 0
-        runs[weighting] = (load_file(str(out / "model.safetensors")),
-                           json.loads((out / "featcal.json").read_text()))  # fmt: skip
+        runs[weighting] = (
+            load_file(str(out / "model.safetensors")),
+            json.loads((out / "featcal.json").read_text()),
+        )
     key = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(runs["all"][0][key], runs["answer"][0][key])
     # block 0's drift before calibration is the same stems' outputs, measured on other tokens

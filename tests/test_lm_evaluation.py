@@ -27,10 +27,17 @@ def lm_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("lm")
     tokenizer = word_tokenizer()
     torch.manual_seed(3)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -38,8 +45,10 @@ def lm_dir(tmp_path_factory):
 
 def _texts(count: int, seed: int) -> list[str]:
     g = torch.Generator().manual_seed(seed)
-    return [" ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (int(n),), generator=g))
-            for n in torch.randint(2, 9, (count,), generator=g)]  # fmt: skip
+    return [
+        " ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (int(n),), generator=g))
+        for n in torch.randint(2, 9, (count,), generator=g)
+    ]
 
 
 @torch.no_grad()
@@ -54,8 +63,9 @@ def _brute(lm_dir, texts, labels):
             cont = tokenizer(" " + word, add_special_tokens=False)["input_ids"]
             ids = torch.tensor([prompt + cont])
             log_probs = torch.log_softmax(model(input_ids=ids).logits[0], -1)
-            scores.append(sum(float(log_probs[len(prompt) - 1 + j, tok]) for j, tok in
-                              enumerate(cont)))  # fmt: skip
+            scores.append(
+                sum(float(log_probs[len(prompt) - 1 + j, tok]) for j, tok in enumerate(cont))
+            )
             counts.append(len(cont))
         correct += int(max(range(len(scores)), key=scores.__getitem__) == label)
         losses.append(-scores[label] / counts[label])
@@ -89,19 +99,22 @@ def test_perplexity_matches_the_models_own_loss(lm_dir):
 
 def test_dataset_evaluation_and_bad_inputs(lm_dir, tmp_path):
     texts = _texts(6, 2)
-    data = datasets.DatasetDict({"test": datasets.Dataset.from_dict(
-        {"text": texts, "label": [0, 1, 2, 0, 1, 2]})})  # fmt: skip
+    data = datasets.DatasetDict(
+        {"test": datasets.Dataset.from_dict({"text": texts, "label": [0, 1, 2, 0, 1, 2]})}
+    )
     data.save_to_disk(str(tmp_path / "set"))
-    result = evaluate_lm_dataset(lm_dir, lm_dir, tmp_path / "set", "test", LABEL_WORDS, TEMPLATE,
-                                 max_examples=4)  # fmt: skip
+    result = evaluate_lm_dataset(
+        lm_dir, lm_dir, tmp_path / "set", "test", LABEL_WORDS, TEMPLATE, max_examples=4
+    )
     assert result["examples"] == 4 and result["perplexity"] > 1.0
     with pytest.raises(FeatCalError, match="no {text} placeholder"):
         label_continuation(lm_dir, lm_dir, texts, [0] * 6, LABEL_WORDS, "no placeholder")
     with pytest.raises(FeatCalError, match="out of range"):
         label_continuation(lm_dir, lm_dir, texts, [5] * 6, LABEL_WORDS, TEMPLATE)
     with pytest.raises(FeatCalError, match="no column 'sentence'"):
-        evaluate_lm_dataset(lm_dir, lm_dir, tmp_path / "set", "test", LABEL_WORDS,
-                            text_column="sentence")  # fmt: skip
+        evaluate_lm_dataset(
+            lm_dir, lm_dir, tmp_path / "set", "test", LABEL_WORDS, text_column="sentence"
+        )
     with pytest.raises(FeatCalError, match="cannot load a causal language model"):
         label_continuation(tmp_path / "set", lm_dir, texts, [0] * 6, LABEL_WORDS, TEMPLATE)
 
@@ -116,13 +129,23 @@ def test_t5_label_scoring_matches_the_models_own_loss(tmp_path):
 
     tokenizer = t5_tokenizer()
     torch.manual_seed(4)
-    config = T5Config(vocab_size=len(tokenizer), d_model=16, d_ff=32, num_layers=2, num_heads=2,
-                      d_kv=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)  # fmt: skip
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=16,
+        d_ff=32,
+        num_layers=2,
+        num_heads=2,
+        d_kv=8,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
     T5ForConditionalGeneration(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     texts, labels = _texts(6, 3), [0, 1, 2, 2, 1, 0]
-    result = label_continuation(tmp_path, tmp_path, texts, labels, LABEL_WORDS, TEMPLATE,
-                                batch_size=4)  # fmt: skip
+    result = label_continuation(
+        tmp_path, tmp_path, texts, labels, LABEL_WORDS, TEMPLATE, batch_size=4
+    )
     model = T5ForConditionalGeneration.from_pretrained(tmp_path).eval()
     correct, losses = 0, []
     for text, label in zip(texts, labels, strict=True):

@@ -32,8 +32,9 @@ def _experts(shape, count=3, seed=0, delta=0.1):
     """A float64 base (shape) and `count` experts = base + seeded Gaussian deltas."""
     gen = torch.Generator().manual_seed(seed)
     base = torch.randn(shape, generator=gen, dtype=torch.float64)
-    return base, [base + delta * torch.randn(shape, generator=gen, dtype=torch.float64)
-                  for _ in range(count)]  # fmt: skip
+    return base, [
+        base + delta * torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(count)
+    ]
 
 
 def _merge(method: str, base, experts, hp=None, place=None):
@@ -50,8 +51,9 @@ def test_dare_matches_reference_given_the_mask(ties, drop_rate):
     method = "dare_ties" if ties else "dare_task_arithmetic"
     hp = {"drop_rate": drop_rate, "seed": 11, "scale": 0.7}
     merged = _merge(method, base, experts, hp, Place("layer.weight"))
-    masks = torch.stack([keep_mask(11, "layer.weight", t, 0, base.numel(), drop_rate)
-                         for t in range(3)]).reshape(3, *base.shape)  # fmt: skip
+    masks = torch.stack(
+        [keep_mask(11, "layer.weight", t, 0, base.numel(), drop_rate) for t in range(3)]
+    ).reshape(3, *base.shape)
     torch.testing.assert_close(
         merged, ref.dare(base, experts, masks, drop_rate, 0.7, ties), **EXACT
     )
@@ -66,8 +68,10 @@ def test_dare_ties_differs_from_dare_task_arithmetic_where_survivors_overlap():
     assert not torch.equal(linear, elected)
 
 
-@pytest.mark.parametrize(("density", "gamma"), [(0.15, 0.006), (0.5, 0.1), (0.2, 0.0), (1.0, 0.3),
-                                                (0.7, 0.5), (0.05, 0.01)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("density", "gamma"),
+    [(0.15, 0.006), (0.5, 0.1), (0.2, 0.0), (1.0, 0.3), (0.7, 0.5), (0.05, 0.01)],
+)
 @pytest.mark.parametrize("shape", [(40, 30), (257,), (3, 4, 5)])
 def test_breadcrumbs_matches_reference(density, gamma, shape):
     base, experts = _experts(shape)
@@ -130,8 +134,12 @@ def test_iso_subspace_sizes_and_iso_cts_without_task_space_is_iso_c():
     assert subspace_sizes(4, 3, 0.1) == (1, 1)  # round(4 / 3) = 1; c = 1
     assert subspace_sizes(8, 3, 0.1) == (2, 2)  # round(8 / 3) = 3 would need 9 > 8: lowered
     base, experts = _experts((12, 8))
-    torch.testing.assert_close(_merge("iso_cts", base, experts, {"common_space_fraction": 1.0}),
-                               _merge("iso_c", base, experts), rtol=1e-10, atol=1e-10)  # fmt: skip
+    torch.testing.assert_close(
+        _merge("iso_cts", base, experts, {"common_space_fraction": 1.0}),
+        _merge("iso_c", base, experts),
+        rtol=1e-10,
+        atol=1e-10,
+    )
 
 
 # ----- TIES' global trim: exact streaming selection -----------------------------------------------
@@ -195,12 +203,19 @@ def zoo(tmp_path_factory):
     def save(name, tensors):
         (root / name).mkdir()
         (root / name / "config.json").write_text("{}")
-        save_file({**tensors, "ids": ids}, str(root / name / "model.safetensors"),
-                  metadata={"format": "pt"})  # fmt: skip
+        save_file(
+            {**tensors, "ids": ids},
+            str(root / name / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         return root / name
 
-    experts = {f"t{i}": save(f"t{i}", {n: v + 0.05 * torch.randn(v.shape, generator=gen)
-                                       for n, v in base.items()}) for i in range(3)}  # fmt: skip
+    experts = {
+        f"t{i}": save(
+            f"t{i}", {n: v + 0.05 * torch.randn(v.shape, generator=gen) for n, v in base.items()}
+        )
+        for i in range(3)
+    }
     return save("base", base), experts
 
 
@@ -235,8 +250,9 @@ def test_chunked_merge_equals_whole_and_the_in_memory_merge(zoo, tmp_path, monke
     if hp.get("trim") == "global":
         expected = ref.ties_global(theta0, thetas, list(SHAPES), hp["top_k"], 1.0)
     else:
-        expected = {n: _merge(method, theta0[n], [t[n] for t in thetas], hp, Place(n))
-                    for n in SHAPES}  # fmt: skip
+        expected = {
+            n: _merge(method, theta0[n], [t[n] for t in thetas], hp, Place(n)) for n in SHAPES
+        }
     for name in SHAPES:
         torch.testing.assert_close(merged[name], expected[name].float(), rtol=0, atol=0)
     assert torch.equal(merged["ids"], theta0["ids"])
@@ -259,8 +275,9 @@ def test_dare_through_run_is_reproducible_and_seeded(zoo, tmp_path):
 
     base, experts = zoo
     for out, seed in (("a", 1), ("b", 1), ("c", 2)):
-        run.merge_checkpoints(base, experts, tmp_path / out, "dare_ties", {"seed": seed},
-                              progress=False)  # fmt: skip
+        run.merge_checkpoints(
+            base, experts, tmp_path / out, "dare_ties", {"seed": seed}, progress=False
+        )
     a, b, c = (_load(tmp_path / out) for out in "abc")
     assert all(torch.equal(a[n], b[n]) for n in a)
     assert not torch.equal(a["w"], c["w"])
@@ -287,11 +304,14 @@ def test_dare_through_run_is_reproducible_and_seeded(zoo, tmp_path):
         ("tsv_m", {"scale": "big"}, ("'scale'", "tsv_m", "number")),
         ("tsv_m", {"top_k": 1}, ("'top_k'", "tsv_m", "scale")),
         ("iso_c", {"scale": float("nan")}, ("'scale'", "iso_c", "finite")),
-        ("iso_cts", {"common_space_fraction": 0}, ("'common_space_fraction'",
-                                                   "--common-space-fraction", "> 0", "<= 1")),
+        (
+            "iso_cts",
+            {"common_space_fraction": 0},
+            ("'common_space_fraction'", "--common-space-fraction", "> 0", "<= 1"),
+        ),
         ("iso_cts", {"common_space_fraction": 1.2}, ("'common_space_fraction'", "1.2")),
     ],
-)  # fmt: skip
+)
 def test_bad_hyperparameters_name_the_key(method, hp, needles):
     with pytest.raises(FeatCalError) as info:
         merging.get(method).check(hp)
@@ -319,8 +339,11 @@ def test_dare_mask_drops_about_p_and_is_a_function_of_seed_name_expert_and_index
     assert abs(dropped - drop_rate) < 5 * math.sqrt(drop_rate * (1 - drop_rate) / n)
     assert torch.equal(mask, keep_mask(4, "w", 1, 0, n, drop_rate))  # same seed: same mask
     agree = p_agree = drop_rate**2 + (1 - drop_rate) ** 2  # independent masks agree this often
-    for other in (keep_mask(5, "w", 1, 0, n, drop_rate), keep_mask(4, "v", 1, 0, n, drop_rate),
-                  keep_mask(4, "w", 2, 0, n, drop_rate)):  # fmt: skip
+    for other in (
+        keep_mask(5, "w", 1, 0, n, drop_rate),
+        keep_mask(4, "v", 1, 0, n, drop_rate),
+        keep_mask(4, "w", 2, 0, n, drop_rate),
+    ):
         agree = (other == mask).double().mean().item()
         assert abs(agree - p_agree) < 0.01
     for start, stop in ((0, 17), (1000, 1013), (n - 5, n)):  # chunk-independent
@@ -333,9 +356,12 @@ def test_dare_merge_chunk_equals_merge_tensor_rows():
         merger = merging.get(method)
         hp = merger.check({"drop_rate": 0.7, "seed": 9})
         whole = merger.merge_tensor(base, experts, hp, place=Place("x"))
-        parts = [merger.merge_chunk(base[a:b], [e[a:b] for e in experts], hp, None,
-                                    place=Place("x", a * 7))
-                 for a, b in ((0, 4), (4, 19), (19, 30))]  # fmt: skip
+        parts = [
+            merger.merge_chunk(
+                base[a:b], [e[a:b] for e in experts], hp, None, place=Place("x", a * 7)
+            )
+            for a, b in ((0, 4), (4, 19), (19, 30))
+        ]
         assert torch.equal(torch.cat(parts), whole)
 
 
@@ -343,14 +369,20 @@ def test_dare_merge_chunk_equals_merge_tensor_rows():
 @pytest.mark.parametrize(
     ("argv", "recorded"),
     [
-        (["--method", "dare_ties", "--hp", "drop_rate=0.5", "--hp", "seed=7"],
-         {"drop_rate": 0.5, "scale": 1.0, "seed": 7}),
-        (["--method", "ties", "--hp", "trim=global", "--top-k", "30"],
-         {"top_k": 30.0, "scale": 1.0, "trim": "global"}),
-        (["--method", "iso_cts", "--scale", "0.7", "--hp", "common_space_fraction=0.5"],
-         {"scale": 0.7, "common_space_fraction": 0.5}),
+        (
+            ["--method", "dare_ties", "--hp", "drop_rate=0.5", "--hp", "seed=7"],
+            {"drop_rate": 0.5, "scale": 1.0, "seed": 7},
+        ),
+        (
+            ["--method", "ties", "--hp", "trim=global", "--top-k", "30"],
+            {"top_k": 30.0, "scale": 1.0, "trim": "global"},
+        ),
+        (
+            ["--method", "iso_cts", "--scale", "0.7", "--hp", "common_space_fraction=0.5"],
+            {"scale": 0.7, "common_space_fraction": 0.5},
+        ),
     ],
-)  # fmt: skip
+)
 def test_cli_takes_the_new_methods_hyperparameters(zoo, tmp_path, argv, recorded):
     base, experts = zoo
     out = tmp_path / "out"

@@ -28,8 +28,14 @@ from featcal_core.merging.base import MergeMethod
 from featcal_core.merging.run import merge_checkpoints
 from featcal_core.merging.ties import Ties, kept_count
 
-TINY_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
+TINY_LLAMA = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 TASKS = ("alpha", "beta", "gamma")
 
@@ -41,11 +47,14 @@ def zoos(tmp_path_factory):
     return {
         "clip": factories.clip_zoo(root / "clip", tasks=TASKS, rows=2),
         "bert": factories.bert_zoo(root / "bert", tasks=TASKS[:2], rows=2),
-        "clip_bf16": factories.clip_zoo(root / "bf16", tasks=TASKS[:2], dtype=torch.bfloat16, rows=2),
+        "clip_bf16": factories.clip_zoo(
+            root / "bf16", tasks=TASKS[:2], dtype=torch.bfloat16, rows=2
+        ),
         "llama": build_pool(root / "llama", "llama", TINY_LLAMA, TASKS, rows=2),
-        "llama_bf16": build_pool(root / "llama16", "llama", TINY_LLAMA, TASKS[:2],
-                                 dtype=torch.bfloat16, rows=2),
-    }  # fmt: skip
+        "llama_bf16": build_pool(
+            root / "llama16", "llama", TINY_LLAMA, TASKS[:2], dtype=torch.bfloat16, rows=2
+        ),
+    }
 
 
 @pytest.fixture
@@ -229,7 +238,9 @@ def test_ties_trims_per_tensor_and_handles_matrices_and_scalars():
     assert merged.shape == (2, 2) and merged.dtype == torch.float64
     assert torch.equal(merged, torch.tensor([[-0.5, 0.125], [0.25, 0.3125]], dtype=torch.float64))
     # a scalar: its one entry is always kept
-    scalar = ties.merge_tensor(torch.tensor(1.0), [torch.tensor(1.5), torch.tensor(0.75), torch.tensor(2.0)], hp)  # fmt: skip
+    scalar = ties.merge_tensor(
+        torch.tensor(1.0), [torch.tensor(1.5), torch.tensor(0.75), torch.tensor(2.0)], hp
+    )
     assert scalar.shape == () and float(scalar) == 1.75  # γ = +: mean(0.5, 1.0)
     # experts equal to the base: nothing changes
     assert torch.equal(ties.merge_tensor(t1, [t1, t1], hp), t1.double())
@@ -339,8 +350,10 @@ def test_bf16_inputs_give_bf16_output(zoos, tmp_path, method):
 
 
 def test_expert_in_another_float_dtype_is_merged_into_the_base_dtype(zoos, zoo, tmp_path):
-    _edit(zoo.experts["beta"] / "model.safetensors",
-          lambda t: t.update({k: v.double() for k, v in t.items()}))  # fmt: skip
+    _edit(
+        zoo.experts["beta"] / "model.safetensors",
+        lambda t: t.update({k: v.double() for k, v in t.items()}),
+    )
     out = tmp_path / "merged"
     merge_checkpoints(zoo.base, zoo.experts, out, "average", progress=False)
     merged = load_file(str(out / "model.safetensors"))
@@ -365,8 +378,9 @@ def test_reads_one_tensor_name_at_a_time(zoo, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(("method", "given", "filled"), CASES)
-def test_row_chunks_give_the_whole_tensor_merge_bit_for_bit(zoos, tmp_path, monkeypatch, method,
-                                                            given, filled):  # fmt: skip
+def test_row_chunks_give_the_whole_tensor_merge_bit_for_bit(
+    zoos, tmp_path, monkeypatch, method, given, filled
+):
     """Tensors above CHUNK_ENTRIES are merged in row chunks (TIES: thresholds from the whole
     tensor first), never read whole, and give exactly the whole-tensor merge."""
     import featcal_core.merging.run as run
@@ -394,8 +408,11 @@ def test_row_chunks_give_the_whole_tensor_merge_bit_for_bit(zoos, tmp_path, monk
     assert (chunked / "model.safetensors").read_bytes() == (
         whole / "model.safetensors"
     ).read_bytes()
-    large = {n for n, e in Reader(whole / "model.safetensors").entries.items()
-             if math.prod(e.shape) > 100}  # fmt: skip
+    large = {
+        n
+        for n, e in Reader(whole / "model.safetensors").entries.items()
+        if math.prod(e.shape) > 100
+    }
     assert large and {name for name, _, _ in rows} == large
     assert not large & set(whole_reads)
     assert max(stop - start for _, start, stop in rows) < 64
@@ -517,8 +534,10 @@ def test_expert_with_another_shape(zoo, tmp_path):
 
 def test_nan_in_an_expert(zoo, tmp_path):
     key = "encoder.layers.1.self_attn.q_proj.weight"
-    _edit(zoo.experts["alpha"] / "model.safetensors",
-          lambda t: t[key].__setitem__((0, 0), float("nan")))  # fmt: skip
+    _edit(
+        zoo.experts["alpha"] / "model.safetensors",
+        lambda t: t[key].__setitem__((0, 0), float("nan")),
+    )
     out = tmp_path / "out"
     call = lambda: merge_checkpoints(zoo.base, zoo.experts, out, "ties", progress=False)  # noqa: E731
     _fails(call, out, key, "NaN or Inf", "expert 'alpha'", str(zoo.experts["alpha"]))
@@ -651,8 +670,9 @@ def test_cli_merges(zoos, tmp_path):
     assert record["method"] == "ties"
     assert record["hyperparameters"] == {"top_k": 30.0, "scale": 0.7}
     direct = tmp_path / "direct"
-    merge_checkpoints(zoo.base, zoo.experts, direct, "ties", {"top_k": 30, "scale": 0.7},
-                      progress=False)  # fmt: skip
+    merge_checkpoints(
+        zoo.base, zoo.experts, direct, "ties", {"top_k": 30, "scale": 0.7}, progress=False
+    )
     a, b = _state(out), _state(direct)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -680,18 +700,24 @@ def test_cli_hp_takes_any_declared_hyperparameter(zoos, tmp_path):
     flag of its own; a key given twice or unknown to the method is refused."""
     zoo = zoos["bert"]
     out = tmp_path / "out"
-    args = _parser().parse_args(_cli_args(zoo, out, "--method", "ties", "--hp", "top_k=30",
-                                          "--hp", "scale=0.7"))  # fmt: skip
+    args = _parser().parse_args(
+        _cli_args(zoo, out, "--method", "ties", "--hp", "top_k=30", "--hp", "scale=0.7")
+    )
     assert merge_command.run(args) == 0
     assert json.loads((out / "merge.json").read_text())["hyperparameters"] == {
-        "top_k": 30, "scale": 0.7,
-    }  # fmt: skip
+        "top_k": 30,
+        "scale": 0.7,
+    }
     other = tmp_path / "other"
     twice = _cli_args(zoo, other, "--method", "ties", "--top-k", "30", "--hp", "top_k=20")
     _fails(lambda: merge_command.run(_parser().parse_args(twice)), other, "'top_k'", "twice")
     unknown = _cli_args(zoo, other, "--method", "task_arithmetic", "--hp", "density=0.5")
-    _fails(lambda: merge_command.run(_parser().parse_args(unknown)), other, "'density'",
-           "task_arithmetic")  # fmt: skip
+    _fails(
+        lambda: merge_command.run(_parser().parse_args(unknown)),
+        other,
+        "'density'",
+        "task_arithmetic",
+    )
 
 
 def test_cli_rejects_unknown_method_and_bad_expert_argument(zoos, tmp_path, capsys):
@@ -701,8 +727,19 @@ def test_cli_rejects_unknown_method_and_bad_expert_argument(zoos, tmp_path, caps
     assert info.value.code == 2
     assert "ties" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        _parser().parse_args(["merge", "--base", "b", "--expert", "nodir", "--method", "ties",
-                              "--out", str(tmp_path / "out")])  # fmt: skip
+        _parser().parse_args(
+            [
+                "merge",
+                "--base",
+                "b",
+                "--expert",
+                "nodir",
+                "--method",
+                "ties",
+                "--out",
+                str(tmp_path / "out"),
+            ]
+        )
     assert "TASK=DIR" in capsys.readouterr().err
 
 
@@ -721,13 +758,15 @@ def test_old_bert_base_with_position_ids_buffer(tmp_path):
     save_file(tensors, str(weights), metadata={"format": "pt"})
 
     out = tmp_path / "merged"
-    merge_checkpoints(pool.base, pool.experts, out, "task_arithmetic", {"scale": 0.5},
-                      progress=False)  # fmt: skip
+    merge_checkpoints(
+        pool.base, pool.experts, out, "task_arithmetic", {"scale": 0.5}, progress=False
+    )
     merged = load_file(str(out / "model.safetensors"))
     assert torch.equal(merged["embeddings.position_ids"], tensors["embeddings.position_ids"])
     base = resolve_model({"kind": "local", "path": pool.base}, "models.base")
     experts = {t: resolve_model({"kind": "local", "path": p}, t) for t, p in pool.experts.items()}
     assert check_pool(base, experts) == "hf-bert"
-    record = calibrate(pool.base, out, pool.experts, pool.calib, tmp_path / "cal",
-                       num_per_task=4, progress=False)  # fmt: skip
+    record = calibrate(
+        pool.base, out, pool.experts, pool.calib, tmp_path / "cal", num_per_task=4, progress=False
+    )
     assert len(record["blocks"]) >= 1

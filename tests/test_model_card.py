@@ -32,8 +32,12 @@ BASE_ID, ALPHA_ID = "acme/clip-base", "acme/clip-alpha"
 
 
 def _result(accuracy, expert):
-    return {"accuracy": accuracy, "loss": 1.0 - accuracy, "examples": 20,
-            "normalized": accuracy / expert if expert else float("nan")}  # fmt: skip
+    return {
+        "accuracy": accuracy,
+        "loss": 1.0 - accuracy,
+        "examples": 20,
+        "normalized": accuracy / expert if expert else float("nan"),
+    }
 
 
 def _evaluation(heads: bool = True) -> dict:
@@ -42,8 +46,11 @@ def _evaluation(heads: bool = True) -> dict:
         "alpha": (0.9, 0.5, 0.7, 0.75, 0.8),
         "beta": (0.8, 0.6, 0.65, 0.7, 0.75),
     }.items():
-        row = {"expert": _result(expert, expert), "merged": _result(merged, expert),
-               "calibrated": _result(calibrated, expert)}  # fmt: skip
+        row = {
+            "expert": _result(expert, expert),
+            "merged": _result(merged, expert),
+            "calibrated": _result(calibrated, expert),
+        }
         if heads:
             row["merged_heads"] = _result(merged_h, expert)
             row["calibrated_heads"] = _result(calibrated_h, expert)
@@ -67,8 +74,14 @@ def run(tmp_path) -> dict:
     results = tmp_path / "results"
 
     def hub(model, repo_id):
-        return dataclasses.replace(model, kind="hub", repo_id=repo_id, revision="main",
-                                   reference=f"{repo_id}@main", commit="c" * 40)  # fmt: skip
+        return dataclasses.replace(
+            model,
+            kind="hub",
+            repo_id=repo_id,
+            revision="main",
+            reference=f"{repo_id}@main",
+            commit="c" * 40,
+        )
 
     base = hub(resolve_model({"kind": "local", "path": str(zoo.base)}, "models.base"), BASE_ID)
     experts = {
@@ -79,15 +92,29 @@ def run(tmp_path) -> dict:
     write_lock(results / "models.lock.json", base, experts, {"architecture": "hf-clip-vision"})
     sets = {
         t: draw_calibration_set(
-            t, {"path": str(p)}, None, results / "calibration_sets" / t, n=4, seed=0,
+            t,
+            {"path": str(p)},
+            None,
+            results / "calibration_sets" / t,
+            n=4,
+            seed=0,
             modality="image",
         )["path"]
         for t, p in zoo.calib.items()
-    }  # fmt: skip
-    merge_checkpoints(zoo.base, zoo.experts, results / "merged", "task_arithmetic",
-                      {"scale": 0.3}, progress=False)  # fmt: skip
-    calibrate(zoo.base, results / "merged", zoo.experts, sets, results / "calibrated",
-              num_per_task=3, seed=5, progress=False)  # fmt: skip
+    }
+    merge_checkpoints(
+        zoo.base, zoo.experts, results / "merged", "task_arithmetic", {"scale": 0.3}, progress=False
+    )
+    calibrate(
+        zoo.base,
+        results / "merged",
+        zoo.experts,
+        sets,
+        results / "calibrated",
+        num_per_task=3,
+        seed=5,
+        progress=False,
+    )
     return {"zoo": zoo, "results": results, "calibrated": results / "calibrated"}
 
 
@@ -119,8 +146,13 @@ def test_card_of_a_calibrated_run_before_and_after_evaluation(run):
     assert data.base_model == [BASE_ID, ALPHA_ID]  # expert beta is a local folder
     assert data.to_dict()["base_model_relation"] == "merge"
     assert data.library_name == "transformers"
-    assert data.tags == ["featcal", "model-merging", "task_arithmetic", "hf-clip-vision",
-                         "clip_vision_model"]  # fmt: skip
+    assert data.tags == [
+        "featcal",
+        "model-merging",
+        "task_arithmetic",
+        "hf-clip-vision",
+        "clip_vision_model",
+    ]
     assert data.license == "mit"  # every input's README.md says so
     assert data.eval_results is None and "model-index" not in data.to_dict()
     assert "## Evaluation results" not in card.text
@@ -142,17 +174,20 @@ def test_card_of_a_calibrated_run_before_and_after_evaluation(run):
     assert len({r.dataset_name for r in results}) == len(TASKS)  # one model-index result per task
     assert {r.task_type for r in results} == {"image-classification"}
     assert {r.metric_type for r in results} == {"accuracy"}
-    assert _metrics(card) == pytest.approx({
-        ("alpha", "accuracy (calibrated)"): 0.7,
-        ("alpha", "accuracy (calibrated + refit heads)"): 0.8,
-        ("alpha", "accuracy (merged, before FeatCal)"): 0.5,
-        ("beta", "accuracy (calibrated)"): 0.65,
-        ("beta", "accuracy (calibrated + refit heads)"): 0.75,
-        ("beta", "accuracy (merged, before FeatCal)"): 0.6,
-    })  # fmt: skip
+    assert _metrics(card) == pytest.approx(
+        {
+            ("alpha", "accuracy (calibrated)"): 0.7,
+            ("alpha", "accuracy (calibrated + refit heads)"): 0.8,
+            ("alpha", "accuracy (merged, before FeatCal)"): 0.5,
+            ("beta", "accuracy (calibrated)"): 0.65,
+            ("beta", "accuracy (calibrated + refit heads)"): 0.75,
+            ("beta", "accuracy (merged, before FeatCal)"): 0.6,
+        }
+    )
     text = card.text
-    assert ("| task | expert | merged | calibrated | merged + refit heads | "
-            "calibrated + refit heads |") in text  # fmt: skip
+    assert (
+        "| task | expert | merged | calibrated | merged + refit heads | calibrated + refit heads |"
+    ) in text
     assert "| alpha | 90.0 | 50.0 | 70.0 | 75.0 | 80.0 |" in text
     assert "| **average** | **85.0** | **55.0** | **67.5** | **72.5** | **77.5** |" in text
     assert "| beta | calibrated_heads | 0.7500 |" in text  # every metric, too
@@ -178,11 +213,15 @@ def test_steps_evaluate_rewrites_the_card_and_the_folder_verifies(run, tmp_path,
     params = {
         "run": {"name": "card", "results_dir": str(run["results"]), "seed": 0},
         "models": {"base": str(zoo.base), "experts": {t: str(p) for t, p in zoo.experts.items()}},
-        "tasks": {t: {"calibration": {"path": str(zoo.calib[t])},  # (evaluation: not read)
-                      "evaluation": {"path": str(zoo.calib[o])}}
-                  for t, o in zip(TASKS, TASKS[::-1], strict=True)},
+        "tasks": {
+            t: {
+                "calibration": {"path": str(zoo.calib[t])},  # (evaluation: not read)
+                "evaluation": {"path": str(zoo.calib[o])},
+            }
+            for t, o in zip(TASKS, TASKS[::-1], strict=True)
+        },
         "featcal": {"num_per_task": 3},
-    }  # fmt: skip
+    }
     (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
     steps = Steps(load_params(tmp_path / "params.yaml"))
     write_model_card(calibrated, **{**model_card_fields(trace(calibrated)), "evaluation": None})
@@ -227,8 +266,13 @@ def _inputs(**licenses) -> dict:
 
 
 def _card(tmp_path, name="card", **kwargs) -> ModelCard:
-    arguments = {"title": "t", "recipe": {"merge": {"method": "ties"}, "featcal": {"alpha": 1}},
-                 "inputs": _inputs(), "model": {"modality": "text"}, **kwargs}  # fmt: skip
+    arguments = {
+        "title": "t",
+        "recipe": {"merge": {"method": "ties"}, "featcal": {"alpha": 1}},
+        "inputs": _inputs(),
+        "model": {"modality": "text"},
+        **kwargs,
+    }
     folder = tmp_path / name
     folder.mkdir()
     return ModelCard.load(write_model_card(folder, **arguments))
@@ -241,8 +285,11 @@ def test_base_model_and_license_rules(tmp_path):
     assert same == {"license": "mit"}
     mixed, stated = license_fields(_inputs(base="mit", alpha="apache-2.0"))
     assert mixed == {"license": "other"}
-    assert dict(stated) == {"base": {"license": "mit"}, "expert alpha": {"license": "apache-2.0"},
-                            "expert beta": None}  # fmt: skip
+    assert dict(stated) == {
+        "base": {"license": "mit"},
+        "expert alpha": {"license": "apache-2.0"},
+        "expert beta": None,
+    }
 
     card = _card(tmp_path, inputs=_inputs(base="mit", alpha="apache-2.0"))
     assert card.data.license == "other"
@@ -263,8 +310,12 @@ def test_base_model_and_license_rules(tmp_path):
 
 
 def test_missing_or_bad_evaluation_gives_no_model_index(tmp_path, caplog):
-    for name, evaluation in (("none", None), ("flat", {"alpha": {"accuracy": 0.5}}),
-                             ("text", {"alpha": "oops"}), ("empty", {})):  # fmt: skip
+    for name, evaluation in (
+        ("none", None),
+        ("flat", {"alpha": {"accuracy": 0.5}}),
+        ("text", {"alpha": "oops"}),
+        ("empty", {}),
+    ):
         caplog.clear()
         with caplog.at_level(logging.WARNING, "featcal_core.provenance.card_metadata"):
             card = _card(tmp_path, name, evaluation=evaluation)
@@ -283,13 +334,18 @@ def test_missing_or_bad_evaluation_gives_no_model_index(tmp_path, caplog):
 
 
 def test_evaluation_passed_as_metrics_and_a_merged_card(tmp_path):
-    text = render_model_card(title="m", recipe={"merge": {"method": "ties"}}, inputs={},
-                             metrics=_evaluation())  # fmt: skip
+    text = render_model_card(
+        title="m", recipe={"merge": {"method": "ties"}}, inputs={}, metrics=_evaluation()
+    )
     card = ModelCard(text)
-    assert _metrics(card) == pytest.approx({
-        ("alpha", "accuracy (merged)"): 0.5, ("alpha", "accuracy (merged + refit heads)"): 0.75,
-        ("beta", "accuracy (merged)"): 0.6, ("beta", "accuracy (merged + refit heads)"): 0.7,
-    })  # fmt: skip
+    assert _metrics(card) == pytest.approx(
+        {
+            ("alpha", "accuracy (merged)"): 0.5,
+            ("alpha", "accuracy (merged + refit heads)"): 0.75,
+            ("beta", "accuracy (merged)"): 0.6,
+            ("beta", "accuracy (merged + refit heads)"): 0.7,
+        }
+    )
     assert card.data.eval_results[0].task_type == "other"  # modality unknown
     assert "base_model" not in card.data.to_dict() and "## Metrics" not in text
 

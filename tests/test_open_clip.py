@@ -146,9 +146,15 @@ def test_cli_matches_float64_reference(pool, tmp_path):
     assert record["hyperparameters"]["pooled_position"] == 0
     experts = {t: models[t].visual for t in TASKS}
     reference = reference_featcal(
-        Family("open_clip"), models["base"].visual, models["merged"].visual, experts,
-        _reference_inputs(zoo.calib), ALPHA, RHO, LAM,
-    )  # fmt: skip
+        Family("open_clip"),
+        models["base"].visual,
+        models["merged"].visual,
+        experts,
+        _reference_inputs(zoo.calib),
+        ALPHA,
+        RHO,
+        LAM,
+    )
     _assert_matches(out, reference, prefix="visual.")
     merged = load_file(str(zoo.merged / "model.safetensors"))
     got = load_file(str(out / "model.safetensors"))
@@ -162,11 +168,21 @@ def test_cli_matches_float64_reference(pool, tmp_path):
 
 def _tower(quick_gelu: bool, ls_init_value: float | None) -> tuple[VisionTransformer, dict]:
     vision = dict(VISION, layers=3, ls_init_value=ls_init_value)
-    model = VisionTransformer(
-        image_size=32, patch_size=8, width=32, layers=3, heads=4, mlp_ratio=2.0,
-        ls_init_value=ls_init_value, output_dim=16,
-        act_layer=QuickGELU if quick_gelu else nn.GELU,
-    ).double().eval()  # fmt: skip
+    model = (
+        VisionTransformer(
+            image_size=32,
+            patch_size=8,
+            width=32,
+            layers=3,
+            heads=4,
+            mlp_ratio=2.0,
+            ls_init_value=ls_init_value,
+            output_dim=16,
+            act_layer=QuickGELU if quick_gelu else nn.GELU,
+        )
+        .double()
+        .eval()
+    )
     model.load_state_dict(_perturbed(model.state_dict(), seed=7, scale=0.2))
     config = featcal_config({"quick_gelu": quick_gelu, "vision_cfg": vision}, {}, "test")
     return model, config
@@ -235,8 +251,14 @@ def _fails(args: list[str], capsys, *needles: str) -> str:
 
 def test_pickled_module_needs_trust_pickle(pool, tmp_path, capsys, caplog):
     pickled = pool["files"]["beta"]
-    args = ["import-open-clip", str(pickled), "--out", str(tmp_path / "out"),
-            "--config", str(pool["config"])]  # fmt: skip
+    args = [
+        "import-open-clip",
+        str(pickled),
+        "--out",
+        str(tmp_path / "out"),
+        "--config",
+        str(pool["config"]),
+    ]
     _fails(args, capsys, str(pickled), "--trust-pickle", "arbitrary code", "ImageEncoder")
     with pytest.raises(FeatCalError, match="trust_pickle"):
         import_open_clip(pickled, tmp_path / "out", model_cfg=pool["config"])
@@ -254,10 +276,21 @@ def test_checkpoint_of_another_family_fails_clearly(pool, tmp_path, capsys):
     CLIPVisionModel(CLIPVisionConfig(**factories.TINY_CLIP)).save_pretrained(hf)
     zoo = pool["zoo"]
     mixed = Pool(zoo.base, zoo.merged, {**zoo.experts, "beta": hf}, zoo.calib)
-    _fails(mixed.cli_args(tmp_path / "out"), capsys, str(hf / "config.json"), "hf-clip-vision",
-           "open-clip-vision")  # fmt: skip
-    args = ["import-open-clip", str(hf / "model.safetensors"), "--out", str(tmp_path / "imp"),
-            "--config", str(pool["config"])]  # fmt: skip
+    _fails(
+        mixed.cli_args(tmp_path / "out"),
+        capsys,
+        str(hf / "config.json"),
+        "hf-clip-vision",
+        "open-clip-vision",
+    )
+    args = [
+        "import-open-clip",
+        str(hf / "model.safetensors"),
+        "--out",
+        str(tmp_path / "imp"),
+        "--config",
+        str(pool["config"]),
+    ]
     _fails(args, capsys, str(hf / "model.safetensors"), "not an open_clip checkpoint")
 
 
@@ -273,25 +306,49 @@ def test_bad_import_inputs_fail_clearly(pool, tmp_path, capsys):
     lone = tmp_path / "lone" / "alpha.bin"  # no open_clip_config.json beside it
     lone.parent.mkdir()
     shutil.copy2(files["alpha"], lone)
-    _fails(["import-open-clip", str(lone), "--out", out], capsys, str(lone),
-           "--config open_clip_config.json")  # fmt: skip
+    _fails(
+        ["import-open-clip", str(lone), "--out", out],
+        capsys,
+        str(lone),
+        "--config open_clip_config.json",
+    )
     deeper = _config_file(tmp_path / "deeper.json", layers=3)
-    _fails(["import-open-clip", str(files["alpha"]), "--out", out, "--config", str(deeper)],
-           capsys, str(files["alpha"]), "'transformer.resblocks.2.ln_1.weight'")  # fmt: skip
+    _fails(
+        ["import-open-clip", str(files["alpha"]), "--out", out, "--config", str(deeper)],
+        capsys,
+        str(files["alpha"]),
+        "'transformer.resblocks.2.ln_1.weight'",
+    )
     wider = _config_file(tmp_path / "wider.json", width=64)
-    _fails(["import-open-clip", str(files["alpha"]), "--out", out, "--config", str(wider)],
-           capsys, str(files["alpha"]), "has shape [32] but the config implies [64]")  # fmt: skip
+    _fails(
+        ["import-open-clip", str(files["alpha"]), "--out", out, "--config", str(wider)],
+        capsys,
+        str(files["alpha"]),
+        "has shape [32] but the config implies [64]",
+    )
     shallower = _config_file(tmp_path / "shallower.json", layers=1)
-    _fails(["import-open-clip", str(files["alpha"]), "--out", out, "--config", str(shallower)],
-           capsys, "more than the config's 1 blocks")  # fmt: skip
+    _fails(
+        ["import-open-clip", str(files["alpha"]), "--out", out, "--config", str(shallower)],
+        capsys,
+        "more than the config's 1 blocks",
+    )
     custom = _config_file(tmp_path / "custom.json", qk_norm=True)
-    _fails(["import-open-clip", str(files["alpha"]), "--out", out, "--config", str(custom)],
-           capsys, str(custom), "qk_norm", "not supported")  # fmt: skip
+    _fails(
+        ["import-open-clip", str(files["alpha"]), "--out", out, "--config", str(custom)],
+        capsys,
+        str(custom),
+        "qk_norm",
+        "not supported",
+    )
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a checkpoint at all")
     _fails(["import-open-clip", str(junk), "--out", out, "--config", config], capsys, str(junk))
-    _fails(["import-open-clip", str(tmp_path / "missing.bin"), "--out", out], capsys,
-           str(tmp_path / "missing.bin"), "not a file")  # fmt: skip
+    _fails(
+        ["import-open-clip", str(tmp_path / "missing.bin"), "--out", out],
+        capsys,
+        str(tmp_path / "missing.bin"),
+        "not a file",
+    )
     existing = tmp_path / "existing"
     existing.mkdir()
     capsys.readouterr()

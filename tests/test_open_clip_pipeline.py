@@ -87,15 +87,25 @@ def pool(tmp_path_factory):
     experts = {
         t: _clip(_perturbed_tower(state, seed=10 + i)) for i, t in enumerate(("alpha", "beta"))
     }
-    dirs = {"base": _save(base, root / "base"), "alpha": _save(experts["alpha"], root / "alpha"),
-            "beta": _save(experts["beta"], root / "beta", config=False)}  # fmt: skip
+    dirs = {
+        "base": _save(base, root / "base"),
+        "alpha": _save(experts["alpha"], root / "alpha"),
+        "beta": _save(experts["beta"], root / "beta", config=False),
+    }
     pickled = root / "pickled" / "expert.pt"
     pickled.parent.mkdir()
     torch.save(experts["beta"], pickled)  # a whole pickled module, as the original experts
-    data = {t: _labelled_images(root / f"data_{t}", seed=i, rows=(12, 6))
-            for i, t in enumerate(("alpha", "beta"))}  # fmt: skip
-    return {"root": root, "dirs": dirs, "models": {"base": base, **experts},
-            "pickled": pickled, "data": data}  # fmt: skip
+    data = {
+        t: _labelled_images(root / f"data_{t}", seed=i, rows=(12, 6))
+        for i, t in enumerate(("alpha", "beta"))
+    }
+    return {
+        "root": root,
+        "dirs": dirs,
+        "models": {"base": base, **experts},
+        "pickled": pickled,
+        "data": data,
+    }
 
 
 def _ref(ref, **options) -> ModelRef:
@@ -121,10 +131,14 @@ def test_local_open_clip_ref_is_imported_once_and_locked(pool, tmp_path):
     assert config["model_type"] == "open_clip_vision"
     assert config["open_clip_source"] == {"file": WEIGHTS, "sha256": digest}
     assert base.open_clip_source == {
-        "format": "open_clip", "path": str(base_dir), "file": WEIGHTS, "sha256": digest,
+        "format": "open_clip",
+        "path": str(base_dir),
+        "file": WEIGHTS,
+        "sha256": digest,
         "config": str(base_dir / "open_clip_config.json"),
-        "config_sha256": sha256(base_dir / "open_clip_config.json"), "trust_pickle": False,
-    }  # fmt: skip
+        "config_sha256": sha256(base_dir / "open_clip_config.json"),
+        "trust_pickle": False,
+    }
     assert base.kind == "local" and base.commit is None and base.reference == str(base_dir)
     assert set(base.files) == {"config.json", "model.safetensors"}
 
@@ -135,8 +149,12 @@ def test_local_open_clip_ref_is_imported_once_and_locked(pool, tmp_path):
     assert sorted(p.name for p in imports.iterdir()) == [base.path.name]  # no temporaries
 
     # an expert without its own config uses the base's; a weight file as the reference
-    beta = resolve_model(_ref(beta_dir / WEIGHTS), "models.experts.beta", import_root=imports,
-                         base_config=base.open_clip_source["config"])  # fmt: skip
+    beta = resolve_model(
+        _ref(beta_dir / WEIGHTS),
+        "models.experts.beta",
+        import_root=imports,
+        base_config=base.open_clip_source["config"],
+    )
     assert beta.open_clip_source["config"] == base.open_clip_source["config"]
     assert beta.path.name == f"experts.beta-{sha256(beta_dir / WEIGHTS)[:16]}"
     assert check_pool(base, {"beta": beta}) == "open-clip-vision"
@@ -163,8 +181,17 @@ def test_lock_of_other_models_keeps_its_layout(tmp_path):
     pool = factories.clip_zoo(tmp_path / "clip")
     model = resolve_model(ModelRef.model_validate(str(pool.base)), "models.base")
     assert model.open_clip_source is None
-    assert list(model.to_dict()) == ["role", "reference", "kind", "repo_id", "revision",
-                                     "commit", "path", "trust_remote_code", "files"]  # fmt: skip
+    assert list(model.to_dict()) == [
+        "role",
+        "reference",
+        "kind",
+        "repo_id",
+        "revision",
+        "commit",
+        "path",
+        "trust_remote_code",
+        "files",
+    ]
     assert ResolvedModel.from_dict(model.to_dict()) == model
 
 
@@ -181,37 +208,46 @@ def test_hub_open_clip_repo_from_offline_cache(pool, tmp_path, monkeypatch):
     monkeypatch.setattr(hub, "snapshot_download", recording)
     cache, imports = tmp_path / "hf", tmp_path / "imports"
     snapshot, commit = hub_cache(cache, "owner/tiny-open-clip", pool["dirs"]["base"])
-    base = resolve_model(_ref("owner/tiny-open-clip"), "models.base", cache_dir=cache,
-                         import_root=imports)  # fmt: skip
+    base = resolve_model(
+        _ref("owner/tiny-open-clip"), "models.base", cache_dir=cache, import_root=imports
+    )
     assert (base.kind, base.repo_id, base.commit) == ("hub", "owner/tiny-open-clip", commit)
     assert base.reference == "owner/tiny-open-clip"
     assert Path(base.open_clip_source["path"]).resolve() == snapshot.resolve()
     assert base.open_clip_source["file"] == WEIGHTS
     assert base.path.parent == imports
-    (_, kwargs), = calls  # fmt: skip
+    ((_, kwargs),) = calls
     assert kwargs["allow_patterns"][:2] == ["open_clip_config.json", WEIGHTS]
     assert kwargs["ignore_patterns"] == []
-    assert not any("*" in p and p.endswith((".bin", ".pt", ".pth", ".safetensors"))
-                   for p in kwargs["allow_patterns"])  # fmt: skip
+    assert not any(
+        "*" in p and p.endswith((".bin", ".pt", ".pth", ".safetensors"))
+        for p in kwargs["allow_patterns"]
+    )
 
     # a repository with only open_clip_pytorch_model.bin (a state dict): the second default
     source = tmp_path / "bin_only"
     source.mkdir()
-    shutil.copyfile(pool["dirs"]["base"] / "open_clip_config.json",
-                    source / "open_clip_config.json")  # fmt: skip
+    shutil.copyfile(
+        pool["dirs"]["base"] / "open_clip_config.json", source / "open_clip_config.json"
+    )
     torch.save(pool["models"]["alpha"].state_dict(), source / "open_clip_pytorch_model.bin")
     hub_cache(cache, "owner/bin-only", source)
     calls.clear()
-    expert = resolve_model(_ref("owner/bin-only@main"), "models.experts.alpha",
-                           cache_dir=cache, import_root=imports)  # fmt: skip
+    expert = resolve_model(
+        _ref("owner/bin-only@main"), "models.experts.alpha", cache_dir=cache, import_root=imports
+    )
     assert [kw["allow_patterns"][1] for _, kw in calls] == [WEIGHTS, "open_clip_pytorch_model.bin"]
     assert expert.open_clip_source["file"] == "open_clip_pytorch_model.bin"
     assert expert.revision == "main" and check_pool(base, {"alpha": expert}) == "open-clip-vision"
 
     # a weight file the repository does not have: a clear error naming the key
     with pytest.raises(FeatCalError) as info:
-        resolve_model(_ref("owner/bin-only", file="other.safetensors"), "models.experts.alpha",
-                      cache_dir=cache, import_root=imports)  # fmt: skip
+        resolve_model(
+            _ref("owner/bin-only", file="other.safetensors"),
+            "models.experts.alpha",
+            cache_dir=cache,
+            import_root=imports,
+        )
     message = str(info.value)
     assert "\n" not in message and "models.experts.alpha" in message
     assert "other.safetensors" in message and "models.experts.alpha.file" in message
@@ -226,8 +262,9 @@ def _no_network(*args, **kwargs):
 
 def _images(count: int, seed: int = 3) -> list[Image.Image]:
     rng = np.random.default_rng(seed)
-    return [Image.fromarray(rng.integers(0, 256, (40, 36, 3), dtype=np.uint8))
-            for _ in range(count)]  # fmt: skip
+    return [
+        Image.fromarray(rng.integers(0, 256, (40, 36, 3), dtype=np.uint8)) for _ in range(count)
+    ]
 
 
 @torch.no_grad()
@@ -248,8 +285,7 @@ def _reference_logits(base: CLIP, tower: CLIP, images: list[Image.Image]) -> tor
 def test_zero_shot_head_matches_open_clip(pool, tmp_path, monkeypatch):
     imports = tmp_path / "imports"
     base = resolve_model(_ref(pool["dirs"]["base"]), "models.base", import_root=imports)
-    alpha = resolve_model(_ref(pool["dirs"]["alpha"]), "models.experts.alpha",
-                          import_root=imports)  # fmt: skip
+    alpha = resolve_model(_ref(pool["dirs"]["alpha"]), "models.experts.alpha", import_root=imports)
     cache = tmp_path / "heads"
     head = OpenCLIPZeroShotHead(pool["dirs"]["base"], base.path, CLASSES, TEMPLATES, cache)
     images = _images(5)
@@ -267,11 +303,13 @@ def test_zero_shot_head_matches_open_clip(pool, tmp_path, monkeypatch):
         raise AssertionError("the text tower ran although the class embeddings are cached")
 
     monkeypatch.setattr(CLIP, "encode_text", no_text_tower)
-    again = OpenCLIPZeroShotHead.from_source_record(base.open_clip_source, base.path, CLASSES,
-                                                    TEMPLATES, cache)  # fmt: skip
+    again = OpenCLIPZeroShotHead.from_source_record(
+        base.open_clip_source, base.path, CLASSES, TEMPLATES, cache
+    )
     torch.testing.assert_close(again.class_embeddings(), head.class_embeddings())
-    result = evaluate(alpha.path, again, pool["data"]["alpha"], "test", batch_size=4,
-                      progress=False)  # fmt: skip
+    result = evaluate(
+        alpha.path, again, pool["data"]["alpha"], "test", batch_size=4, progress=False
+    )
     assert 0.0 <= result["accuracy"] <= 1.0 and result["examples"] == 6
     assert list(cache.glob("*.safetensors")) == files
 
@@ -380,11 +418,20 @@ def _download_fails(tmp_path: Path, params: dict, capsys, *needles: str) -> str:
 
 def test_pickled_expert_needs_trust_pickle(pool, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    experts = {"alpha": {"ref": str(pool["dirs"]["alpha"]), "format": "open_clip"},
-               "beta": {"ref": str(pool["pickled"]), "format": "open_clip"}}  # fmt: skip
+    experts = {
+        "alpha": {"ref": str(pool["dirs"]["alpha"]), "format": "open_clip"},
+        "beta": {"ref": str(pool["pickled"]), "format": "open_clip"},
+    }
     params = _params(pool, tmp_path, experts)
-    _download_fails(tmp_path, params, capsys, "models.experts.beta", str(pool["pickled"]),
-                    "arbitrary code", "models.experts.beta.trust_pickle: true")  # fmt: skip
+    _download_fails(
+        tmp_path,
+        params,
+        capsys,
+        "models.experts.beta",
+        str(pool["pickled"]),
+        "arbitrary code",
+        "models.experts.beta.trust_pickle: true",
+    )
     imports = tmp_path / "data" / "models" / "open_clip"
     names = sorted(p.name for p in imports.iterdir())
     assert not [n for n in names if n.startswith(".") or n.startswith("experts.beta")], names
@@ -400,29 +447,51 @@ def test_missing_weight_file_fails_clearly(pool, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     empty = tmp_path / "empty_expert"
     empty.mkdir()
-    experts = {"alpha": {"ref": str(empty), "format": "open_clip"},
-               "beta": {"ref": str(pool["dirs"]["beta"]), "format": "open_clip"}}  # fmt: skip
-    _download_fails(tmp_path, _params(pool, tmp_path, experts), capsys, "models.experts.alpha",
-                    str(empty / WEIGHTS), "models.experts.alpha.file")  # fmt: skip
-    experts["alpha"] = {"ref": str(pool["dirs"]["alpha"]), "format": "open_clip",
-                        "file": "missing.safetensors"}  # fmt: skip
-    _download_fails(tmp_path, _params(pool, tmp_path, experts), capsys,
-                    str(pool["dirs"]["alpha"] / "missing.safetensors"), "does not exist")  # fmt: skip
+    experts = {
+        "alpha": {"ref": str(empty), "format": "open_clip"},
+        "beta": {"ref": str(pool["dirs"]["beta"]), "format": "open_clip"},
+    }
+    _download_fails(
+        tmp_path,
+        _params(pool, tmp_path, experts),
+        capsys,
+        "models.experts.alpha",
+        str(empty / WEIGHTS),
+        "models.experts.alpha.file",
+    )
+    experts["alpha"] = {
+        "ref": str(pool["dirs"]["alpha"]),
+        "format": "open_clip",
+        "file": "missing.safetensors",
+    }
+    _download_fails(
+        tmp_path,
+        _params(pool, tmp_path, experts),
+        capsys,
+        str(pool["dirs"]["alpha"] / "missing.safetensors"),
+        "does not exist",
+    )
 
 
 @pytest.mark.parametrize(
     ("base", "needles"),
     [
         ({"ref": "owner/name", "format": "openclip"}, ("models.base.format", "open_clip")),
-        ({"ref": "owner/name", "trust_pickle": True},
-         ("models.base.trust_pickle", "format: open_clip")),
+        (
+            {"ref": "owner/name", "trust_pickle": True},
+            ("models.base.trust_pickle", "format: open_clip"),
+        ),
         ({"ref": "owner/name", "file": "x.safetensors"}, ("models.base.file", "format: open_clip")),
-        ({"ref": "owner/name", "format": "open_clip", "file": "weights.ckpt"},
-         ("models.base.file", ".safetensors")),
-        ({"ref": "owner/name", "format": "open_clip", "trust_remote_code": True},
-         ("models.base.trust_remote_code", "remove trust_remote_code")),
+        (
+            {"ref": "owner/name", "format": "open_clip", "file": "weights.ckpt"},
+            ("models.base.file", ".safetensors"),
+        ),
+        (
+            {"ref": "owner/name", "format": "open_clip", "trust_remote_code": True},
+            ("models.base.trust_remote_code", "remove trust_remote_code"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_open_clip_references_name_the_key(pool, tmp_path, base, needles):
     params = _params(pool, tmp_path)
     params["models"]["base"] = base
@@ -442,7 +511,11 @@ def test_open_clip_references_in_params(pool, tmp_path):
     assert base.to_yaml() == {"ref": str(pool["dirs"]["base"]), "format": "open_clip"}
     settings = params.calibration_settings()["models"]
     assert settings["base"] == {"ref": str(pool["dirs"]["base"]), "format": "open_clip"}
-    hub = ModelRef.model_validate({"ref": "laion/CLIP-ViT-B-32-laion2B-s34B-b79K",
-                                   "format": "open_clip"})  # fmt: skip
-    assert (hub.kind, hub.repo_id, hub.file) == ("hub", "laion/CLIP-ViT-B-32-laion2B-s34B-b79K",
-                                                 None)  # fmt: skip
+    hub = ModelRef.model_validate(
+        {"ref": "laion/CLIP-ViT-B-32-laion2B-s34B-b79K", "format": "open_clip"}
+    )
+    assert (hub.kind, hub.repo_id, hub.file) == (
+        "hub",
+        "laion/CLIP-ViT-B-32-laion2B-s34B-b79K",
+        None,
+    )

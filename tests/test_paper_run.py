@@ -41,8 +41,13 @@ LABELS = {
     "mnist": [str(i) for i in range(10)],
     "dtd": ["banded", "blotchy", "braided"],
 }
-SIZES = ["featcal.device=cpu", "featcal.num_per_task=4", "featcal.batch_size=4",
-         "evaluation.max_examples_per_task=6", "evaluation.batch_size=8"]  # fmt: skip
+SIZES = [
+    "featcal.device=cpu",
+    "featcal.num_per_task=4",
+    "featcal.batch_size=4",
+    "evaluation.max_examples_per_task=6",
+    "evaluation.batch_size=8",
+]
 
 
 def paper_model_cache(paper, root: Path, cache: Path) -> None:
@@ -74,21 +79,29 @@ def _dataset_cache(cache: Path, layouts: Path, source, labels: list[str], seed: 
     if (cache / f"{owner}___{folder_name}").exists():
         return
     rng = np.random.default_rng(seed)
-    features = datasets.Features({"image": datasets.Image(),
-                                  "label": datasets.ClassLabel(names=labels)})  # fmt: skip
-    rows = {split: {"image": [Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8))
-                              for _ in range(8)],
-                    "label": [int(x) for x in rng.integers(0, len(labels), 8)]}
-            for split in ("train", "test")}  # fmt: skip
-    repo = factories.hub_dataset_repo(layouts / folder_name, features, rows,
-                                      source.config or "default")  # fmt: skip
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=labels)}
+    )
+    rows = {
+        split: {
+            "image": [
+                Image.fromarray(rng.integers(0, 256, (12, 12, 3), dtype=np.uint8)) for _ in range(8)
+            ],
+            "label": [int(x) for x in rng.integers(0, len(labels), 8)],
+        }
+        for split in ("train", "test")
+    }
+    repo = factories.hub_dataset_repo(
+        layouts / folder_name, features, rows, source.config or "default"
+    )
     for split in ("train", "test"):
         load_hub_split(str(repo), source.config, split)
     (cache / folder_name).rename(cache / f"{owner}___{folder_name}")
 
 
-def test_the_paper_setting_checks_and_runs_offline_against_stand_ins(tmp_path, monkeypatch,
-                                                                      prefect_api):  # fmt: skip
+def test_the_paper_setting_checks_and_runs_offline_against_stand_ins(
+    tmp_path, monkeypatch, prefect_api
+):
     paper = load_params(PAPER)
     hub, data = tmp_path / "hf", tmp_path / "datasets"
     paper_model_cache(paper, tmp_path, hub)
@@ -97,23 +110,40 @@ def test_the_paper_setting_checks_and_runs_offline_against_stand_ins(tmp_path, m
         assert spec.calibration.hub == spec.evaluation.hub  # one repository: both splits
         _dataset_cache(data, tmp_path / "layouts", spec.calibration, LABELS[task], seed=i)
 
-    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1",
-           "HF_DATASETS_CACHE": str(data), "HF_DATASETS_OFFLINE": "1",
-           "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": prefect_api,
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_CACHE": str(hub),
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(data),
+        "HF_DATASETS_OFFLINE": "1",
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_API_URL": prefect_api,
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
     user = tmp_path / "user"
     user.mkdir()
 
     def featcal(*args):
-        return subprocess.run([sys.executable, "-m", "featcal_cli.main", *args], env=env,
-                              cwd=user, capture_output=True, text=True, timeout=900)  # fmt: skip
+        return subprocess.run(
+            [sys.executable, "-m", "featcal_cli.main", *args],
+            env=env,
+            cwd=user,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
 
     checked = featcal("check", "--params", str(PAPER))
     assert checked.returncode == 0, checked.stderr[-3000:]
     assert "no problems found (8 tasks)" in checked.stdout
     # the legacy one-word id the paper file once had: one line with the id to use, exit 2
-    legacy = featcal("check", "--params", str(PAPER), "--set",
-                     "tasks.svhn.evaluation={hub: svhn, config: cropped_digits, split: test}")  # fmt: skip
+    legacy = featcal(
+        "check",
+        "--params",
+        str(PAPER),
+        "--set",
+        "tasks.svhn.evaluation={hub: svhn, config: cropped_digits, split: test}",
+    )
     assert legacy.returncode == 2, legacy.stderr[-2000:]
     errors = [line for line in legacy.stderr.splitlines() if line.startswith("featcal: error:")]
     assert len(errors) == 1 and "'svhn' is a legacy one-word Hub dataset id" in errors[0]
@@ -144,8 +174,13 @@ def test_the_paper_setting_checks_and_runs_offline_against_stand_ins(tmp_path, m
         with safe_open(str(path), "pt") as cached:
             meta = cached.metadata()
         text += " ".join(json.loads(meta["class_names"]) + json.loads(meta["templates"]))
-    for words in ("annual crop land", "sea or lake", "apartment building outdoor",
-                  "speed limit 20 km/h", "a satellite photo of {}."):  # fmt: skip
+    for words in (
+        "annual crop land",
+        "sea or lake",
+        "apartment building outdoor",
+        "speed limit 20 km/h",
+        "a satellite photo of {}.",
+    ):
         assert words in text, words
     report = (user / "reports" / "paper-clip-vit-b32" / "report.md").read_text()
     assert "The paper's numbers" in report and "evaluation cut short" in report

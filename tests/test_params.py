@@ -165,8 +165,13 @@ def test_calibration_settings(tmp_path):
         "run.name=x",
     ]
     assert load_params(EXAMPLE, same).calibration_settings() == base
-    for override in ["featcal.alpha=0.5", "run.seed=1", "merge.hyperparameters.scale=0.4",
-                     "tasks.svhn.calibration.path=./other", "featcal.num_per_task=8"]:  # fmt: skip
+    for override in [
+        "featcal.alpha=0.5",
+        "run.seed=1",
+        "merge.hyperparameters.scale=0.4",
+        "tasks.svhn.calibration.path=./other",
+        "featcal.num_per_task=8",
+    ]:
         assert load_params(EXAMPLE, [override]).calibration_settings() != base, override
 
 
@@ -181,36 +186,124 @@ def test_import_light():
 @pytest.mark.parametrize(
     ("change", "key", "words"),
     [
-        (lambda d: d.update(colour="red"), "colour", "unknown key; known keys: compare, evaluation, featcal"),
+        (
+            lambda d: d.update(colour="red"),
+            "colour",
+            "unknown key; known keys: compare, evaluation, featcal",
+        ),
         (lambda d: d.update(featcal={"alhpa": 0.3}), "featcal.alhpa", "known keys: alpha"),
-        (lambda d: d["tasks"]["mnist"]["calibration"].update(colum="x"), "tasks.mnist.calibration.colum", "unknown key"),
-        (lambda d: d.update(featcal={"alpha": "abc"}), "featcal.alpha", "Input should be a valid number (got 'abc')"),
-        (lambda d: d.update(featcal={"num_per_task": 0}), "featcal.num_per_task", "greater than or equal to 1"),
+        (
+            lambda d: d["tasks"]["mnist"]["calibration"].update(colum="x"),
+            "tasks.mnist.calibration.colum",
+            "unknown key",
+        ),
+        (
+            lambda d: d.update(featcal={"alpha": "abc"}),
+            "featcal.alpha",
+            "Input should be a valid number (got 'abc')",
+        ),
+        (
+            lambda d: d.update(featcal={"num_per_task": 0}),
+            "featcal.num_per_task",
+            "greater than or equal to 1",
+        ),
         (lambda d: d.update(featcal={"alpha": 1.5}), "featcal.alpha", "less than or equal to 1"),
-        (lambda d: d.update(featcal={"device": "tpu"}), "featcal.device", "'cpu', 'cuda' or 'auto'"),
-        (lambda d: d.update(merge={"method": "magic"}), "merge.method", "unknown merge method 'magic' (--method); available: average, breadcrumbs, dare_task_arithmetic"),
+        (
+            lambda d: d.update(featcal={"device": "tpu"}),
+            "featcal.device",
+            "'cpu', 'cuda' or 'auto'",
+        ),
+        (
+            lambda d: d.update(merge={"method": "magic"}),
+            "merge.method",
+            "unknown merge method 'magic' (--method); available: average, breadcrumbs, dare_task_arithmetic",
+        ),
         (lambda d: d["models"].pop("base"), "models.base", "required"),
         (lambda d: d.pop("tasks"), "tasks", "required"),
         (lambda d: d["models"].update(experts={}), "models.experts", "at least 1 item"),
         (lambda d: d["models"]["experts"].update(svhn="./zoo/svhn"), "tasks", "add tasks.svhn"),
-        (lambda d: d["tasks"].update(svhn=d["tasks"]["mnist"]), "tasks.svhn", "add models.experts.svhn"),
-        (lambda d: d["tasks"]["mnist"]["calibration"].update(split="test"), "tasks.mnist.calibration", "calibration must come from train data"),
-        (lambda d: d["models"].update(base="not a hub id"), "models.base", "neither a local directory nor a Hub id"),
-        (lambda d: d["models"]["experts"].update(mnist="a/b/c@main"), "models.experts.mnist", "Hub id"),
-        (lambda d: d["models"].update(base={"ref": "o/n", "trust": True}), "models.base.trust", "unknown key"),
-        (lambda d: d["tasks"]["mnist"]["calibration"].update(hub="bad id!"), "tasks.mnist.calibration.hub", "not a Hub dataset id"),
-        (lambda d: d["tasks"]["mnist"]["evaluation"].update(hub="svhn"), "tasks.mnist.evaluation.hub", "legacy one-word Hub dataset id, which current huggingface_hub releases refuse (after the datasets before it have downloaded); use 'ufldl-stanford/svhn'"),
-        (lambda d: d["tasks"]["mnist"]["calibration"].update(hub="beans"), "tasks.mnist.calibration.hub", "use the dataset's namespaced id (owner/name)"),
-        (lambda d: d["tasks"]["mnist"]["calibration"].update(path="./x"), "tasks.mnist.calibration", "exactly one of hub"),
-        (lambda d: d["tasks"]["mnist"]["evaluation"].pop("split"), "tasks.mnist.evaluation.split", "needs a split"),
-        (lambda d: d["tasks"]["mnist"].update(templates=["a photo of {}", "no slot"]), "tasks.mnist.templates[1]", "has no {}"),
-        (lambda d: d.update(featcal={"dask_address": "tcp://h:8786"}), "featcal.dask_address", "runner: dask"),
-        (lambda d: d.update(featcal={"runner": "dask", "dask_workers": 0}), "featcal.dask_workers", "greater than or equal to 1"),
-        (lambda d: d["tasks"]["mnist"].update(prompt="no slot"), "tasks.mnist.prompt", "has no {text}"),
-        (lambda d: d["tasks"]["mnist"].update(prompt="{text} {label}"), "tasks.mnist.prompt", "must format with {text} only"),
-        (lambda d: d["tasks"]["mnist"].update(label_words=["yes"]), "tasks.mnist.label_words", "at least 2 items"),
+        (
+            lambda d: d["tasks"].update(svhn=d["tasks"]["mnist"]),
+            "tasks.svhn",
+            "add models.experts.svhn",
+        ),
+        (
+            lambda d: d["tasks"]["mnist"]["calibration"].update(split="test"),
+            "tasks.mnist.calibration",
+            "calibration must come from train data",
+        ),
+        (
+            lambda d: d["models"].update(base="not a hub id"),
+            "models.base",
+            "neither a local directory nor a Hub id",
+        ),
+        (
+            lambda d: d["models"]["experts"].update(mnist="a/b/c@main"),
+            "models.experts.mnist",
+            "Hub id",
+        ),
+        (
+            lambda d: d["models"].update(base={"ref": "o/n", "trust": True}),
+            "models.base.trust",
+            "unknown key",
+        ),
+        (
+            lambda d: d["tasks"]["mnist"]["calibration"].update(hub="bad id!"),
+            "tasks.mnist.calibration.hub",
+            "not a Hub dataset id",
+        ),
+        (
+            lambda d: d["tasks"]["mnist"]["evaluation"].update(hub="svhn"),
+            "tasks.mnist.evaluation.hub",
+            "legacy one-word Hub dataset id, which current huggingface_hub releases refuse (after the datasets before it have downloaded); use 'ufldl-stanford/svhn'",
+        ),
+        (
+            lambda d: d["tasks"]["mnist"]["calibration"].update(hub="beans"),
+            "tasks.mnist.calibration.hub",
+            "use the dataset's namespaced id (owner/name)",
+        ),
+        (
+            lambda d: d["tasks"]["mnist"]["calibration"].update(path="./x"),
+            "tasks.mnist.calibration",
+            "exactly one of hub",
+        ),
+        (
+            lambda d: d["tasks"]["mnist"]["evaluation"].pop("split"),
+            "tasks.mnist.evaluation.split",
+            "needs a split",
+        ),
+        (
+            lambda d: d["tasks"]["mnist"].update(templates=["a photo of {}", "no slot"]),
+            "tasks.mnist.templates[1]",
+            "has no {}",
+        ),
+        (
+            lambda d: d.update(featcal={"dask_address": "tcp://h:8786"}),
+            "featcal.dask_address",
+            "runner: dask",
+        ),
+        (
+            lambda d: d.update(featcal={"runner": "dask", "dask_workers": 0}),
+            "featcal.dask_workers",
+            "greater than or equal to 1",
+        ),
+        (
+            lambda d: d["tasks"]["mnist"].update(prompt="no slot"),
+            "tasks.mnist.prompt",
+            "has no {text}",
+        ),
+        (
+            lambda d: d["tasks"]["mnist"].update(prompt="{text} {label}"),
+            "tasks.mnist.prompt",
+            "must format with {text} only",
+        ),
+        (
+            lambda d: d["tasks"]["mnist"].update(label_words=["yes"]),
+            "tasks.mnist.label_words",
+            "at least 2 items",
+        ),
     ],
-)  # fmt: skip
+)
 def test_invalid(tmp_path, change, key, words):
     data = minimal()
     change(data)
@@ -361,9 +454,10 @@ def test_choice_compares_run_the_root_candidates():
     for name in ("compare-demo.yaml", "compare-unseen.yaml"):
         variants = {v.name: v.set for v in load_params(root / "params" / name).compare.variants}
         assert variants.pop("ta") == [
-            "merge.method=task_arithmetic", "merge.hyperparameters={scale: 0.3}",
+            "merge.method=task_arithmetic",
+            "merge.hyperparameters={scale: 0.3}",
             "repair.method=none",
-        ], name  # fmt: skip
+        ], name
         assert variants == candidates, name
 
 
@@ -437,9 +531,14 @@ def test_the_repair_section_is_built_from_the_repair_registry():
     defaults = {key: option.default for key, option in options.items()}
     assert defaults["regmean_alpha"] == DEFAULT_ALPHA
     assert (defaults["surgery_rank"], defaults["surgery_steps"], defaults["surgery_lr"]) == (
-        surgery.DEFAULT_RANK, surgery.DEFAULT_STEPS, surgery.DEFAULT_LR)  # fmt: skip
+        surgery.DEFAULT_RANK,
+        surgery.DEFAULT_STEPS,
+        surgery.DEFAULT_LR,
+    )
     assert (
-        defaults["adamerging_steps"], defaults["adamerging_lr"], defaults["adamerging_init"]
-    ) == (adamerging.DEFAULT_STEPS, adamerging.DEFAULT_LR, adamerging.DEFAULT_INIT)  # fmt: skip
+        defaults["adamerging_steps"],
+        defaults["adamerging_lr"],
+        defaults["adamerging_init"],
+    ) == (adamerging.DEFAULT_STEPS, adamerging.DEFAULT_LR, adamerging.DEFAULT_INIT)
     with pytest.raises(ValueError, match="unknown repair 'nope'; one of: featcal"):
         RepairSettings(method="nope")

@@ -34,8 +34,21 @@ def test_export_writes_every_section_dvc_reads(tmp_path):
     missing_before = sorted(k for k in keys if not _has(short, k))
     assert missing_before, "the paper file already names every section: the test shows nothing"
     out = tmp_path / "params.yaml"
-    assert main(["params", "export", "--params", str(PAPER), "--set", "featcal.alpha=0.5",
-                 "--out", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "params",
+                "export",
+                "--params",
+                str(PAPER),
+                "--set",
+                "featcal.alpha=0.5",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     written = yaml.safe_load(out.read_text())
     assert [k for k in sorted(keys) if not _has(written, k)] == []
     assert _has(written, "run.results_dir")  # dvc.yaml's ${run.results_dir}
@@ -54,8 +67,7 @@ def test_export_keeps_an_existing_file_with_other_settings(tmp_path, capsys):
     assert out.read_text() == "# mine\nrun: {name: mine}\n"
     assert [p.name for p in tmp_path.iterdir()] == ["params.yaml"]  # no temporary left
 
-    assert main(["params", "export", "--params", str(PAPER), "--out", str(out),
-                 "--overwrite"]) == 0  # fmt: skip
+    assert main(["params", "export", "--params", str(PAPER), "--out", str(out), "--overwrite"]) == 0
     assert load_params(out) == load_params(PAPER)
     before = out.stat().st_mtime_ns
     # the same settings again (a file of the same settings, whatever its layout): left as it is
@@ -66,11 +78,35 @@ def test_export_keeps_an_existing_file_with_other_settings(tmp_path, capsys):
 def test_export_to_stdout_and_bad_input(tmp_path, capsys):
     assert main(["params", "export", "--params", str(PAPER), "--out", "-"]) == 0
     assert yaml.safe_load(capsys.readouterr().out) == yaml.safe_load(dump(load_params(PAPER)))
-    assert main(["params", "export", "--params", str(tmp_path / "nope.yaml"), "--out",
-                 str(tmp_path / "p.yaml")]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "params",
+                "export",
+                "--params",
+                str(tmp_path / "nope.yaml"),
+                "--out",
+                str(tmp_path / "p.yaml"),
+            ]
+        )
+        == 2
+    )
     assert "nope.yaml: file not found" in capsys.readouterr().err
-    assert main(["params", "export", "--params", str(PAPER), "--set", "featcal.alpha=-1",
-                 "--out", str(tmp_path / "p.yaml")]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "params",
+                "export",
+                "--params",
+                str(PAPER),
+                "--set",
+                "featcal.alpha=-1",
+                "--out",
+                str(tmp_path / "p.yaml"),
+            ]
+        )
+        == 2
+    )
     assert "featcal.alpha" in capsys.readouterr().err
     assert not (tmp_path / "p.yaml").exists()
     assert main(["params", "export", "--params", str(PAPER), "--out", str(tmp_path)]) == 2

@@ -26,8 +26,9 @@ def _labelled_images(path, seed, rows=(20, 10)):
     rng = np.random.default_rng(seed)
     splits = {}
     for split, count in zip(("train", "test"), rows, strict=True):
-        images = [Image.fromarray(rng.integers(0, 256, (36, 36, 3), dtype=np.uint8))
-                  for _ in range(count)]  # fmt: skip
+        images = [
+            Image.fromarray(rng.integers(0, 256, (36, 36, 3), dtype=np.uint8)) for _ in range(count)
+        ]
         labels = [int(x) for x in rng.integers(0, 3, size=count)]
         data = datasets.Dataset.from_dict({"image": images, "label": labels})
         splits[split] = data.cast_column("image", datasets.Image())
@@ -64,10 +65,23 @@ def write_params(tmp_path):
 def test_featcal_run_end_to_end(tmp_path, prefect_api):
     params_path = write_params(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": uri,
-           "PREFECT_API_URL": prefect_api}  # fmt: skip
-    cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path),
-           "--set", "featcal.alpha=0.3", "--json"]  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "MLFLOW_TRACKING_URI": uri,
+        "PREFECT_API_URL": prefect_api,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "featcal_cli.main",
+        "run",
+        "--params",
+        str(params_path),
+        "--set",
+        "featcal.alpha=0.3",
+        "--json",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout[proc.stdout.index("{") :])
@@ -92,8 +106,10 @@ def test_featcal_run_end_to_end(tmp_path, prefect_api):
         assert set(row) == {"base", "expert", "merged", "calibrated"}
         assert all(r["examples"] == 10 for r in row.values())
         assert row["expert"]["normalized"] == 1.0
-        assert abs(row["merged"]["normalized"] * row["expert"]["accuracy"]
-                   - row["merged"]["accuracy"]) < 1e-9  # fmt: skip
+        assert (
+            abs(row["merged"]["normalized"] * row["expert"]["accuracy"] - row["merged"]["accuracy"])
+            < 1e-9
+        )
         # evaluation.precision null: the forwards follow featcal.precision's choice
         ran = record["hyperparameters"]["precision"]
         assert {r["precision"] for r in row.values()} == {ran}
@@ -110,16 +126,32 @@ def test_featcal_run_end_to_end(tmp_path, prefect_api):
     assert "featcal" in card and "0.3" in card
     provenance = json.loads((results / "provenance.json").read_text())
     assert provenance["mlflow_run_id"] == summary["mlflow_run_id"]
-    lineage = subprocess.run([sys.executable, "-m", "featcal_cli.main", "lineage",
-                              str(results / "calibrated"), "--json"],
-                             capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
+    lineage = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "featcal_cli.main",
+            "lineage",
+            str(results / "calibrated"),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert lineage.returncode == 0, lineage.stderr[-2000:]
     assert json.loads(lineage.stdout)["problems"] == []
 
     # an evaluation-only change recomputes no block
-    again = subprocess.run([*cmd, "--set", "evaluation.batch_size=3", "--set",
-                            "evaluation.precision=float32"], env=env,
-                           capture_output=True, text=True, timeout=600, cwd=tmp_path)  # fmt: skip
+    again = subprocess.run(
+        [*cmd, "--set", "evaluation.batch_size=3", "--set", "evaluation.precision=float32"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     rerun = json.loads(again.stdout[again.stdout.index("{") :])
     assert rerun["calibration"]["restored"] == rerun["calibration"]["blocks"] == 2
@@ -155,8 +187,13 @@ def test_featcal_run_end_to_end(tmp_path, prefect_api):
         [run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'"
     )
     assert {c.data.tags["mlflow.runName"] for c in children} >= {
-        "download-experts", "calibration-sets", "merge", "calibrate", "evaluate", "report",
-    }  # fmt: skip
+        "download-experts",
+        "calibration-sets",
+        "merge",
+        "calibrate",
+        "evaluate",
+        "report",
+    }
     logged = {a.path for a in client.list_artifacts(run.info.run_id, "report")}
     assert "report/report.html" in logged and "report/drift.png" in logged
     assert not [key for key in run.data.params if key.startswith("calibration.")]  # once each
@@ -167,8 +204,10 @@ def test_featcal_run_end_to_end(tmp_path, prefect_api):
         expected = gap_closed(accuracy["merged"], accuracy["calibrated"], accuracy["expert"])
         logged = client.get_metric_history(run.info.run_id, f"gap_closed/{task}/calibrated")
         assert [m.value for m in logged] == ([] if expected is None else [pytest.approx(expected)])
-    inputs = {(i.dataset.name, {t.key: t.value for t in i.tags}["mlflow.data.context"])
-              for i in run.inputs.dataset_inputs}  # fmt: skip
+    inputs = {
+        (i.dataset.name, {t.key: t.value for t in i.tags}["mlflow.data.context"])
+        for i in run.inputs.dataset_inputs
+    }
     assert inputs == {
         ("calibration/alpha", "calibration"),
         ("calibration/beta", "calibration"),
@@ -217,17 +256,34 @@ def test_featcal_run_with_a_baseline_repair(tmp_path, prefect_api, repair):
     task's module)."""
     params_path = write_params(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": uri,
-           "PREFECT_API_URL": prefect_api}  # fmt: skip
-    cmd = [sys.executable, "-m", "featcal_cli.main", "run", "--params", str(params_path),
-           "--set", f"repair.method={repair}", "--set", "repair.surgery_steps=20", "--json"]  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "MLFLOW_TRACKING_URI": uri,
+        "PREFECT_API_URL": prefect_api,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "featcal_cli.main",
+        "run",
+        "--params",
+        str(params_path),
+        "--set",
+        f"repair.method={repair}",
+        "--set",
+        "repair.surgery_steps=20",
+        "--json",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout[proc.stdout.index("{") :])
     assert summary["repair"]["method"] == repair and "calibration" not in summary
     calibrated = tmp_path / "results" / "calibrated"
-    record = {"surgery": calibrated / "alpha" / "surgery.json",
-              "regmean": calibrated / "regmean.json"}[repair]  # fmt: skip
+    record = {
+        "surgery": calibrated / "alpha" / "surgery.json",
+        "regmean": calibrated / "regmean.json",
+    }[repair]
     assert record.is_file() and not (calibrated / "featcal.json").exists()
     for row in summary["evaluation"].values():
         assert {"expert", "merged", "calibrated"} <= set(row)
@@ -258,8 +314,9 @@ def _bert_with_heads(tmp_path):
 
     pool = factories.bert_zoo(tmp_path / "pool", tasks=("alpha", "beta"), delta=0.02)
     labels = {0: "negative", 1: "neutral", 2: "positive"}
-    config = BertConfig.from_pretrained(pool.base, num_labels=3, id2label=labels,
-                                        label2id={v: k for k, v in labels.items()})  # fmt: skip
+    config = BertConfig.from_pretrained(
+        pool.base, num_labels=3, id2label=labels, label2id={v: k for k, v in labels.items()}
+    )
     experts = {}
     for i, (task, path) in enumerate(pool.experts.items()):
         torch.manual_seed(10 + i)
@@ -347,12 +404,24 @@ def test_featcal_run_bert_with_task_heads(tmp_path, prefect_api):
 
 
 LANGUAGE_MODELS = {
-    "llama": (dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64),
-              "hf-llama", 2),
-    "t5": (dict(d_model=16, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=8),
-           "hf-t5", 4),
-}  # fmt: skip
+    "llama": (
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        ),
+        "hf-llama",
+        2,
+    ),
+    "t5": (
+        dict(d_model=16, d_ff=32, num_layers=2, num_decoder_layers=2, num_heads=2, d_kv=8),
+        "hf-t5",
+        4,
+    ),
+}
 
 
 @pytest.mark.parametrize("family", sorted(LANGUAGE_MODELS))
@@ -398,8 +467,9 @@ def test_featcal_run_language_model_scores_labels(tmp_path, prefect_api, family)
         assert all(("perplexity" in r) == (family == "llama") for r in row.values())
         assert row["expert"]["normalized"] == 1.0
         # the step's numbers are the library's on the same checkpoint and rows
-        again = evaluate_lm_dataset(results / "calibrated", pool.base,
-                                    tmp_path / f"text_{task}", "test", words, prompt)  # fmt: skip
+        again = evaluate_lm_dataset(
+            results / "calibrated", pool.base, tmp_path / f"text_{task}", "test", words, prompt
+        )
         assert row["calibrated"]["accuracy"] == again["accuracy"]
         assert row["calibrated"]["loss"] == pytest.approx(again["loss"], rel=1e-6)  # batching
     assert (tmp_path / "reports" / family / "report.md").is_file()

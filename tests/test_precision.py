@@ -36,8 +36,12 @@ def _solve(precision: str, d_in: int, d_out: int, via_x: bool, tokens: int, weig
     stats = LinearInputStats(d_in, {"fc": (d_out, True)}, CPU, hint, precision=precision, params=hp)
     assert stats.via_x == via_x
     for _ in range(3):  # tasks
-        params = {"fc": (torch.randn(d_out, d_in, generator=g) / d_in**0.5,
-                         torch.randn(d_out, generator=g))}  # fmt: skip
+        params = {
+            "fc": (
+                torch.randn(d_out, d_in, generator=g) / d_in**0.5,
+                torch.randn(d_out, generator=g),
+            )
+        }
         mean = torch.randn(d_in, generator=g)  # uncentered inputs, as hidden states are
         for _ in range(0, tokens, 700):  # batches
             x_s = mean + torch.randn(700, d_in, generator=g)
@@ -45,8 +49,12 @@ def _solve(precision: str, d_in: int, d_out: int, via_x: bool, tokens: int, weig
             w = torch.rand(700, generator=g) if weighted else None
             stats.add(x_s.float(), x_e.float(), w, params)
         stats.end_task(params)
-    anchors = {"fc": (torch.zeros(d_out, d_in, dtype=torch.float64),
-                      torch.zeros(d_out, dtype=torch.float64))}  # fmt: skip
+    anchors = {
+        "fc": (
+            torch.zeros(d_out, d_in, dtype=torch.float64),
+            torch.zeros(d_out, dtype=torch.float64),
+        )
+    }
     return stats.solve(anchors)["fc"]
 
 
@@ -86,8 +94,12 @@ def test_wide_contributions_are_full_and_fold_anywhere(precision):
         elsewhere.merge({k: v.clone() for k, v in contribution.items()})
         in_place.add(x_s, x_e, None, params)
         in_place.end_task(params)
-    anchors = {"fc": (torch.zeros(d_out, d_in, dtype=torch.float64),
-                      torch.zeros(d_out, dtype=torch.float64))}  # fmt: skip
+    anchors = {
+        "fc": (
+            torch.zeros(d_out, d_in, dtype=torch.float64),
+            torch.zeros(d_out, dtype=torch.float64),
+        )
+    }
     a = in_place.solve(anchors)["fc"]
     b = elsewhere.solve(anchors)["fc"]
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -105,8 +117,16 @@ def test_float32_calibration_matches_the_float64_path(tmp_path, kind, record_pro
     outs = {}
     for precision in ("float32", "float64"):
         out = outs[precision] = tmp_path / precision
-        record = calibrate(zoo.base, zoo.merged, zoo.experts, zoo.calib, out, num_per_task=8,
-                           precision=precision, progress=False)  # fmt: skip
+        record = calibrate(
+            zoo.base,
+            zoo.merged,
+            zoo.experts,
+            zoo.calib,
+            out,
+            num_per_task=8,
+            precision=precision,
+            progress=False,
+        )
         assert record["hyperparameters"]["precision"] == precision
     fast = load_file(str(outs["float32"] / "model.safetensors"))
     exact = load_file(str(outs["float64"] / "model.safetensors"))
@@ -126,13 +146,28 @@ def test_float32_calibration_matches_the_float64_path(tmp_path, kind, record_pro
 def test_float64_models_always_use_float64_products(tmp_path):
     zoo = factories.clip_zoo(tmp_path / "zoo", tasks=("alpha", "beta"), dtype=torch.float64)
     out = tmp_path / "out"
-    calibrate(zoo.base, zoo.merged, zoo.experts, zoo.calib, out, num_per_task=4,
-              precision="float32", progress=False)  # fmt: skip
+    calibrate(
+        zoo.base,
+        zoo.merged,
+        zoo.experts,
+        zoo.calib,
+        out,
+        num_per_task=4,
+        precision="float32",
+        progress=False,
+    )
     record = json.loads((out / "featcal.json").read_text())
     assert record["hyperparameters"]["precision"] == "float64"
     with pytest.raises(FeatCalError, match="--precision"):
-        calibrate(zoo.base, zoo.merged, zoo.experts, zoo.calib, tmp_path / "bad",
-                  precision="half", progress=False)  # fmt: skip
+        calibrate(
+            zoo.base,
+            zoo.merged,
+            zoo.experts,
+            zoo.calib,
+            tmp_path / "bad",
+            precision="half",
+            progress=False,
+        )
 
 
 # ------------------------------------------------------------------ bfloat16 and auto
@@ -170,8 +205,16 @@ def test_bfloat16_calibration_against_the_float64_path(tmp_path, kind, record_pr
     outs, records = {}, {}
     for precision in ("bfloat16", "float64"):
         out = outs[precision] = tmp_path / precision
-        records[precision] = calibrate(zoo.base, zoo.merged, zoo.experts, zoo.calib, out,
-                                       num_per_task=8, precision=precision, progress=False)  # fmt: skip
+        records[precision] = calibrate(
+            zoo.base,
+            zoo.merged,
+            zoo.experts,
+            zoo.calib,
+            out,
+            num_per_task=8,
+            precision=precision,
+            progress=False,
+        )
         assert records[precision]["hyperparameters"]["precision"] == precision
     fast = load_file(str(outs["bfloat16"] / "model.safetensors"))
     exact = load_file(str(outs["float64"] / "model.safetensors"))
@@ -181,8 +224,10 @@ def test_bfloat16_calibration_against_the_float64_path(tmp_path, kind, record_pr
     worst, median = errors[-1], errors[len(errors) // 2]
     drift = [(records[p]["blocks"][-1]["drift_after"]) for p in ("bfloat16", "float64")]
     shift = max(abs(drift[0][t] / drift[1][t] - 1) for t in drift[1])
-    record_property("report: bfloat16 vs float64 calibrated weights (worst, median; last-block "
-                    "drift)", f"{kind}: {worst:.2e}, {median:.2e}; {shift:.2%}")  # fmt: skip
+    record_property(
+        "report: bfloat16 vs float64 calibrated weights (worst, median; last-block drift)",
+        f"{kind}: {worst:.2e}, {median:.2e}; {shift:.2%}",
+    )
     assert fast[calibrated[0]].dtype == torch.float32  # written in the checkpoint's dtype
     assert 0 < worst <= BF16_WORST and median <= BF16_MEDIAN
     assert shift <= 0.01  # the last block's drift after calibration moves by under 1 %
@@ -217,8 +262,15 @@ def test_the_record_says_which_precision_ran_and_why(tmp_path, monkeypatch):
 
     monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset())
     zoo = factories.clip_zoo(tmp_path / "zoo")
-    record = calibrate(zoo.base, zoo.merged, zoo.experts, zoo.calib, tmp_path / "out",
-                       num_per_task=4, progress=False)  # fmt: skip
+    record = calibrate(
+        zoo.base,
+        zoo.merged,
+        zoo.experts,
+        zoo.calib,
+        tmp_path / "out",
+        num_per_task=4,
+        progress=False,
+    )
     settings = record["hyperparameters"]
     assert settings["precision"] == "float32" and settings["precision_requested"] == "auto"
     assert settings["precision_reason"].startswith("auto: no native bfloat16")
@@ -230,15 +282,29 @@ def test_bfloat16_without_a_ridge_keeps_float32_products(tmp_path):
     from featcal_core.method.hyperparameters import FeatCalParams
 
     zoo = factories.clip_zoo(tmp_path / "zoo", tasks=("a", "b", "c"), rows=16, blocks_only=True)
-    record = calibrate(zoo.base, zoo.merged, zoo.experts, zoo.calib, tmp_path / "out",
-                       params=FeatCalParams(alpha=1.0, lam=0.0), precision="bfloat16",
-                       progress=False)  # fmt: skip
+    record = calibrate(
+        zoo.base,
+        zoo.merged,
+        zoo.experts,
+        zoo.calib,
+        tmp_path / "out",
+        params=FeatCalParams(alpha=1.0, lam=0.0),
+        precision="bfloat16",
+        progress=False,
+    )
     settings = record["hyperparameters"]
     assert settings["precision"] == "bfloat16" and settings["products_precision"] == "float32"
     for block in record["blocks"]:
         assert sum(block["drift_after"].values()) < sum(block["drift_before"].values()), block
-    ridge = calibrate(zoo.base, zoo.merged, zoo.experts, zoo.calib, tmp_path / "ridge",
-                      precision="bfloat16", progress=False)["hyperparameters"]  # fmt: skip
+    ridge = calibrate(
+        zoo.base,
+        zoo.merged,
+        zoo.experts,
+        zoo.calib,
+        tmp_path / "ridge",
+        precision="bfloat16",
+        progress=False,
+    )["hyperparameters"]
     assert ridge["products_precision"] == "bfloat16"  # the paper's λ 0.05: bfloat16 products
 
 

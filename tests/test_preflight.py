@@ -73,8 +73,9 @@ def test_planted_mistakes_one_line_each_nothing_written(good, tmp_path, capsys):
     # the missing class names show once the label column is right
     problems, _ = check(load_params(planted, ["tasks.beta.evaluation.label_column=label"]))
     assert [k for k, _ in problems if k.startswith("tasks.beta.")] == [
-        "tasks.beta.calibration", "tasks.beta.class_names"
-    ]  # fmt: skip
+        "tasks.beta.calibration",
+        "tasks.beta.class_names",
+    ]
 
 
 def test_run_stops_before_any_download(good, tmp_path, capsys):
@@ -104,9 +105,12 @@ def test_hub_models_from_the_cache_offline(good, tmp_path, monkeypatch):
     assert [k for k, _ in problems] == ["models.experts.beta"], problems
     assert "not in the local Hugging Face cache" in problems[0][1]
     assert "hf download owner/missing" in problems[0][1]
-    assert ("models.base", "Hub model 'openai/clip' has pickled weights only on its default "
-            "branch; the run uses its safetensors conversion refs/pr/66 (a pull request cached "
-            "with safetensors weights)") in notes  # fmt: skip
+    assert (
+        "models.base",
+        "Hub model 'openai/clip' has pickled weights only on its default "
+        "branch; the run uses its safetensors conversion refs/pr/66 (a pull request cached "
+        "with safetensors weights)",
+    ) in notes
 
 
 def test_an_expert_of_another_family_is_named(good, tmp_path):
@@ -147,8 +151,9 @@ def test_hub_online_unreachable_is_a_note_a_missing_repository_a_problem(good, m
     assert any(k == "models.experts.alpha" and "did not answer" in t for k, t in notes), notes
 
 
-def test_the_paper_file_checks_unchanged_against_stand_in_hub_repositories(tmp_path, monkeypatch,
-                                                                           capsys):  # fmt: skip
+def test_the_paper_file_checks_unchanged_against_stand_in_hub_repositories(
+    tmp_path, monkeypatch, capsys
+):
     """params/paper-clip-vit-b32.yaml as shipped, offline, against a Hugging Face cache holding
     stand-ins in the real layouts: openai/clip-vit-base-patch32 with pickled weights only on main
     and its safetensors in refs/pr/66 (as on the Hub), the eight tanganke experts as
@@ -167,21 +172,26 @@ def test_the_paper_file_checks_unchanged_against_stand_in_hub_repositories(tmp_p
     assert main(["check", "--params", str(PAPER)]) == 0
     out, err = capsys.readouterr()
     assert "no problems found (8 tasks)" in out
-    assert "featcal: note: models.base: Hub model 'openai/clip-vit-base-patch32' has pickled " \
-           "weights only on its default branch; the run uses its safetensors conversion " \
-           "refs/pr/66" in err  # fmt: skip
+    assert (
+        "featcal: note: models.base: Hub model 'openai/clip-vit-base-patch32' has pickled "
+        "weights only on its default branch; the run uses its safetensors conversion "
+        "refs/pr/66" in err
+    )
     assert err.count("not checked offline") == 16  # calibration and evaluation of 8 tasks
 
     shutil.rmtree(cache / "models--tanganke--clip-vit-base-patch32_dtd")
     assert main(["check", "--params", str(PAPER)]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-    assert len(errors) == 1 and errors[0].startswith("featcal: error: models.experts.dtd: Hub "
-                                                     "model 'tanganke/clip-vit-base-patch32_dtd' "
-                                                     "is not in the local Hugging Face cache")  # fmt: skip
+    assert len(errors) == 1 and errors[0].startswith(
+        "featcal: error: models.experts.dtd: Hub "
+        "model 'tanganke/clip-vit-base-patch32_dtd' "
+        "is not in the local Hugging Face cache"
+    )
 
 
-def test_hub_datasets_checked_from_their_cards_without_downloading_rows(good, tmp_path,
-                                                                       monkeypatch):  # fmt: skip
+def test_hub_datasets_checked_from_their_cards_without_downloading_rows(
+    good, tmp_path, monkeypatch
+):
     """Online, a Hub dataset's config, split, columns and zero-shot class names are checked from
     what datasets' builder reads (the card and the file listing; no rows): here repositories in
     the Hub's layout stand in for owner/signs and owner/plain, whose data files are not parquet
@@ -194,16 +204,22 @@ def test_hub_datasets_checked_from_their_cards_without_downloading_rows(good, tm
     from featcal_core.provenance import resolve
 
     image = Image.new("RGB", (4, 4))
-    signs = datasets.Features({"image": datasets.Image(),
-                               "label": datasets.ClassLabel(names=[str(i) for i in range(43)])})  # fmt: skip
+    signs = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=[str(i) for i in range(43)])}
+    )
     plain = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")})
     repos = {
         "owner/signs": factories.hub_dataset_repo(
-            tmp_path / "signs", signs, {}, "default", broken=("train", "test")),
+            tmp_path / "signs", signs, {}, "default", broken=("train", "test")
+        ),
         "owner/plain": factories.hub_dataset_repo(
-            tmp_path / "plain", plain, {"train": {"image": [image], "label": [0]}}, "default",
-            broken=("test",)),
-    }  # fmt: skip
+            tmp_path / "plain",
+            plain,
+            {"train": {"image": [image], "label": [0]}},
+            "default",
+            broken=("test",),
+        ),
+    }
     real_builder = datasets.load_dataset_builder
     asked: list[str] = []  # every Hub lookup, by dataset
 
@@ -212,8 +228,7 @@ def test_hub_datasets_checked_from_their_cards_without_downloading_rows(good, tm
         return real_builder(str(repos[name]), config, **kw)
 
     monkeypatch.setattr(datasets, "load_dataset_builder", builder)
-    monkeypatch.setattr(HfApi, "dataset_info",
-                        lambda self, repo, revision=None: asked.append(repo))  # fmt: skip
+    monkeypatch.setattr(HfApi, "dataset_info", lambda self, repo, revision=None: asked.append(repo))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     monkeypatch.setattr(resolve.hf_constants, "HF_HUB_OFFLINE", False)
@@ -227,24 +242,40 @@ def test_hub_datasets_checked_from_their_cards_without_downloading_rows(good, tm
         path.write_text(yaml.safe_dump(data))
         return check(load_params(path))
 
-    signs_task = {"calibration": {"hub": "owner/signs", "split": "train"},
-                  "evaluation": {"hub": "owner/signs", "split": "test"}, "prompt_set": "gtsrb"}  # fmt: skip
+    signs_task = {
+        "calibration": {"hub": "owner/signs", "split": "train"},
+        "evaluation": {"hub": "owner/signs", "split": "test"},
+        "prompt_set": "gtsrb",
+    }
     problems, _ = checked(alpha=signs_task)
     assert problems == []  # 43 numbered classes: the set's 43 sign names
     assert asked == ["owner/signs", "owner/signs"]  # once (card, builder) for both roles
     problems, _ = checked(
         alpha={**signs_task, "evaluation": {"hub": "owner/signs", "split": "validation"}},
-        beta={"calibration": {"hub": "owner/plain", "split": "train"},
-              "evaluation": {"hub": "owner/plain", "split": "test", "label_column": "target"},
-              "templates": ["a {}."]},
-    )  # fmt: skip
+        beta={
+            "calibration": {"hub": "owner/plain", "split": "train"},
+            "evaluation": {"hub": "owner/plain", "split": "test", "label_column": "target"},
+            "templates": ["a {}."],
+        },
+    )
     assert [key for key, _ in problems] == ["tasks.alpha.evaluation.split", "tasks.beta.evaluation"]
-    assert "has no split 'validation' (has ['train', 'test']); set tasks.alpha.evaluation.split" \
-           in problems[0][1]  # fmt: skip
+    assert (
+        "has no split 'validation' (has ['train', 'test']); set tasks.alpha.evaluation.split"
+        in problems[0][1]
+    )
     assert "has no label column 'target' (has ['image', 'label'])" in problems[1][1]
-    problems, _ = checked(beta={"calibration": {"hub": "owner/plain", "split": "train"},
-                                "evaluation": {"hub": "owner/plain", "split": "test"},
-                                "prompt_set": "dtd"})  # fmt: skip
-    assert problems == [("tasks.beta.prompt_set", "the evaluation set's label column has no "
-                         "class names and prompt set 'dtd' gives none; set class_names (one per "
-                         "label)")]  # fmt: skip
+    problems, _ = checked(
+        beta={
+            "calibration": {"hub": "owner/plain", "split": "train"},
+            "evaluation": {"hub": "owner/plain", "split": "test"},
+            "prompt_set": "dtd",
+        }
+    )
+    assert problems == [
+        (
+            "tasks.beta.prompt_set",
+            "the evaluation set's label column has no "
+            "class names and prompt set 'dtd' gives none; set class_names (one per "
+            "label)",
+        )
+    ]

@@ -59,21 +59,35 @@ def _params(project, tmp_path: Path, data: dict | None = None) -> Path:
     return path
 
 
-def _start(project, tmp_path: Path, args: list[str], *, api: str | None = None,
-           failpoint: str | None = None) -> subprocess.Popen:  # fmt: skip
+def _start(
+    project,
+    tmp_path: Path,
+    args: list[str],
+    *,
+    api: str | None = None,
+    failpoint: str | None = None,
+) -> subprocess.Popen:
     """`featcal ARGS` in the background from tmp_path; api: PREFECT_API_URL (None: unset, the
     command starts its own server)."""
-    env = {**os.environ, "PREFECT_HOME": str(project[1]),
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(project[1]),
+        "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",
+    }
     for name in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "FEATCAL_FAILPOINT"):
         env.pop(name, None)
     if api is not None:
         env["PREFECT_API_URL"] = api
     if failpoint is not None:
         env["FEATCAL_FAILPOINT"] = failpoint
-    return subprocess.Popen([sys.executable, "-m", "featcal_cli.main", *args], env=env,
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "featcal_cli.main", *args],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_until(proc: subprocess.Popen, ready, what: str, timeout_s: float = 300) -> None:
@@ -132,8 +146,9 @@ def _status(api_url: str, auth: str | None) -> int:
     headers = {"Content-Type": "application/json"}
     if auth is not None:
         headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
-    request = urllib.request.Request(f"{api_url}/flows/filter", data=b"{}", method="POST",
-                                     headers=headers)  # fmt: skip
+    request = urllib.request.Request(
+        f"{api_url}/flows/filter", data=b"{}", method="POST", headers=headers
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status
@@ -162,8 +177,13 @@ def _sigterm(proc: subprocess.Popen, record_property, phase: str) -> str:
 
 
 def _leftovers(*roots: Path) -> list[str]:
-    return [str(p) for root in roots if root.exists() for p in root.rglob("*")
-            if TEMP_TAG in p.name or OLD_TAG in p.name]  # fmt: skip
+    return [
+        str(p)
+        for root in roots
+        if root.exists()
+        for p in root.rglob("*")
+        if TEMP_TAG in p.name or OLD_TAG in p.name
+    ]
 
 
 def _released(results: Path) -> None:
@@ -192,8 +212,10 @@ def test_sigkilled_calibrate_leaves_no_prefect_server(tmp_path, project, record_
         proc.kill()
         proc.communicate()
     assert _gone(proc.pid) == [], "the Prefect server outlived the SIGKILLed command"
-    record_property("report: SIGKILL to no server left, calibrate --results-dir (s)",
-                    round(time.monotonic() - killed, 2))  # fmt: skip
+    record_property(
+        "report: SIGKILL to no server left, calibrate --results-dir (s)",
+        round(time.monotonic() - killed, 2),
+    )
 
 
 # -------------------------------------------------- case 7b and 7: the token, SIGTERM mid-block
@@ -208,8 +230,12 @@ def test_run_api_takes_the_token_and_sigterm_mid_block_stops_it_all(
     its Prefect server stopped."""
     params, home = _params(project, tmp_path), project[1]
     barrier = tmp_path / "never"
-    proc = _start(project, tmp_path, ["run", "--params", str(params)],
-                  failpoint=f"commit:state:wait={barrier}")  # fmt: skip
+    proc = _start(
+        project,
+        tmp_path,
+        ["run", "--params", str(params)],
+        failpoint=f"commit:state:wait={barrier}",
+    )
     try:
         _paused(proc, barrier, "a block state's commit")
         api_url = _api(proc)
@@ -236,8 +262,9 @@ def test_sigterm_at_the_run_lock(tmp_path, project, record_property):
     """Stopped while it holds the run lock, before the flow (and its server) starts."""
     params = _params(project, tmp_path)
     barrier = tmp_path / "never"
-    proc = _start(project, tmp_path, ["run", "--params", str(params)],
-                  failpoint=f"locked:run:wait={barrier}")  # fmt: skip
+    proc = _start(
+        project, tmp_path, ["run", "--params", str(params)], failpoint=f"locked:run:wait={barrier}"
+    )
     _paused(proc, barrier, "the run lock")
     _sigterm(proc, record_property, "at the run lock (featcal run)")
     assert _leftovers(tmp_path / "results") == []
@@ -261,19 +288,31 @@ def test_sigterm_just_after_merged_appears(tmp_path, project, prefect_api, recor
 def test_sigterm_during_zoo_training(tmp_path, project, prefect_api, record_property):
     """Stopped while the zoo's first expert trains (a Prefect task of the flow): the zoo being
     built (a temporary folder beside its target) is removed."""
-    toy = {"left": _toy_images(tmp_path / "left", vertical=False, seed=0),
-           "top": _toy_images(tmp_path / "top", vertical=True, seed=1)}  # fmt: skip
+    toy = {
+        "left": _toy_images(tmp_path / "left", vertical=False, seed=0),
+        "top": _toy_images(tmp_path / "top", vertical=True, seed=1),
+    }
     data = {
         "run": {"name": "toy"},
-        "zoo": {"preset": "vision", "name": "toy", "dir": str(tmp_path / "zoo"),
-                "datasets": {t: str(p) for t, p in toy.items()},
-                "pretrain_steps": 2, "expert_steps": 25},
+        "zoo": {
+            "preset": "vision",
+            "name": "toy",
+            "dir": str(tmp_path / "zoo"),
+            "datasets": {t: str(p) for t, p in toy.items()},
+            "pretrain_steps": 2,
+            "expert_steps": 25,
+        },
         "featcal": {"num_per_task": 8, "batch_size": 8},
-    }  # fmt: skip
+    }
     params = _params(project, tmp_path, data)
     barrier = tmp_path / "never"
-    proc = _start(project, tmp_path, ["run", "--params", str(params)], api=prefect_api,
-                  failpoint=f"train:left:wait={barrier}")  # fmt: skip
+    proc = _start(
+        project,
+        tmp_path,
+        ["run", "--params", str(params)],
+        api=prefect_api,
+        failpoint=f"train:left:wait={barrier}",
+    )
     _paused(proc, barrier, "the expert's training")
     assert _leftovers(tmp_path), "the zoo is built in a temporary folder"
     _sigterm(proc, record_property, "during zoo training (featcal run)")
@@ -285,11 +324,20 @@ def test_sigterm_during_zoo_training(tmp_path, project, prefect_api, record_prop
 def test_api_auth_string_is_generated_once_by_concurrent_commands(tmp_path):
     """Two commands starting together on a new PREFECT_HOME get the same complete token (the
     file is linked into place once written: no one reads it half-written)."""
-    code = ("import sys; from featcal.flows.prefect_server import api_auth_string; "
-            "print(api_auth_string(sys.argv[1]))")  # fmt: skip
+    code = (
+        "import sys; from featcal.flows.prefect_server import api_auth_string; "
+        "print(api_auth_string(sys.argv[1]))"
+    )
     home = tmp_path / "prefect"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(home)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(4)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, str(home)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
     outputs = [p.communicate(timeout=60) for p in procs]
     assert all(p.returncode == 0 for p in procs), outputs
     tokens = {out.strip() for out, _ in outputs}
@@ -302,12 +350,21 @@ def test_commands_starting_together_on_a_fresh_home_all_get_a_server(tmp_path):
     without the start-up lock their database migrations race and a server exits with status 3
     (seen in 1 of 3 trials of two starts); with it each waits its turn and all answer."""
     home = tmp_path / "prefect"
-    script = ("from featcal.flows.environment import command_api, command_scope\n"
-              "with command_scope():\n    with command_api():\n        print('served')\n")  # fmt: skip
+    script = (
+        "from featcal.flows.environment import command_api, command_scope\n"
+        "with command_scope():\n    with command_api():\n        print('served')\n"
+    )
     env = {**os.environ, "PREFECT_HOME": str(home)}
     env.pop("PREFECT_API_URL", None)
-    procs = [subprocess.Popen([sys.executable, "-c", script], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for _ in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
     results = [(p.wait(timeout=300), *p.communicate()) for p in procs]
     assert all(code == 0 and out.strip() == "served" for code, out, _ in results), results

@@ -29,10 +29,24 @@ from featcal_core.repair.closed_form import reduce_off_diagonal_, regmean_weight
 from featcal_core.repair.grams import GramSum
 
 F64 = torch.float64
-TINY_LLAMA = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)  # fmt: skip
-TINY_T5 = dict(d_model=16, d_ff=32, num_layers=2, num_decoder_layers=3, num_heads=2, d_kv=12,
-               relative_attention_num_buckets=8, feed_forward_proj="gated-gelu")  # fmt: skip
+TINY_LLAMA = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+TINY_T5 = dict(
+    d_model=16,
+    d_ff=32,
+    num_layers=2,
+    num_decoder_layers=3,
+    num_heads=2,
+    d_kv=12,
+    relative_attention_num_buckets=8,
+    feed_forward_proj="gated-gelu",
+)
 #: family → (pool builder arguments, HF model class, block-root substring of its Linear names)
 FAMILIES = {
     "clip": ("clip", factories.TINY_CLIP, CLIPVisionModel, "encoder.layers."),
@@ -121,17 +135,20 @@ def _model_inputs(kind: str, pool, task: str) -> dict[str, torch.Tensor]:
     data = datasets.load_from_disk(str(pool.calib[task]))
     if kind == "clip":
         processor = AutoImageProcessor.from_pretrained(pool.base)
-        pixels = processor(images=[im.convert("RGB") for im in data["image"]],
-                           return_tensors="pt")["pixel_values"]  # fmt: skip
+        pixels = processor(images=[im.convert("RGB") for im in data["image"]], return_tensors="pt")[
+            "pixel_values"
+        ]
         return {"pixel_values": pixels.to(F64)}
     tokenizer = AutoTokenizer.from_pretrained(pool.base)
     tokenizer.padding_side = "right"
-    enc = tokenizer(list(data["text"]), padding=True, truncation=True, max_length=64,
-                    return_tensors="pt")  # fmt: skip
+    enc = tokenizer(
+        list(data["text"]), padding=True, truncation=True, max_length=64, return_tensors="pt"
+    )
     inputs = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
     if kind == "t5":  # teacher forcing: the start token, then the target shifted right
-        labels = tokenizer(list(data["target"]), padding=True, truncation=True, max_length=64,
-                           return_tensors="pt")  # fmt: skip
+        labels = tokenizer(
+            list(data["target"]), padding=True, truncation=True, max_length=64, return_tensors="pt"
+        )
         start = torch.zeros(len(labels["input_ids"]), 1, dtype=labels["input_ids"].dtype)
         inputs["decoder_input_ids"] = torch.cat([start, labels["input_ids"][:, :-1]], dim=1)
         inputs["decoder_attention_mask"] = labels["attention_mask"]
@@ -142,8 +159,9 @@ def _hooked_grams(kind: str, pool, task: str, names: list[str]) -> dict[str, tor
     """Per-token mean Grams of each named Linear's input over the real tokens, collected with
     forward hooks on expert `task`'s Hugging Face model running the whole task set at once."""
     _, _, model_cls, _ = FAMILIES[kind]
-    model = model_cls.from_pretrained(pool.experts[task], dtype=F64,
-                                      attn_implementation="eager").eval()  # fmt: skip
+    model = model_cls.from_pretrained(
+        pool.experts[task], dtype=F64, attn_implementation="eager"
+    ).eval()
     inputs = _model_inputs(kind, pool, task)
     seen = {}
     for name in names:
@@ -168,13 +186,18 @@ def _expected(kind: str, pool, alpha: float) -> dict[str, torch.Tensor]:
     _, _, model_cls, root = FAMILIES[kind]
     experts = {t: load_file(str(p / "model.safetensors")) for t, p in pool.experts.items()}
     first = next(iter(experts.values()))
-    names = [n for n, m in model_cls.from_pretrained(pool.merged).named_modules()
-             if root in n and isinstance(m, torch.nn.Linear)]  # fmt: skip
+    names = [
+        n
+        for n, m in model_cls.from_pretrained(pool.merged).named_modules()
+        if root in n and isinstance(m, torch.nn.Linear)
+    ]
     grams = {t: _hooked_grams(kind, pool, t, names) for t in experts}
     out = {}
     for name in names:
-        reduced = {t: alpha * g[name] + (1 - alpha) * torch.diag(torch.diagonal(g[name]))
-                   for t, g in grams.items()}  # fmt: skip
+        reduced = {
+            t: alpha * g[name] + (1 - alpha) * torch.diag(torch.diagonal(g[name]))
+            for t, g in grams.items()
+        }
         rhs = sum(reduced[t] @ experts[t][f"{name}.weight"].T for t in experts)
         out[f"{name}.weight"] = torch.linalg.solve(sum(reduced.values()), rhs).T
         if f"{name}.bias" in first:
@@ -186,8 +209,16 @@ def _expected(kind: str, pool, alpha: float) -> dict[str, torch.Tensor]:
 def test_checkpoint_matches_hooked_grams_and_keeps_everything_else(pools, tmp_path, kind):
     pool, alpha = pools(kind), 0.6
     out = tmp_path / "regmean"
-    record = regmean_checkpoint(pool.base, pool.merged, pool.experts, pool.calib, out,
-                                alpha=alpha, settings=Settings(batch_size=5), progress=False)  # fmt: skip
+    record = regmean_checkpoint(
+        pool.base,
+        pool.merged,
+        pool.experts,
+        pool.calib,
+        out,
+        alpha=alpha,
+        settings=Settings(batch_size=5),
+        progress=False,
+    )
     assert json.loads((out / REGMEAN_RECORD).read_text()) == record
     assert record["hyperparameters"]["alpha"] == alpha and record["fallbacks"] == 0
     assert set(record["inputs"]["experts"]) == set(pool.experts)
@@ -210,10 +241,21 @@ def test_checkpoint_matches_hooked_grams_and_keeps_everything_else(pools, tmp_pa
 def test_pooled_weights_change_only_the_last_block_and_spilling_changes_nothing(pools, tmp_path):
     pool = pools("clip")
     plain, pooled, spilled = tmp_path / "plain", tmp_path / "pooled", tmp_path / "spilled"
-    for out, flag, spill in ((plain, False, None), (pooled, True, None),
-                             (spilled, False, tmp_path / "spill")):  # fmt: skip
-        regmean_checkpoint(pool.base, pool.merged, pool.experts, pool.calib, out,
-                           pooled_weights=flag, spill_dir=spill, progress=False)  # fmt: skip
+    for out, flag, spill in (
+        (plain, False, None),
+        (pooled, True, None),
+        (spilled, False, tmp_path / "spill"),
+    ):
+        regmean_checkpoint(
+            pool.base,
+            pool.merged,
+            pool.experts,
+            pool.calib,
+            out,
+            pooled_weights=flag,
+            spill_dir=spill,
+            progress=False,
+        )
     spill = load_file(str(spilled / "model.safetensors"))
     a, b = load_file(str(plain / "model.safetensors")), load_file(str(pooled / "model.safetensors"))
     assert all(torch.equal(a[k], spill[k]) for k in a)
@@ -250,8 +292,15 @@ def test_cli_writes_the_same_checkpoint_as_the_api(pools, tmp_path, capsys):
             f"{task}={pool.calib[task]}",
         ]
     assert main([*args, "--out", str(tmp_path / "cli"), "--alpha", "0.9"]) == 0
-    regmean_checkpoint(pool.base, pool.merged, pool.experts, pool.calib, tmp_path / "api",
-                       alpha=0.9, progress=False)  # fmt: skip
+    regmean_checkpoint(
+        pool.base,
+        pool.merged,
+        pool.experts,
+        pool.calib,
+        tmp_path / "api",
+        alpha=0.9,
+        progress=False,
+    )
     cli, api = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("cli", "api"))
     assert all(torch.equal(cli[k], api[k]) for k in api)
     assert (

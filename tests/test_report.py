@@ -188,10 +188,17 @@ def test_headline_is_the_average_row():
         (0.5 + 0.6 + 0.6) / 3,
         (0.7 + 0.8 + 0.65) / 3,
     )
-    assert set(found) == {"tasks", "accuracy_mean/base", "accuracy_mean/expert",
-                          "accuracy_mean/merged", "accuracy_mean/calibrated",
-                          "normalized_mean/merged", "normalized_mean/calibrated",
-                          "gap_closed_mean", "examples_min"}  # fmt: skip
+    assert set(found) == {
+        "tasks",
+        "accuracy_mean/base",
+        "accuracy_mean/expert",
+        "accuracy_mean/merged",
+        "accuracy_mean/calibrated",
+        "normalized_mean/merged",
+        "normalized_mean/calibrated",
+        "gap_closed_mean",
+        "examples_min",
+    }
     assert found["tasks"] == 3 and found["examples_min"] == 40
     assert found["accuracy_mean/base"] == pytest.approx(0.3)  # over the tasks that have it
     assert found["accuracy_mean/calibrated"] == pytest.approx(calibrated)
@@ -217,28 +224,37 @@ def test_cut_evaluation_and_normalized_above_100_are_stated(tmp_path):
     )
     assert "svhn 100 of" not in markdown
     # the table's own caption says it (and the table a run prints at its end)
-    assert "in percent, on the first rows of each evaluation split only (evaluation cut short: " \
-           "mnist 100 of 10000 rows)." in markdown  # fmt: skip
+    assert (
+        "in percent, on the first rows of each evaluation split only (evaluation cut short: "
+        "mnist 100 of 10000 rows)." in markdown
+    )
     from featcal.flows.summary import accuracy_table
 
     assert accuracy_table(evaluation).splitlines()[0] == (
         "accuracy (%) on the first rows of each evaluation split only (evaluation cut short: "
-        "mnist 100 of 10000 rows)")  # fmt: skip
+        "mnist 100 of 10000 rows)"
+    )
     # "<b>x</b>": calibrated 65 % against the expert's 60 %
     assert "normalized accuracy above 100 %" in markdown and "(calibrated) 108.3 %" in markdown
     html = (tmp_path / "r" / "report.html").read_text("utf-8")
     assert "cut short" in html and "&lt;b&gt;x&lt;/b&gt; (calibrated) 108.3 %" in html
 
-    whole = {t: {m: {**r, "split_rows": 100} for m, r in rows.items() if m != "calibrated"}
-             for t, rows in _evaluation().items()}  # fmt: skip
+    whole = {
+        t: {m: {**r, "split_rows": 100} for m, r in rows.items() if m != "calibrated"}
+        for t, rows in _evaluation().items()
+    }
     markdown = _write(tmp_path / "w", evaluation=whole)["report.md"].read_text("utf-8")
     assert "cut short" not in markdown and "above 100 %" not in markdown
 
 
 def test_the_papers_numbers_beside_a_run_of_the_papers_setting(tmp_path):
-    lock = {"base": {"repo_id": "openai/clip-vit-base-patch32"},
-            "experts": {"svhn": {"repo_id": "tanganke/clip-vit-base-patch32_svhn"},
-                        "mnist": {"repo_id": "tanganke/clip-vit-base-patch32_mnist"}}}  # fmt: skip
+    lock = {
+        "base": {"repo_id": "openai/clip-vit-base-patch32"},
+        "experts": {
+            "svhn": {"repo_id": "tanganke/clip-vit-base-patch32_svhn"},
+            "mnist": {"repo_id": "tanganke/clip-vit-base-patch32_mnist"},
+        },
+    }
     merge = {"method": "task_arithmetic", "hyperparameters": {"scale": 0.3}}
     evaluation = {"svhn": _task(0.9, 0.6, 0.8), "mnist": _task(0.99, 0.95, 0.97)}
     markdown = _write(tmp_path / "r", evaluation=evaluation, lock=lock, merge=merge)[
@@ -254,8 +270,9 @@ def test_the_papers_numbers_beside_a_run_of_the_papers_setting(tmp_path):
         (lock, {"method": "ties", "hyperparameters": {}}),
         (lock, {"method": "task_arithmetic", "hyperparameters": {"scale": 0.4}}),
     ):
-        other = _write(tmp_path / "o", evaluation=evaluation, lock=changed_lock,
-                       merge=changed_merge)["report.md"].read_text("utf-8")  # fmt: skip
+        other = _write(
+            tmp_path / "o", evaluation=evaluation, lock=changed_lock, merge=changed_merge
+        )["report.md"].read_text("utf-8")
         assert "The paper's numbers" not in other
 
 
@@ -341,8 +358,15 @@ def test_accuracy_plot_draws_every_evaluated_row(tmp_path, monkeypatch):
     evaluation["<b>x</b>"]["calibrated_heads"] = {"accuracy": float("nan")}
     groups, series = report.accuracy_series(evaluation)
     assert groups == ["mnist", "svhn", "<b>x</b>", "average"]
-    assert list(series) == ["base", "expert", "merged", "calibrated", "merged_heads",
-                            "calibrated_heads", "ties_v2"]  # fmt: skip
+    assert list(series) == [
+        "base",
+        "expert",
+        "merged",
+        "calibrated",
+        "merged_heads",
+        "calibrated_heads",
+        "ties_v2",
+    ]
     assert series["calibrated_heads"] == pytest.approx([0.85, 0.9, None, 0.875])
     assert series["merged_heads"] == pytest.approx([0.75, None, None, 0.75])
     assert series["ties_v2"] == pytest.approx([None, 0.55, None, 0.55])
@@ -375,8 +399,14 @@ def test_drift_plot_draws_each_task_and_the_mean(tmp_path):
     # a task present in only some blocks
     calibration["blocks"][3]["drift_before"]["extra"] = 5.0
     assert report.drift_series(calibration)["before"]["extra"] == [None, None, None, 5.0]
-    assert report.drift_series({}) == {"blocks": [], "restored": [], "before": {}, "after": {},
-                                       "mean_before": [], "mean_after": []}  # fmt: skip
+    assert report.drift_series({}) == {
+        "blocks": [],
+        "restored": [],
+        "before": {},
+        "after": {},
+        "mean_before": [],
+        "mean_after": [],
+    }
 
 
 # ------------------------------------------------------------------------------------ atomicity
@@ -450,23 +480,40 @@ def test_comparison_rows_measure_every_variant_against_one_reference_merge(tmp_p
     from featcal_core.report.compare import comparison_rows, write_comparison
 
     evaluation = {
-        "a": {"expert": {"accuracy": 0.9}, "merged": {"accuracy": 0.5},
-              "ties-m": {"accuracy": 0.6}, "v": {"accuracy": 0.7}},
-        "b": {"expert": {"accuracy": 0.8}, "merged": {"accuracy": 0.6},
-              "ties-m": {"accuracy": 0.5}, "v": {"accuracy": 0.8}},
-    }  # fmt: skip
-    variants = [{"name": "v", "row": "v", "merge": {"method": "ties", "hyperparameters": {}},
-                 "repair": "featcal", "set": ["merge.method=ties"],
-                 "cost": {"merge_seconds": 1.5, "repair_seconds": 2.0, "peak_rss_mb": 900.0}}]  # fmt: skip
+        "a": {
+            "expert": {"accuracy": 0.9},
+            "merged": {"accuracy": 0.5},
+            "ties-m": {"accuracy": 0.6},
+            "v": {"accuracy": 0.7},
+        },
+        "b": {
+            "expert": {"accuracy": 0.8},
+            "merged": {"accuracy": 0.6},
+            "ties-m": {"accuracy": 0.5},
+            "v": {"accuracy": 0.8},
+        },
+    }
+    variants = [
+        {
+            "name": "v",
+            "row": "v",
+            "merge": {"method": "ties", "hyperparameters": {}},
+            "repair": "featcal",
+            "set": ["merge.method=ties"],
+            "cost": {"merge_seconds": 1.5, "repair_seconds": 2.0, "peak_rss_mb": 900.0},
+        }
+    ]
     (row,) = comparison_rows(evaluation, variants, "merged")
-    assert row["tasks"]["a"] == pytest.approx({"accuracy": 70.0, "normalized": 70 / 0.9,
-                                               "gap_closed": 50.0})  # fmt: skip
+    assert row["tasks"]["a"] == pytest.approx(
+        {"accuracy": 70.0, "normalized": 70 / 0.9, "gap_closed": 50.0}
+    )
     assert row["tasks"]["b"]["gap_closed"] == pytest.approx(100.0)
     # of the means: (0.75 − 0.55) / (0.85 − 0.55)
     assert row["mean"]["gap_closed"] == pytest.approx(100 * 0.2 / 0.3)
     assert row["mean"]["accuracy"] == pytest.approx(75.0)
     assert row["cost"]["total_seconds"] == pytest.approx(3.5)
-    files = write_comparison(tmp_path / "cmp", run_name="r", rows=[row], reference="merged",
-                             record={"run": "r"})  # fmt: skip
+    files = write_comparison(
+        tmp_path / "cmp", run_name="r", rows=[row], reference="merged", record={"run": "r"}
+    )
     assert "| `v` | 70.0 | 80.0 | 75.0 |" in files["compare.md"].read_text()
     assert json.loads(files["compare.json"].read_text())["variants"][0]["name"] == "v"

@@ -39,8 +39,9 @@ def ref(text: str) -> ModelRef:
     return ModelRef.model_validate(text)
 
 
-def hub_cache(cache: Path, repo_id: str, source: Path, ref_name: str = "main",
-              commit: str | None = None) -> tuple[Path, str]:  # fmt: skip
+def hub_cache(
+    cache: Path, repo_id: str, source: Path, ref_name: str = "main", commit: str | None = None
+) -> tuple[Path, str]:
     """Lay `source`'s files out as huggingface_hub caches a download of `repo_id`.
 
     models--owner--name/blobs/<sha256>, snapshots/<commit>/<file> → ../../blobs/<sha256>,
@@ -196,10 +197,12 @@ def test_safetensors_conversion_pull_request_is_used_from_the_cache(clip, tmp_pa
     """main holds pickled weights only; the cached refs/pr/66 (the conversion bot's pull
     request) holds the safetensors: resolved there, and the lock records that revision."""
     _pickled_main(tmp_path, "openai/clip")
-    snapshot, commit = hub_cache(tmp_path / "hf", "openai/clip", clip.base,
-                                 ref_name="refs/pr/66", commit="c" * 40)  # fmt: skip
-    hub_cache(tmp_path / "hf", "openai/clip", tmp_path / "pickled", ref_name="refs/pr/70",
-              commit="d" * 40)  # a later pull request without safetensors: not it  # fmt: skip
+    snapshot, commit = hub_cache(
+        tmp_path / "hf", "openai/clip", clip.base, ref_name="refs/pr/66", commit="c" * 40
+    )
+    hub_cache(
+        tmp_path / "hf", "openai/clip", tmp_path / "pickled", ref_name="refs/pr/70", commit="d" * 40
+    )  # a later pull request without safetensors: not it
     model = resolve_model(ref("openai/clip"), "models.base", cache_dir=tmp_path / "hf")
     assert model.revision == "refs/pr/66" and model.commit == commit
     assert model.path.resolve() == snapshot.resolve()
@@ -225,9 +228,17 @@ def test_safetensors_conversion_pull_request_from_the_hub(clip, tmp_path, monkey
     def discussions(self, repo_id, **kwargs):
         asked.append((repo_id, kwargs))
         for num, author in ((12, "someone"), (66, "SFconvertbot"), (3, "SFconvertbot")):
-            yield Discussion(title="Adding `safetensors` variant of this model", status="open",
-                             num=num, repo_id=repo_id, repo_type="model", author=author,
-                             is_pull_request=True, created_at=None, endpoint="")  # fmt: skip
+            yield Discussion(
+                title="Adding `safetensors` variant of this model",
+                status="open",
+                num=num,
+                repo_id=repo_id,
+                repo_type="model",
+                author=author,
+                is_pull_request=True,
+                created_at=None,
+                endpoint="",
+            )
 
     def snapshot(repo_id, revision=None, cache_dir=None, **kwargs):
         ref_file = Path(cache_dir) / "models--openai--clip" / "refs" / (revision or "main")
@@ -238,8 +249,16 @@ def test_safetensors_conversion_pull_request_from_the_hub(clip, tmp_path, monkey
     monkeypatch.setattr(hub, "model_info", _no_network)
     model = resolve_model(ref("openai/clip"), "models.base", cache_dir=tmp_path / "hf")
     assert model.revision == "refs/pr/66" and model.commit == "c" * 40
-    assert asked == [("openai/clip", {"author": "SFconvertbot", "discussion_type": "pull_request",
-                                      "discussion_status": "open"})]  # fmt: skip
+    assert asked == [
+        (
+            "openai/clip",
+            {
+                "author": "SFconvertbot",
+                "discussion_type": "pull_request",
+                "discussion_status": "open",
+            },
+        )
+    ]
 
 
 def _response(status: int) -> httpx2.Response:
@@ -454,22 +473,79 @@ def test_merge_and_calibrate_take_hub_ids(clip, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(hub, "model_info", _no_network)
 
     experts = [f"--expert={t}=owner/expert-{t}" for t in clip.experts]
-    assert main(["merge", "--base", "owner/base", *experts, "--method", "task_arithmetic",
-                 "--out", str(tmp_path / "from_hub"), "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "merge",
+                "--base",
+                "owner/base",
+                *experts,
+                "--method",
+                "task_arithmetic",
+                "--out",
+                str(tmp_path / "from_hub"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     local = [f"--expert={t}={p}" for t, p in clip.experts.items()]
-    assert main(["merge", "--base", str(clip.base), *local, "--method", "task_arithmetic",
-                 "--out", str(tmp_path / "from_folders"), "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "merge",
+                "--base",
+                str(clip.base),
+                *local,
+                "--method",
+                "task_arithmetic",
+                "--out",
+                str(tmp_path / "from_folders"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert sha256(tmp_path / "from_hub" / "model.safetensors") == sha256(
         tmp_path / "from_folders" / "model.safetensors"
     )
     calib = [f"--calib={t}={p}" for t, p in clip.calib.items()]
-    assert main(["calibrate", "--base", "owner/base", "--merged", str(tmp_path / "from_hub"),
-                 *experts, *calib, "--out", str(tmp_path / "calibrated"), "--no-progress"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "calibrate",
+                "--base",
+                "owner/base",
+                "--merged",
+                str(tmp_path / "from_hub"),
+                *experts,
+                *calib,
+                "--out",
+                str(tmp_path / "calibrated"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "calibrated" / "model.safetensors").is_file()
     # an id that is neither a folder nor cached: the download step's one line, naming the flag
-    assert main(["merge", "--base", "owner/missing", *experts, "--method", "task_arithmetic",
-                 "--out", str(tmp_path / "x")]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "merge",
+                "--base",
+                "owner/missing",
+                *experts,
+                "--method",
+                "task_arithmetic",
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
     assert not (tmp_path / "x").exists()
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("featcal: error: --base: Hub model 'owner/missing' is not in the local "
-                          "Hugging Face cache"), err  # fmt: skip
+    assert err.startswith(
+        "featcal: error: --base: Hub model 'owner/missing' is not in the local Hugging Face cache"
+    ), err

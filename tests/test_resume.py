@@ -21,9 +21,13 @@ import pytest
 from featcal_core.data.synthetic import build_pool
 
 RESUME_CLIP = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-    image_size=32, patch_size=8,
-)  # fmt: skip
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    image_size=32,
+    patch_size=8,
+)
 
 
 def _command(zoo, out: Path, results: Path, *extra: str) -> list[str]:
@@ -52,7 +56,7 @@ def _committed(results: Path) -> int:
             1
             for p in states.iterdir()
             if not p.name.startswith(".") and (p / "manifest.json").is_file()
-        )  # fmt: skip
+        )
         if states.exists()
         else 0
     )
@@ -69,8 +73,13 @@ def reference(zoo, prefect_api, tmp_path_factory) -> Path:
     """An uninterrupted calibration with the local runner: the checkpoint the others must equal."""
     root = tmp_path_factory.mktemp("reference")
     out = root / "out"
-    subprocess.run(_command(zoo, out, root / "results"), env=_env(root / "home", prefect_api),
-                   check=True, capture_output=True, timeout=600)  # fmt: skip
+    subprocess.run(
+        _command(zoo, out, root / "results"),
+        env=_env(root / "home", prefect_api),
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     assert all(not b["restored"] for b in _record(out)["blocks"])
     return out
 
@@ -79,8 +88,13 @@ def test_sigkill_then_resume_is_bitwise_identical(zoo, tmp_path, reference, pref
     home = tmp_path / "prefect"
 
     results, out = tmp_path / "results", tmp_path / "out"
-    proc = subprocess.Popen(_command(zoo, out, results), env=_env(home), start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        _command(zoo, out, results),
+        env=_env(home),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 300
     while _committed(results) < 4 and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)  # stems + 3 blocks persisted: block 3 is now running
@@ -92,8 +106,13 @@ def test_sigkill_then_resume_is_bitwise_identical(zoo, tmp_path, reference, pref
 
     # the same command again (here against the tests' shared server: the temporary one died
     # with the flow, and the block states live in the results directory, not in a server)
-    subprocess.run(_command(zoo, out, results), env=_env(home, prefect_api), check=True,
-                   capture_output=True, timeout=600)  # fmt: skip
+    subprocess.run(
+        _command(zoo, out, results),
+        env=_env(home, prefect_api),
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     blocks = _record(out)["blocks"]
     assert [b["restored"] for b in blocks] == [i < done for i in range(len(blocks))]
     assert (out / "model.safetensors").read_bytes() == (
@@ -111,8 +130,13 @@ def test_cache_keys_follow_content(zoo, tmp_path, prefect_api, reference):
     moved = original.rename(original.with_name("results.moved"))
 
     def run(out: Path, *extra: str) -> list[bool]:
-        subprocess.run(_command(zoo, out, results, *extra), env=_env(home, prefect_api), check=True,
-                       capture_output=True, timeout=600)  # fmt: skip
+        subprocess.run(
+            _command(zoo, out, results, *extra),
+            env=_env(home, prefect_api),
+            check=True,
+            capture_output=True,
+            timeout=600,
+        )
         return [b["restored"] for b in _record(out)["blocks"]]
 
     def same_as_reference(out: Path) -> bool:
@@ -123,8 +147,11 @@ def test_cache_keys_follow_content(zoo, tmp_path, prefect_api, reference):
     try:
         # a persisted block whose file no longer matches its manifest is recomputed, never used;
         # every other block is restored from the copy (for another output path)
-        manifest = next(p for p in (results / "states").glob("*/manifest.json")
-                        if json.loads(p.read_text())["index"] == 2)  # fmt: skip
+        manifest = next(
+            p
+            for p in (results / "states").glob("*/manifest.json")
+            if json.loads(p.read_text())["index"] == 2
+        )
         block_file = manifest.parent / "block.safetensors"
         data = bytearray(block_file.read_bytes())
         data[-1] ^= 0xFF
@@ -149,7 +176,7 @@ def test_two_runs_at_once_on_one_results_dir(zoo, tmp_path, reference):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for out in outs
     ]
     finished = [(p.wait(timeout=600), p.communicate()[1]) for p in procs]
@@ -176,10 +203,14 @@ def test_dask_runner_gives_the_local_checkpoint(zoo, tmp_path, prefect_api, refe
     home = tmp_path / "prefect"
     local, distributed = reference, tmp_path / "dask"
     proc = subprocess.Popen(
-        _command(zoo, distributed, tmp_path / "results_dask", "--runner", "dask",
-                 "--dask-workers", "2"),
-        env=_env(home, prefect_api), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        _command(
+            zoo, distributed, tmp_path / "results_dask", "--runner", "dask", "--dask-workers", "2"
+        ),
+        env=_env(home, prefect_api),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-3000:]
     record = _record(distributed)
@@ -196,20 +227,26 @@ def test_dask_runner_gives_the_local_checkpoint(zoo, tmp_path, prefect_api, refe
     )
 
 
-def test_memory_budget_decides_where_statistics_go_not_the_result(zoo, tmp_path, prefect_api,
-                                                                  reference):  # fmt: skip
+def test_memory_budget_decides_where_statistics_go_not_the_result(
+    zoo, tmp_path, prefect_api, reference
+):
     """With room (the reference run: half the available RAM) each block's statistics are folded
     in memory; with `--memory-budget 0` every task's statistics go through files. Same bytes."""
     held = {b["statistics"]["held"] for b in _record(reference)["blocks"]}
     assert held == {"memory"}
     out = tmp_path / "out"
-    subprocess.run(_command(zoo, out, tmp_path / "results", "--memory-budget", "0"),
-                   env=_env(tmp_path / "home", prefect_api), check=True, capture_output=True,
-                   timeout=600)  # fmt: skip
+    subprocess.run(
+        _command(zoo, out, tmp_path / "results", "--memory-budget", "0"),
+        env=_env(tmp_path / "home", prefect_api),
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     blocks = _record(out)["blocks"]
     assert {b["statistics"]["held"] for b in blocks} == {"files"}
-    assert all(b["statistics"]["task_bytes"] > 0 and b["statistics"]["budget_bytes"] == 0
-               for b in blocks)  # fmt: skip
+    assert all(
+        b["statistics"]["task_bytes"] > 0 and b["statistics"]["budget_bytes"] == 0 for b in blocks
+    )
     assert (out / "model.safetensors").read_bytes() == (
         reference / "model.safetensors"
     ).read_bytes()

@@ -37,9 +37,11 @@ CANDIDATES = [
 
 # ------------------------------------------------------------------------------------- units
 def test_choose_ranks_by_mean_over_tasks_in_the_scores_direction():
-    scores = {"a": {"x": {"agreement": 80.0, "drift": 0.5}, "y": {"agreement": 60.0, "drift": 0.1}},
-              "b": {"x": {"agreement": 70.0, "drift": 0.2}, "y": {"agreement": 90.0, "drift": 0.3}},
-              "c": {"x": {"agreement": 75.0, "drift": 0.2}, "y": {"agreement": 85.0, "drift": 0.3}}}  # fmt: skip
+    scores = {
+        "a": {"x": {"agreement": 80.0, "drift": 0.5}, "y": {"agreement": 60.0, "drift": 0.1}},
+        "b": {"x": {"agreement": 70.0, "drift": 0.2}, "y": {"agreement": 90.0, "drift": 0.3}},
+        "c": {"x": {"agreement": 75.0, "drift": 0.2}, "y": {"agreement": 85.0, "drift": 0.3}},
+    }
     up = choose(scores, "agreement")
     assert up["means"] == pytest.approx({"a": 70.0, "b": 80.0, "c": 80.0})
     assert up["ranking"] == ["b", "c", "a"] and up["winner"] == "b"  # a tie goes to the first
@@ -51,8 +53,11 @@ def test_choose_ranks_by_mean_over_tasks_in_the_scores_direction():
 
 
 def test_an_ineligible_candidate_is_ranked_but_never_wins():
-    scores = {"surgery": {"x": {"agreement": 95.0}}, "a": {"x": {"agreement": 80.0}},
-              "b": {"x": {"agreement": 70.0}}}  # fmt: skip
+    scores = {
+        "surgery": {"x": {"agreement": 95.0}},
+        "a": {"x": {"agreement": 80.0}},
+        "b": {"x": {"agreement": 70.0}},
+    }
     choice = choose(scores, "agreement", {"surgery": "adds a module per task"})
     assert choice["ranking"] == ["surgery", "a", "b"] and choice["winner"] == "a"
     assert "next best (b)" in choice["why"]
@@ -115,27 +120,62 @@ def test_held_out_rows_avoid_the_calibration_rows():
 
 def _params(tmp_path, select):
     path = tmp_path / "p.yaml"
-    path.write_text(yaml.safe_dump({
-        "models": {"base": "a/b", "experts": {"t": "a/c"}},
-        "tasks": {"t": {"calibration": {"path": "d", "split": "train"},
-                        "evaluation": {"path": "d", "split": "test"}}},
-        "select": select,
-    }))  # fmt: skip
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "models": {"base": "a/b", "experts": {"t": "a/c"}},
+                "tasks": {
+                    "t": {
+                        "calibration": {"path": "d", "split": "train"},
+                        "evaluation": {"path": "d", "split": "test"},
+                    }
+                },
+                "select": select,
+            }
+        )
+    )
     return path
 
 
-@pytest.mark.parametrize(("select", "message"), [
-    ({"candidates": [{"name": "a", "set": []}]}, "select.candidates"),
-    ({"candidates": [{"name": "a", "set": []}, {"name": "a", "set": []}]}, "appears twice"),
-    ({"candidates": [{"name": "a", "set": ["tasks.t.evaluation.split=x"]},
-                     {"name": "b", "set": []}]}, "a variant may set only"),
-    ({"candidates": [{"name": "a", "set": ["featcal.num_per_task=64"]},
-                     {"name": "b", "set": []}]}, "may not change featcal.num_per_task"),
-    ({"score": "validation", "candidates": [{"name": "a", "set": []}, {"name": "b", "set": []}]},
-     "tasks.t.validation"),
-    ({"holdout_per_task": 0, "candidates": [{"name": "a", "set": []}, {"name": "b", "set": []}]},
-     "select.holdout_per_task"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("select", "message"),
+    [
+        ({"candidates": [{"name": "a", "set": []}]}, "select.candidates"),
+        ({"candidates": [{"name": "a", "set": []}, {"name": "a", "set": []}]}, "appears twice"),
+        (
+            {
+                "candidates": [
+                    {"name": "a", "set": ["tasks.t.evaluation.split=x"]},
+                    {"name": "b", "set": []},
+                ]
+            },
+            "a variant may set only",
+        ),
+        (
+            {
+                "candidates": [
+                    {"name": "a", "set": ["featcal.num_per_task=64"]},
+                    {"name": "b", "set": []},
+                ]
+            },
+            "may not change featcal.num_per_task",
+        ),
+        (
+            {
+                "score": "validation",
+                "candidates": [{"name": "a", "set": []}, {"name": "b", "set": []}],
+            },
+            "tasks.t.validation",
+        ),
+        (
+            {
+                "holdout_per_task": 0,
+                "candidates": [{"name": "a", "set": []}, {"name": "b", "set": []}],
+            },
+            "select.holdout_per_task",
+        ),
+    ],
+)
 def test_bad_select_sections_fail_with_the_key(tmp_path, select, message):
     with pytest.raises(FeatCalError, match=message):
         load_params(_params(tmp_path, select))
@@ -144,8 +184,12 @@ def test_bad_select_sections_fail_with_the_key(tmp_path, select, message):
 def test_a_candidate_override_that_does_not_validate_is_named(tmp_path):
     from featcal.flows.selection_record import check_candidates
 
-    params = load_params(_params(tmp_path, {"candidates": [
-        {"name": "a", "set": []}, {"name": "b", "set": ["featcal.alpha=-1"]}]}))  # fmt: skip
+    params = load_params(
+        _params(
+            tmp_path,
+            {"candidates": [{"name": "a", "set": []}, {"name": "b", "set": ["featcal.alpha=-1"]}]},
+        )
+    )
     with pytest.raises(FeatCalError, match="select.candidates 'b':.*featcal.alpha"):
         check_candidates(params)
 
@@ -158,8 +202,9 @@ def test_the_users_set_wins_over_every_candidate_of_the_demo_params():
     root = Path(__file__).resolve().parents[1] / "params.yaml"
     plain = load_params(root)
     assert {c.name for c in plain.select.candidates if any("featcal.alpha" in o for o in c.set)}
-    params = load_params(root, ["featcal.alpha=0.5", "merge.hyperparameters.scale=0.7",
-                                "tracking.enabled=false"])  # fmt: skip
+    params = load_params(
+        root, ["featcal.alpha=0.5", "merge.hyperparameters.scale=0.7", "tracking.enabled=false"]
+    )
     for candidate in params.select.candidates:
         sets, replaced = candidate_overrides(params, candidate)
         assert sets[-2:] == ["featcal.alpha=0.5", "merge.hyperparameters.scale=0.7"]
@@ -181,17 +226,27 @@ def test_the_users_set_wins_over_every_compare_variant(tmp_path):
 
     path = _params(tmp_path, None)
     data = yaml.safe_load(path.read_text())
-    data["compare"] = {"variants": [
-        {"name": "a", "set": ["featcal.alpha=1.0", "merge.method=ties"]},
-        {"name": "b", "set": ["merge.method=ties", "merge.hyperparameters={scale: 0.5, top_k: 20}"]}]}  # fmt: skip
+    data["compare"] = {
+        "variants": [
+            {"name": "a", "set": ["featcal.alpha=1.0", "merge.method=ties"]},
+            {
+                "name": "b",
+                "set": ["merge.method=ties", "merge.hyperparameters={scale: 0.5, top_k: 20}"],
+            },
+        ]
+    }
     path.write_text(yaml.safe_dump(data))
-    params, variants = load_compare(str(path), ["featcal.alpha=0.5",
-                                                "merge.hyperparameters.scale=0.9"])  # fmt: skip
+    params, variants = load_compare(
+        str(path), ["featcal.alpha=0.5", "merge.hyperparameters.scale=0.9"]
+    )
     assert variants["a"].featcal.alpha == variants["b"].featcal.alpha == 0.5
     assert variants["a"].merge.method == "ties"
     assert variants["b"].merge.hyperparameters == {"scale": 0.9, "top_k": 20}
-    assert variant_set(params, "a") == ["merge.method=ties", "featcal.alpha=0.5",
-                                        "merge.hyperparameters.scale=0.9"]  # fmt: skip
+    assert variant_set(params, "a") == [
+        "merge.method=ties",
+        "featcal.alpha=0.5",
+        "merge.hyperparameters.scale=0.9",
+    ]
 
 
 def test_a_dvc_experiments_changed_params_win_as_a_set_does(tmp_path, monkeypatch):
@@ -247,8 +302,12 @@ def _cli(tmp_path, env, *args):
 def test_run_chooses_a_candidate_and_runs_it(tmp_path, prefect_api):
     params_path = _select_params(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "MLFLOW_TRACKING_URI": uri,
-           "PREFECT_API_URL": prefect_api}  # fmt: skip
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "MLFLOW_TRACKING_URI": uri,
+        "PREFECT_API_URL": prefect_api,
+    }
     # the user's --set wins over a candidate's own setting of the same key
     user = ["featcal.alpha=0.3"]
     proc = _cli(tmp_path, env, "run", "--params", str(params_path), "--set", user[0])
@@ -271,8 +330,9 @@ def test_run_chooses_a_candidate_and_runs_it(tmp_path, prefect_api):
             scores = candidate["tasks"][task]
             assert 0 <= scores["agreement"] <= 100 and scores["drift"] >= 0
             assert scores["examples"] == 6
-        assert candidate["mean"] == pytest.approx(np.mean([candidate["tasks"][t]["agreement"]
-                                                           for t in ("alpha", "beta")]))  # fmt: skip
+        assert candidate["mean"] == pytest.approx(
+            np.mean([candidate["tasks"][t]["agreement"] for t in ("alpha", "beta")])
+        )
     # the held-out inputs: none is a calibration row
     for task in ("alpha", "beta"):
         held = json.loads((results / "selection_sets" / task / "calibration_set.json").read_text())
@@ -292,8 +352,10 @@ def test_run_chooses_a_candidate_and_runs_it(tmp_path, prefect_api):
     import mlflow
 
     client = mlflow.MlflowClient(uri)
-    run = client.search_runs([client.get_experiment_by_name("featcal").experiment_id],
-                             filter_string="tags.mlflow.runName = 'sel'")[0]  # fmt: skip
+    run = client.search_runs(
+        [client.get_experiment_by_name("featcal").experiment_id],
+        filter_string="tags.mlflow.runName = 'sel'",
+    )[0]
     assert run.data.tags["select.winner"] == record["winner"]
     assert run.data.metrics[f"select/agreement/{record['winner']}"] == pytest.approx(
         means[record["winner"]]
@@ -333,9 +395,13 @@ def test_scores_of_an_expert_against_itself_and_on_validation_data(tmp_path):
     from featcal.tasks.selection import build_selection_sets, score_candidates
     from featcal_core.evaluation.accuracy import evaluate
 
-    params = load_params(write_params(tmp_path), [
-        f"tasks.{t}.validation={{path: {tmp_path / f'data_{t}'}, split: train}}"
-        for t in ("alpha", "beta")])  # fmt: skip
+    params = load_params(
+        write_params(tmp_path),
+        [
+            f"tasks.{t}.validation={{path: {tmp_path / f'data_{t}'}, split: train}}"
+            for t in ("alpha", "beta")
+        ],
+    )
     calibration = tmp_path / "results" / "calibration_sets"
     from featcal.tasks.calibration_sets import build_calibration_sets
 
@@ -349,13 +415,23 @@ def test_scores_of_an_expert_against_itself_and_on_validation_data(tmp_path):
     held = {t: str(tmp_path / "held" / t) for t in experts}
     candidates = {"alpha-expert": (experts["alpha"], None)}
     free = score_candidates.fn(params, base, experts, candidates, held, str(tmp_path / "results"))
-    assert free["alpha-expert"]["alpha"] == {"agreement": 100.0, "drift": 0.0, "kl": 0.0,
-                                            "examples": 5}  # fmt: skip
+    assert free["alpha-expert"]["alpha"] == {
+        "agreement": 100.0,
+        "drift": 0.0,
+        "kl": 0.0,
+        "examples": 5,
+    }
     assert free["alpha-expert"]["beta"]["examples"] == 5
-    labelled = score_candidates.fn(params, base, experts, candidates, held,
-                                   str(tmp_path / "results"), "validation")  # fmt: skip
-    head, _ = task_head("alpha", params.tasks["alpha"], params.models.base.path,
-                        params.models.experts["alpha"].path, tmp_path / "results")  # fmt: skip
+    labelled = score_candidates.fn(
+        params, base, experts, candidates, held, str(tmp_path / "results"), "validation"
+    )
+    head, _ = task_head(
+        "alpha",
+        params.tasks["alpha"],
+        params.models.base.path,
+        params.models.experts["alpha"].path,
+        tmp_path / "results",
+    )
     direct = evaluate(experts["alpha"], head, tmp_path / "data_alpha", "train", progress=False)
     assert labelled["alpha-expert"]["alpha"]["validation"] == pytest.approx(
         100 * direct["accuracy"]
@@ -378,8 +454,11 @@ def test_a_calibration_set_of_every_row_stops_select_early_and_skips_compare_sco
     with pytest.raises(FeatCalError, match="does not exist; run `featcal calib-set`"):
         select(steps, None)  # no calibration sets yet: one line, not a traceback
     steps.calibration_sets()
-    with pytest.raises(FeatCalError, match=r"tasks\.alpha\.calibration: all 20 rows are in the "
-                       r"calibration set.*lower featcal\.num_per_task"):  # fmt: skip
+    with pytest.raises(
+        FeatCalError,
+        match=r"tasks\.alpha\.calibration: all 20 rows are in the "
+        r"calibration set.*lower featcal\.num_per_task",
+    ):
         select(steps, None)
     assert not any(steps.paths["candidates"].glob("*")) and not steps.paths["merges"].exists()
     records: list[logging.LogRecord] = []

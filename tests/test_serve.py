@@ -30,8 +30,9 @@ def _post(api_url: str, path: str, body: dict, auth: str | None) -> tuple[int, o
     headers = {"Content-Type": "application/json"}
     if auth is not None:
         headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
-    request = urllib.request.Request(f"{api_url}{path}", data=json.dumps(body).encode(),
-                                     method="POST", headers=headers)  # fmt: skip
+    request = urllib.request.Request(
+        f"{api_url}{path}", data=json.dumps(body).encode(), method="POST", headers=headers
+    )
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
             return response.status, json.loads(response.read())
@@ -52,15 +53,30 @@ def _completed_runs(api_url: str, auth: str) -> int:
 def test_serve_runs_on_a_schedule(tmp_path):
     params_path = write_params(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PYTHONUNBUFFERED="1",
-               MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}")  # fmt: skip
+    env.update(
+        PREFECT_HOME=str(tmp_path / "prefect"),
+        PYTHONUNBUFFERED="1",
+        MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+    )
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "featcal_cli.main", "serve", "--params", str(params_path),
-             "--interval", "5"],
-            env=env, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "featcal_cli.main",
+                "serve",
+                "--params",
+                str(params_path),
+                "--interval",
+                "5",
+            ],
+            env=env,
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     api_url, completed, refused, triggered = None, 0, None, None
     token_file = tmp_path / "prefect" / TOKEN_FILE
     try:
@@ -74,11 +90,18 @@ def test_serve_runs_on_a_schedule(tmp_path):
                     auth = api_auth_string(token_file.parent)  # the token serve generated
             elif triggered is None and "start a run now" in log_path.read_text():
                 # the printed trigger command, run as printed from a shell without featcal's env
-                command = re.search(r"start a run now, from any shell: (.*)",
-                                    log_path.read_text()).group(1)  # fmt: skip
+                command = re.search(
+                    r"start a run now, from any shell: (.*)", log_path.read_text()
+                ).group(1)
                 shell = {k: v for k, v in env.items() if not k.startswith("PREFECT_API")}
-                triggered = subprocess.run(["bash", "-c", command], env=shell, cwd=tmp_path,
-                                           capture_output=True, text=True, timeout=120)  # fmt: skip
+                triggered = subprocess.run(
+                    ["bash", "-c", command],
+                    env=shell,
+                    cwd=tmp_path,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
             elif (completed := _completed_runs(api_url, auth)) >= 2:
                 break
             time.sleep(2)
@@ -102,8 +125,11 @@ def test_serve_runs_on_a_schedule(tmp_path):
 def _servers(api_url: str) -> list[psutil.Process]:
     """The `prefect server start` processes listening on the port of `api_url`."""
     port = api_url.split(":")[2].split("/")[0]
-    return [p for p in psutil.process_iter(["cmdline"])
-            if "server" in (p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])]  # fmt: skip
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "server" in (p.info["cmdline"] or []) and port in (p.info["cmdline"] or [])
+    ]
 
 
 def _running(process: psutil.Process) -> bool:
@@ -125,12 +151,19 @@ def _outlived(servers: list[psutil.Process]) -> list[psutil.Process]:
 
 def test_supervised_server_dies_with_a_killed_featcal_serve(tmp_path):
     """Serving killed outright (SIGKILL: no cleanup runs) still takes its local server down."""
-    script = ("import time\nfrom flows.prefect_server import local_server\n"
-              "with local_server() as url:\n    print(url, flush=True)\n    time.sleep(600)\n")  # fmt: skip
+    script = (
+        "import time\nfrom flows.prefect_server import local_server\n"
+        "with local_server() as url:\n    print(url, flush=True)\n    time.sleep(600)\n"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(tmp_path / "prefect")
-    proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
-                            text=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     try:
         api_url = proc.stdout.readline().strip()
         assert api_url.startswith("http://127.0.0.1:"), "the local server did not start"

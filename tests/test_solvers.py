@@ -78,9 +78,12 @@ def test_linear_weight_and_bias_match_brute_force(lam, alpha, via_x, token_chunk
     tasks, (mw, bw, mb, bb) = _tasks(1, d_in, d_out)
     a_w, a_b = anchor(mw, bw, rho), anchor(mb, bb, rho)
     stats = LinearInputStats(
-        d_in, {"lin": (d_out, True)}, torch.device("cpu"), tokens_hint=40 if via_x else None,
+        d_in,
+        {"lin": (d_out, True)},
+        torch.device("cpu"),
+        tokens_hint=40 if via_x else None,
         params=FeatCalParams(alpha=alpha, rho=rho, lam=lam, eps=eps),
-    )  # fmt: skip
+    )
     assert stats.via_x == via_x
     for t in tasks:
         params = {"lin": (t["W"], t["b"])}
@@ -98,9 +101,13 @@ def test_linear_shared_input_matches_separate_groups():
     """q/k/v sharing one Gram matrix gives the same result as solving each alone."""
     tasks, _ = _tasks(2, 5, 3)
     hp = FeatCalParams(alpha=0.3, lam=0.0, eps=1e-8)
-    together = LinearInputStats(5, {"q": (3, True), "k": (3, False)}, torch.device("cpu"), params=hp)
-    alone = {n: LinearInputStats(5, {n: (3, n == "q")}, torch.device("cpu"), params=hp)
-             for n in ("q", "k")}  # fmt: skip
+    together = LinearInputStats(
+        5, {"q": (3, True), "k": (3, False)}, torch.device("cpu"), params=hp
+    )
+    alone = {
+        n: LinearInputStats(5, {n: (3, n == "q")}, torch.device("cpu"), params=hp)
+        for n in ("q", "k")
+    }
     for t in tasks:
         params = {"q": (t["W"], t["b"]), "k": (2 * t["W"], None)}
         together.add(t["x_s"], t["x_e"], t["w"], params)

@@ -117,8 +117,13 @@ def test_surgery_head_puts_the_module_between_features_and_head(pool, trained):
         want = linear(module(features(**inputs)))
         got = SurgeryHead(head, module).classifier(pool.merged, CPU)(**inputs)
     torch.testing.assert_close(got, want)
-    narrow, _ = fit_surgery(torch.randn(4, 8), torch.randn(4, 8), rank=4, steps=1,
-                            generator=torch.Generator().manual_seed(0))  # fmt: skip
+    narrow, _ = fit_surgery(
+        torch.randn(4, 8),
+        torch.randn(4, 8),
+        rank=4,
+        steps=1,
+        generator=torch.Generator().manual_seed(0),
+    )
     with pytest.raises(FeatCalError, match="width 8 but the head reads 32 features"):
         SurgeryHead(head, narrow).parts(pool.merged, CPU)
 
@@ -126,8 +131,16 @@ def test_surgery_head_puts_the_module_between_features_and_head(pool, trained):
 # ------------------------------------------------------------------------------ (c) determinism
 def test_same_seed_gives_identical_weights(pool, tmp_path):
     def run(name: str, seed: int) -> dict[str, bytes]:
-        train_surgery(pool.merged, pool.experts, pool.calib, tmp_path / name, steps=40,
-                      batch_size=5, seed=seed, progress=False)  # fmt: skip
+        train_surgery(
+            pool.merged,
+            pool.experts,
+            pool.calib,
+            tmp_path / name,
+            steps=40,
+            batch_size=5,
+            seed=seed,
+            progress=False,
+        )
         return {t: (tmp_path / name / t / SURGERY_WEIGHTS).read_bytes() for t in TASKS}
 
     first, again, other = run("a", 3), run("b", 3), run("c", 4)
@@ -166,8 +179,16 @@ def test_cli_writes_what_the_api_writes(pool, tmp_path, capsys):
             f"{task}={pool.calib[task]}",
         ]
     assert main([*args, "--out", str(tmp_path / "cli"), "--seed", "2"]) == 0
-    train_surgery(pool.merged, pool.experts, pool.calib, tmp_path / "api", steps=30, seed=2,
-                  settings=Settings(seed=2), progress=False)  # fmt: skip
+    train_surgery(
+        pool.merged,
+        pool.experts,
+        pool.calib,
+        tmp_path / "api",
+        steps=30,
+        seed=2,
+        settings=Settings(seed=2),
+        progress=False,
+    )
     for task in TASKS:
         cli, api = (tmp_path / d / task / SURGERY_WEIGHTS for d in ("cli", "api"))
         assert cli.read_bytes() == api.read_bytes()

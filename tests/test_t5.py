@@ -202,9 +202,12 @@ def test_t5_end_to_end_matches_float64_reference(t5_pool, tmp_path):
 def test_t5_end_to_end_without_target_column(tmp_path):
     """No `target` column: the decoder sees the start token alone (gated-gelu, 2 + 3 blocks)."""
     pool = build_pool(
-        tmp_path / "zoo", "t5", dict(TINY_T5_GATED, no_target=True), ("alpha", "beta"),
+        tmp_path / "zoo",
+        "t5",
+        dict(TINY_T5_GATED, no_target=True),
+        ("alpha", "beta"),
         dtype=torch.float64,
-    )  # fmt: skip
+    )
     assert "target" not in datasets.load_from_disk(str(pool.calib["alpha"])).column_names
     changed = (
         "encoder.block.1.layer.1.DenseReluDense.wi_0.weight",
@@ -218,9 +221,12 @@ def test_t5_end_to_end_without_target_column(tmp_path):
 def test_t5_encoder_model_end_to_end(tmp_path):
     """A T5EncoderModel pool (its calibration sets carry a `target` column, which it ignores)."""
     pool = build_pool(
-        tmp_path / "zoo", "t5", dict(TINY_T5_GATED, encoder_only=True), ("alpha", "beta", "gamma"),
+        tmp_path / "zoo",
+        "t5",
+        dict(TINY_T5_GATED, encoder_only=True),
+        ("alpha", "beta", "gamma"),
         dtype=torch.float64,
-    )  # fmt: skip
+    )
     keys = load_file(str(pool.merged / "model.safetensors"))
     assert not any(k.startswith("decoder.") for k in keys)
     changed = (

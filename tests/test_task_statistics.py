@@ -41,9 +41,7 @@ def test_linear_contributions_merged_elsewhere_equal_end_task(via_x):
         in_place.end_task(params)
         apart = LinearInputStats(6, {"q": (4, True)}, CPU, hint, params=hp)  # one per task
         apart.add(x_s, x_e, w, params)
-        merged_only.merge(
-            {k: v.clone() for k, v in apart.task_contribution(params).items()}
-        )
+        merged_only.merge({k: v.clone() for k, v in apart.task_contribution(params).items()})
     assert merged_only._task_gram is None  # an accumulator that only merges has no task buffers
     assert torch.equal(in_place.gram, merged_only.gram)
     assert in_place.scale_sum == merged_only.scale_sum
@@ -65,12 +63,15 @@ def test_one_accumulator_reused_across_tasks_equals_a_fresh_one_per_task(via_x, 
     tasks = []
     for _ in range(3):
         x_s, x_e = torch.randn(30, 6, generator=g), torch.randn(30, 6, generator=g)
-        params = {name: (torch.randn(d, 6, generator=g), torch.randn(d, generator=g))
-                  for name, (d, _) in modules.items()}  # fmt: skip
+        params = {
+            name: (torch.randn(d, 6, generator=g), torch.randn(d, generator=g))
+            for name, (d, _) in modules.items()
+        }
         tasks.append((x_s, x_e, torch.rand(30, generator=g), params))
     hp = FeatCalParams(alpha=0.3, eps=1e-8)
-    reused = LinearInputStats(6, modules, CPU, hint, precision=precision, keeps_buffers=True,
-                              params=hp)  # fmt: skip
+    reused = LinearInputStats(
+        6, modules, CPU, hint, precision=precision, keeps_buffers=True, params=hp
+    )
     for x_s, x_e, w, params in tasks:
         fresh = LinearInputStats(6, modules, CPU, hint, precision=precision, params=hp)
         for acc in (reused, fresh):
@@ -124,9 +125,12 @@ def test_block_from_saved_task_statistics_is_bitwise_identical(tmp_path, family)
             stats = worker.task_statistics(index, task, start, target, masks)
             stats.save(tmp_path / f"stats-{index}-{task}.safetensors")
         apart = make().block(
-            index, start, target, masks,
+            index,
+            start,
+            target,
+            masks,
             lambda t, i=index: TaskStatistics.load(tmp_path / f"stats-{i}-{t}.safetensors"),
-        )  # fmt: skip
+        )
         here = local.block(index, streams, streams, masks)
         assert apart.tensors.keys() == here.tensors.keys()
         for name, tensor in here.tensors.items():
@@ -134,8 +138,9 @@ def test_block_from_saved_task_statistics_is_bitwise_identical(tmp_path, family)
         assert apart.drift_before == here.drift_before and apart.drift_after == here.drift_after
         for kind in (STUDENT, EXPERT):
             for task in zoo.experts:
-                assert torch.equal(next(target.batches(kind, task, 1000)),
-                                   next(streams.batches(kind, task, 1000)))  # fmt: skip
+                assert torch.equal(
+                    next(target.batches(kind, task, 1000)), next(streams.batches(kind, task, 1000))
+                )
         start = target
 
 

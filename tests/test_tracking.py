@@ -315,11 +315,13 @@ def test_gap_closed_datasets_and_model_are_logged(tmp_path, monkeypatch):
 
     params = make_params(tmp_path)
     table = {
-        "a": {"expert": _acc(0.9, 1.0), "merged": _acc(0.5, 0.5 / 0.9),
-              "calibrated": _acc(0.7, 0.7 / 0.9)},
-        "b": {"expert": _acc(0.8, 1.0), "merged": _acc(0.4, 0.5),
-              "calibrated": _acc(0.4, 0.5)},
-    }  # fmt: skip
+        "a": {
+            "expert": _acc(0.9, 1.0),
+            "merged": _acc(0.5, 0.5 / 0.9),
+            "calibrated": _acc(0.7, 0.7 / 0.9),
+        },
+        "b": {"expert": _acc(0.8, 1.0), "merged": _acc(0.4, 0.5), "calibrated": _acc(0.4, 0.5)},
+    }
     data = tmp_path / "calib_a"
     data.mkdir()
     (data / "rows.arrow").write_bytes(b"rows")
@@ -329,8 +331,17 @@ def test_gap_closed_datasets_and_model_are_logged(tmp_path, monkeypatch):
     (model / "README.md").write_text("card\n")
     with parent_run(params, run_name="results", project_root=tmp_path) as run:
         log_evaluation(table)
-        log_datasets([{"name": "calibration/a", "context": "calibration", "path": data,
-                       "sha256": "c" * 64, "split": "train"}])  # fmt: skip
+        log_datasets(
+            [
+                {
+                    "name": "calibration/a",
+                    "context": "calibration",
+                    "path": data,
+                    "sha256": "c" * 64,
+                    "split": "train",
+                }
+            ]
+        )
         assert log_model(model, artifact_path="calibrated_model")
     client = MlflowClient(tracking_uri(params.tracking, tmp_path))
     logged = client.get_run(run.info.run_id)

@@ -82,8 +82,20 @@ def test_publish_resolves_like_a_hub_download(tmp_path):
 
 def test_featcal_zoo_on_own_datasets_then_reuse(toy_data, tmp_path, capsys, caplog):
     out = tmp_path / "zoo"
-    argv = ["zoo", "--modality", "image", "--name", "toy", "--out", str(out), "--no-progress",
-            "--pretrain-steps", "2", "--expert-steps", "25"]  # fmt: skip
+    argv = [
+        "zoo",
+        "--modality",
+        "image",
+        "--name",
+        "toy",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--pretrain-steps",
+        "2",
+        "--expert-steps",
+        "25",
+    ]
     argv += [f"--dataset={task}={path}" for task, path in toy_data.items()]
     assert main(argv) == 0
     manifest = load_manifest(out)
@@ -127,9 +139,14 @@ def test_the_paper_regime_preset_keeps_base_fitted_heads_and_records_task_vector
     manifest records the base-with-that-head accuracy and ‖τ‖/‖θ₀‖ per expert."""
     import dataclasses
 
-    spec = dataclasses.replace(PRESETS["vision-paper"], tasks={k: str(v) for k, v in
-                               toy_data.items()}, optional=(), max_train=None, pretrain_steps=2,
-                               expert_steps=10)  # fmt: skip
+    spec = dataclasses.replace(
+        PRESETS["vision-paper"],
+        tasks={k: str(v) for k, v in toy_data.items()},
+        optional=(),
+        max_train=None,
+        pretrain_steps=2,
+        expert_steps=10,
+    )
     assert spec.extra == {"expert": {"head": "probe"}} and spec.lr < PRESETS["vision"].lr
     manifest = build_zoo(spec, tmp_path / "zoo", progress=False)
     for entry in manifest["experts"].values():
@@ -140,13 +157,19 @@ def test_the_paper_regime_preset_keeps_base_fitted_heads_and_records_task_vector
     # the tower's shape as a JSON extra: a deeper base, the experts of its shape
     from transformers import AutoConfig
 
-    deeper = dataclasses.replace(spec, name="deep", extra={**spec.extra,
-                                 "pretrain": {"tower": {"layers": 2, "hidden_size": 32,
-                                                        "intermediate": 64}}})  # fmt: skip
+    deeper = dataclasses.replace(
+        spec,
+        name="deep",
+        extra={
+            **spec.extra,
+            "pretrain": {"tower": {"layers": 2, "hidden_size": 32, "intermediate": 64}},
+        },
+    )
     manifest = build_zoo(deeper, tmp_path / "deep", progress=False)
     for entry in [manifest["base"], *manifest["experts"].values()]:
-        folder = snapshot_download(entry["repo_id"], cache_dir=tmp_path / "deep" / "hub",
-                                   local_files_only=True)  # fmt: skip
+        folder = snapshot_download(
+            entry["repo_id"], cache_dir=tmp_path / "deep" / "hub", local_files_only=True
+        )
         config = AutoConfig.from_pretrained(folder)
         assert (config.num_hidden_layers, config.hidden_size) == (2, 32)
 
@@ -157,8 +180,9 @@ def test_zoo_bad_inputs_are_clear_and_leave_nothing(toy_data, tmp_path):
     datasets.DatasetDict({k: v.remove_columns("label") for k, v in data.items()}).save_to_disk(
         str(no_label)
     )
-    spec = ZooSpec(name="bad", modality="image", tasks={"x": str(no_label)}, pretrain_steps=1,
-                   expert_steps=1)  # fmt: skip
+    spec = ZooSpec(
+        name="bad", modality="image", tasks={"x": str(no_label)}, pretrain_steps=1, expert_steps=1
+    )
     out = tmp_path / "zoo"
     with pytest.raises(FeatCalError, match="label"):
         build_zoo(spec, out, progress=False)
@@ -207,11 +231,16 @@ def test_flow_builds_the_zoo_and_runs_with_head_calibration(toy_data, tmp_path):
     (temporary) server."""
     params = {
         "run": {"name": "toy", "results_dir": str(tmp_path / "results")},
-        "zoo": {"preset": "vision", "name": "toy", "dir": str(tmp_path / "zoo"),
-                "datasets": {t: str(p) for t, p in toy_data.items()},
-                "pretrain_steps": 2, "expert_steps": 25},
+        "zoo": {
+            "preset": "vision",
+            "name": "toy",
+            "dir": str(tmp_path / "zoo"),
+            "datasets": {t: str(p) for t, p in toy_data.items()},
+            "pretrain_steps": 2,
+            "expert_steps": 25,
+        },
         "featcal": {"num_per_task": 8, "batch_size": 8, "heads": True},
-    }  # fmt: skip
+    }
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params))
     proc = factories.run_featcal(tmp_path, path)
@@ -245,8 +274,12 @@ def test_flow_builds_the_zoo_and_runs_with_head_calibration(toy_data, tmp_path):
         steps.refit_heads()
 
     # `featcal compare` on the same zoo params (models and tasks come from the built zoo)
-    params["compare"] = {"variants": [{"name": "merge-only", "set": ["repair.method=none"]},
-                                      {"name": "regmean", "set": ["repair.method=regmean"]}]}  # fmt: skip
+    params["compare"] = {
+        "variants": [
+            {"name": "merge-only", "set": ["repair.method=none"]},
+            {"name": "regmean", "set": ["repair.method=regmean"]},
+        ]
+    }
     path.write_text(yaml.safe_dump(params))
     proc = factories.run_featcal(tmp_path, path, None, "compare")
     assert proc.returncode == 0, proc.stderr[-3000:]

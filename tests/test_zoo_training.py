@@ -143,22 +143,33 @@ def test_probe_head_is_fitted_on_the_base_then_frozen(base, toys, tmp_path):
     from featcal_core.zoo.vision_model import PixelStore, base_processor
 
     base_dir, _ = base
-    stats = _finetune(base_dir, toys["gray"], tmp_path / "probe", head="probe", probe_steps=50,
-                      lr=1e-3)  # fmt: skip
+    stats = _finetune(
+        base_dir, toys["gray"], tmp_path / "probe", head="probe", probe_steps=50, lr=1e-3
+    )
     assert 0.0 <= stats["probe_validation_accuracy"] <= 1.0
     assert stats["validation_accuracy"] >= 0.9, stats
     # the same probe, fitted again on the base: the saved head equals it
     model = CLIPVisionModel.from_pretrained(base_dir)
     store = PixelStore(base_processor(base_dir))
     train = toys["gray"]["train"]
-    probe = _linear_probe(model, store, store.encode(train, "toy", "train"),
-                          label_tensor(train, 2, "toy", "train"), 2, 50, 0)  # fmt: skip
+    probe = _linear_probe(
+        model,
+        store,
+        store.encode(train, "toy", "train"),
+        label_tensor(train, 2, "toy", "train"),
+        2,
+        50,
+        0,
+    )
     saved = load_file(str(tmp_path / "probe" / "classifier.safetensors"))
     torch.testing.assert_close(saved["weight"], probe.weight.detach())
     tuned = CLIPVisionModel.from_pretrained(tmp_path / "probe").state_dict()
     before = model.state_dict()
-    delta = sum(float((tuned[k].double() - v.double()).pow(2).sum()) for k, v in before.items()
-                if v.is_floating_point())  # fmt: skip
+    delta = sum(
+        float((tuned[k].double() - v.double()).pow(2).sum())
+        for k, v in before.items()
+        if v.is_floating_point()
+    )
     norm = sum(float(v.double().pow(2).sum()) for v in before.values() if v.is_floating_point())
     assert stats["task_vector_ratio"] == pytest.approx((delta / norm) ** 0.5, rel=1e-6)
     assert 0 < stats["task_vector_ratio"] < 1

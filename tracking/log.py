@@ -124,9 +124,15 @@ def log_selection(record: Mapping[str, Any], *, run_id: str | None = None) -> No
     if record.get("winner") is None:
         return
     score = record["score"]
-    log_tags({"select.winner": record["winner"], "select.score": score,
-              "select.why": record["why"], "select.set": "; ".join(record["set"])},
-             run_id=run_id)  # fmt: skip
+    log_tags(
+        {
+            "select.winner": record["winner"],
+            "select.score": score,
+            "select.why": record["why"],
+            "select.set": "; ".join(record["set"]),
+        },
+        run_id=run_id,
+    )
     metrics = {}
     for candidate in record["candidates"]:
         metrics[f"select/{score}/{candidate['name']}"] = candidate["mean"]
@@ -229,8 +235,11 @@ def log_datasets(datasets: Iterable[Mapping[str, Any]], *, run_id: str | None = 
         tags = {"mlflow.data.context": item["context"], "sha256": item["sha256"]}
         if item.get("split"):
             tags["split"] = str(item["split"])
-        inputs.append(DatasetInput(dataset._to_mlflow_entity(),
-                                   [InputTag(key, value) for key, value in tags.items()]))  # fmt: skip
+        inputs.append(
+            DatasetInput(
+                dataset._to_mlflow_entity(), [InputTag(key, value) for key, value in tags.items()]
+            )
+        )
     if inputs:
         MlflowClient(session.uri).log_inputs(run, datasets=inputs)
 
@@ -279,9 +288,17 @@ def log_model(
     for path in files:
         if path not in heavy:
             where = path.parent.relative_to(directory).as_posix()
-            client.log_artifact(run, str(path),
-                                artifact_path if where == "." else f"{artifact_path}/{where}")  # fmt: skip
-    batch_tags(client, run, {"model.logged": "false", "model.not_logged_because": because,
-                             "model.artifact_path": artifact_path,
-                             "model.reference": str(directory.resolve())})  # fmt: skip
+            client.log_artifact(
+                run, str(path), artifact_path if where == "." else f"{artifact_path}/{where}"
+            )
+    batch_tags(
+        client,
+        run,
+        {
+            "model.logged": "false",
+            "model.not_logged_because": because,
+            "model.artifact_path": artifact_path,
+            "model.reference": str(directory.resolve()),
+        },
+    )
     return False

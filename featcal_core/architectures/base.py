@@ -201,8 +201,15 @@ class Architecture(ABC):
 
 #: a local directory holds a saved tokenizer when it has one of these (transformers 5 would
 #: otherwise build an empty one from config.json alone and tokenize everything as unknown)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "spiece.model", "tokenizer.model",
-                   "vocab.txt", "vocab.json", "sentencepiece.bpe.model")  # fmt: skip
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "spiece.model",
+    "tokenizer.model",
+    "vocab.txt",
+    "vocab.json",
+    "sentencepiece.bpe.model",
+)
 
 
 def has_tokenizer(directory: str | Path) -> bool:
@@ -244,6 +251,11 @@ def load_tokenizer(directory: str | Path, what: str = "base model", right_padded
 
 def encode_texts(tokenizer, rows: list[Any], max_length: int) -> dict[str, torch.Tensor]:
     """Padded, truncated token tensors for a batch of texts (every tensor the tokenizer gives)."""
-    encoded = tokenizer([str(row) for row in rows], padding=True, truncation=True,
-                        max_length=max_length, return_tensors="pt")  # fmt: skip
+    encoded = tokenizer(
+        [str(row) for row in rows],
+        padding=True,
+        truncation=True,
+        max_length=max_length,
+        return_tensors="pt",
+    )
     return {key: value for key, value in encoded.items() if isinstance(value, torch.Tensor)}

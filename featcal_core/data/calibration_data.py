@@ -48,8 +48,12 @@ class CalibrationSet:
         it; "indices": the rows drawn}."""
         from featcal_core.io.checkpoint import sha256_tree
 
-        return {"path": str(self.path.resolve()), "sha256": sha256_tree(self.path),
-                "rows": self.total_rows, "indices": self.indices}  # fmt: skip
+        return {
+            "path": str(self.path.resolve()),
+            "sha256": sha256_tree(self.path),
+            "rows": self.total_rows,
+            "indices": self.indices,
+        }
 
 
 def load_calibration_set(
@@ -94,9 +98,15 @@ def load_calibration_set(
     else:
         indices = list(range(len(data)))
         if len(data) < num_per_task and not _drawn_short(path, num_per_task, len(data)):
-            log.warning("task %r: num_per_task is %d but the calibration set %s holds only %d "
-                        "rows; all %d are used (the record's calibration inputs list them)",
-                        task, num_per_task, path, len(data), len(data))  # fmt: skip
+            log.warning(
+                "task %r: num_per_task is %d but the calibration set %s holds only %d "
+                "rows; all %d are used (the record's calibration inputs list them)",
+                task,
+                num_per_task,
+                path,
+                len(data),
+                len(data),
+            )
     chosen = data.select(indices)
     where = f"--calib {task}={path}"
     source_rows = chosen[SOURCE_ROW] if SOURCE_ROW in data.column_names else None
@@ -133,8 +143,11 @@ def _drawn_short(path: Path, num_per_task: int, rows: int) -> bool:
         record = json.loads((path / SET_RECORD).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return (isinstance(record, dict) and record.get("n_requested") == num_per_task
-            and record.get("n_rows") == rows)  # fmt: skip
+    return (
+        isinstance(record, dict)
+        and record.get("n_requested") == num_per_task
+        and record.get("n_rows") == rows
+    )
 
 
 def checked_input(value: Any, modality: str, *, where: str, row: str, column: str, fix: str) -> Any:

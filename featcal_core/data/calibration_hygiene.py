@@ -116,8 +116,13 @@ def check_held_out(
     rows_digest = hashlib.sha256()
     row = 0
     batches = data.select_columns([column]).with_format("arrow").iter(EVALUATION_BATCH)
-    bar = tqdm(total=len(data), desc=f"{task}: hash the evaluation rows", unit="row",
-               disable=not sys.stderr.isatty(), leave=False)  # fmt: skip
+    bar = tqdm(
+        total=len(data),
+        desc=f"{task}: hash the evaluation rows",
+        unit="row",
+        disable=not sys.stderr.isatty(),
+        leave=False,
+    )
     for batch in batches:
         bar.update(batch.num_rows)
         for cell in batch.column(column).to_pylist():

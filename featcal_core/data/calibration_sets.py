@@ -204,10 +204,21 @@ def draw_calibration_set(
             "is left to hold out; lower featcal.num_per_task or use a larger calibration source"
         )
     if len(ids) < n:
-        left = (f"only {len(ids)} of its {total} rows are left besides the calibration set"
-                if exclude else f"it has only {total} rows")  # fmt: skip
-        log.warning("task %r: %s is %d but %s (%s), so the set holds %d rows, not %d", task,
-                    count_key, n, left, source.describe(), len(ids), n)  # fmt: skip
+        left = (
+            f"only {len(ids)} of its {total} rows are left besides the calibration set"
+            if exclude
+            else f"it has only {total} rows"
+        )
+        log.warning(
+            "task %r: %s is %d but %s (%s), so the set holds %d rows, not %d",
+            task,
+            count_key,
+            n,
+            left,
+            source.describe(),
+            len(ids),
+            n,
+        )
 
     kept = [column] + ([label] if label else [])
     names = [CANONICAL_COLUMNS[modality]] + ([LABEL] if label else [])

@@ -97,8 +97,13 @@ def _open_hub(source: DataSource, key: str, trust_remote_code: bool) -> datasets
 
     assert source.hub is not None  # what kind "hub" means
     try:
-        data = load_hub_split(source.hub, source.config, source.split, source.revision,
-                              trust_remote_code=trust_remote_code)  # fmt: skip
+        data = load_hub_split(
+            source.hub,
+            source.config,
+            source.split,
+            source.revision,
+            trust_remote_code=trust_remote_code,
+        )
     except Exception as exc:
         raise FeatCalError(
             f"{key}: cannot load Hub dataset {source.describe()} ({type(exc).__name__}: "
@@ -133,14 +138,18 @@ def load_hub_split(
     pinned = {} if revision is None else {"revision": revision}
     if _datasets_offline():  # nothing is downloaded: the rows come from the datasets cache
         try:
-            return datasets.load_dataset(name, config, split=split,
-                                         trust_remote_code=trust_remote_code, **pinned)  # fmt: skip
+            return datasets.load_dataset(
+                name, config, split=split, trust_remote_code=trust_remote_code, **pinned
+            )
         except Exception:
             cached = None if split is None else _cached_split(name, config, split)
             if cached is None:
                 raise
-            log.info("dataset %s: split %s from the datasets cache of an earlier split-only load",
-                     name, split)  # fmt: skip
+            log.info(
+                "dataset %s: split %s from the datasets cache of an earlier split-only load",
+                name,
+                split,
+            )
             return cached
     narrowed: dict[str, Any] = {}
     if split is not None:
@@ -150,8 +159,9 @@ def load_hub_split(
             narrowed = {"data_files": {split: list(files[split])}}
             if builder.info.features is not None:
                 narrowed["features"] = builder.info.features
-    return datasets.load_dataset(name, config, split=split, trust_remote_code=trust_remote_code,
-                                 **pinned, **narrowed)  # fmt: skip
+    return datasets.load_dataset(
+        name, config, split=split, trust_remote_code=trust_remote_code, **pinned, **narrowed
+    )
 
 
 def _cached_split(name: str, config: str | None, split: str) -> datasets.Dataset | None:
@@ -177,7 +187,8 @@ def _cached_split(name: str, config: str | None, split: str) -> datasets.Dataset
             continue
         folder = info_file.parent
         files = sorted(folder.glob(f"*-{split}.arrow")) or sorted(
-            folder.glob(f"*-{split}-[0-9]*-of-[0-9]*.arrow"))  # fmt: skip
+            folder.glob(f"*-{split}-[0-9]*-of-[0-9]*.arrow")
+        )
         mtime = info_file.stat().st_mtime
         if files and (newest is None or mtime > newest[0]):
             newest = (mtime, files)

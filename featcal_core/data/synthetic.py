@@ -268,7 +268,7 @@ def build_pool(
                 "dtype": str(dtype),
             },
             indent=2,
-        )  # fmt: skip
+        )
     )
     return Pool(base_dir, merged_dir, experts, calib)
 

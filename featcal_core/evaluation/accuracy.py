@@ -61,10 +61,20 @@ def evaluate(
     "examples": rows evaluated, "split_rows": rows the split holds}.
     """
     return evaluate_linears(
-        model_dir, head, dataset_dir, split, {"head": None}, batch_size=batch_size,
-        max_examples=max_examples, image_column=image_column, text_column=text_column,
-        label_column=label_column, device=device, progress=progress, precision=precision,
-    )["head"]  # fmt: skip
+        model_dir,
+        head,
+        dataset_dir,
+        split,
+        {"head": None},
+        batch_size=batch_size,
+        max_examples=max_examples,
+        image_column=image_column,
+        text_column=text_column,
+        label_column=label_column,
+        device=device,
+        progress=progress,
+        precision=precision,
+    )["head"]
 
 
 @torch.no_grad()
@@ -128,8 +138,10 @@ def evaluate_linears(
     else:  # the tower once, then each Linear on its features
         features, own = head.layers(model_dir, target)
         features.eval()
-        heads = {name: own if pair is None else head.with_linear(*pair).linear_override_layer(
-            target) for name, pair in linears.items()}  # fmt: skip
+        heads = {
+            name: own if pair is None else head.with_linear(*pair).linear_override_layer(target)
+            for name, pair in linears.items()
+        }
     total = len(data)
     correct = dict.fromkeys(heads, 0)
     loss_sum = dict.fromkeys(heads, 0.0)
@@ -152,10 +164,21 @@ def evaluate_linears(
             correct[name] += int((logits.argmax(dim=-1) == batch_labels).sum())
     results = {}
     for name in heads:
-        results[name] = {"accuracy": correct[name] / total, "loss": loss_sum[name] / total,
-                         "examples": total, "split_rows": split_rows}  # fmt: skip
-        logger.info("%s (%s) on %s: accuracy %.4f, loss %.4f over %d examples", model_dir, name,
-                    where, results[name]["accuracy"], results[name]["loss"], total)  # fmt: skip
+        results[name] = {
+            "accuracy": correct[name] / total,
+            "loss": loss_sum[name] / total,
+            "examples": total,
+            "split_rows": split_rows,
+        }
+        logger.info(
+            "%s (%s) on %s: accuracy %.4f, loss %.4f over %d examples",
+            model_dir,
+            name,
+            where,
+            results[name]["accuracy"],
+            results[name]["loss"],
+            total,
+        )
     return results
 
 

@@ -132,8 +132,9 @@ class ExpertHead(Head):
         if self._preprocessor is None:
             source, role = self.expert_dir, "expert"
             if self.tokenizer_dir is not None and not has_tokenizer(self.expert_dir):
-                logger.info("%s has no tokenizer files: using %s's", self.expert_dir,
-                            self.tokenizer_dir)  # fmt: skip
+                logger.info(
+                    "%s has no tokenizer files: using %s's", self.expert_dir, self.tokenizer_dir
+                )
                 source, role = self.tokenizer_dir, "base model"
             self._preprocessor = _tokenizer(source, role)
         limit = min(self.max_length, int(self.config.get("max_position_embeddings") or 10**9))

@@ -71,17 +71,22 @@ def _seq2seq_scores(model, tokenizer, prompts, words, labels_count, batch_size, 
     targets = [tokenizer(" " + w)["input_ids"] for w in words]
     scores = torch.zeros(len(prompts), labels_count, dtype=torch.float64)
     pairs = [(i, c) for i in range(len(prompts)) for c in range(labels_count)]
-    for start in tqdm(range(0, len(pairs), batch_size), desc="label scoring",
-                      disable=not progress):  # fmt: skip
+    for start in tqdm(range(0, len(pairs), batch_size), desc="label scoring", disable=not progress):
         chunk = pairs[start : start + batch_size]
         enc = tokenizer([prompts[i] for i, _ in chunk], padding=True, return_tensors="pt")
         width = max(len(targets[c]) for _, c in chunk)
         labels = torch.full((len(chunk), width), -100, dtype=torch.long)
         for row, (_, c) in enumerate(chunk):
             labels[row, : len(targets[c])] = torch.tensor(targets[c])
-        logits = model(input_ids=enc["input_ids"].to(dev),
-                       attention_mask=enc["attention_mask"].to(dev),
-                       labels=labels.to(dev)).logits.to(torch.float64).cpu()  # fmt: skip
+        logits = (
+            model(
+                input_ids=enc["input_ids"].to(dev),
+                attention_mask=enc["attention_mask"].to(dev),
+                labels=labels.to(dev),
+            )
+            .logits.to(torch.float64)
+            .cpu()
+        )
         log_probs = torch.log_softmax(logits, -1)
         keep = labels != -100
         picked = log_probs.gather(-1, labels.clamp(min=0)[..., None])[..., 0] * keep
@@ -121,9 +126,15 @@ def label_continuation(
     model = load_causal_lm(model_dir, dev, kind)
     if kind == "seq2seq":
         scores, lengths = _seq2seq_scores(
-            model, tokenizer, [template.format(text=t) for t in texts], label_words,
-            len(label_words), batch_size, dev, progress,
-        )  # fmt: skip
+            model,
+            tokenizer,
+            [template.format(text=t) for t in texts],
+            label_words,
+            len(label_words),
+            batch_size,
+            dev,
+            progress,
+        )
         return _summary(scores, lengths, target)
     prompts = [tokenizer(template.format(text=t))["input_ids"] for t in texts]
     words = [tokenizer(" " + w, add_special_tokens=False)["input_ids"] for w in label_words]
@@ -132,8 +143,9 @@ def label_continuation(
         raise FeatCalError(f"label word {empty[0]!r} has no tokens; choose other label words")
     scores = torch.zeros(len(prompts), len(label_words), dtype=torch.float64)
     pairs = [(i, c) for i in range(len(prompts)) for c in range(len(label_words))]
-    for start in tqdm(range(0, len(pairs), batch_size), desc="label continuation",
-                      disable=not progress):  # fmt: skip
+    for start in tqdm(
+        range(0, len(pairs), batch_size), desc="label continuation", disable=not progress
+    ):
         chunk = pairs[start : start + batch_size]
         sequences = [prompts[i] + words[c] for i, c in chunk]
         width = max(len(seq) for seq in sequences)
@@ -178,8 +190,13 @@ def perplexity(
     model = load_causal_lm(model_dir, dev)
     total, count = 0.0, 0
     for start in range(0, len(texts), batch_size):
-        encoded = tokenizer([str(t) for t in texts[start : start + batch_size]], padding=True,
-                            truncation=True, max_length=max_length, return_tensors="pt")  # fmt: skip
+        encoded = tokenizer(
+            [str(t) for t in texts[start : start + batch_size]],
+            padding=True,
+            truncation=True,
+            max_length=max_length,
+            return_tensors="pt",
+        )
         ids, mask = encoded["input_ids"].to(dev), encoded["attention_mask"].to(dev)
         total -= float(_token_log_probs(model, ids, mask).sum())
         count += int(mask[:, 1:].sum())
@@ -214,10 +231,12 @@ def evaluate_lm_dataset(
     if max_examples is not None:
         data = data.select(range(min(max_examples, len(data))))
     texts, labels = [str(t) for t in data[text_column]], list(data[label_column])
-    result = label_continuation(model_dir, tokenizer_dir, texts, labels, label_words, template,
-                                batch_size, device)  # fmt: skip
+    result = label_continuation(
+        model_dir, tokenizer_dir, texts, labels, label_words, template, batch_size, device
+    )
     if generation_kind(model_dir) == "causal":  # the texts' perplexity (decoder-only models)
-        result.update(perplexity(model_dir, tokenizer_dir, texts, batch_size=batch_size,
-                                 device=device))  # fmt: skip
+        result.update(
+            perplexity(model_dir, tokenizer_dir, texts, batch_size=batch_size, device=device)
+        )
     result["split_rows"] = split_rows
     return result

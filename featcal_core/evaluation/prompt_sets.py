@@ -18,8 +18,14 @@ from importlib import resources
 
 from featcal_core.errors import FeatCalError
 
-__all__ = ["DEFAULT_TEMPLATES", "PromptSet", "available", "clean_label", "named_set",
-           "zero_shot_prompts"]  # fmt: skip
+__all__ = [
+    "DEFAULT_TEMPLATES",
+    "PromptSet",
+    "available",
+    "clean_label",
+    "named_set",
+    "zero_shot_prompts",
+]
 
 #: the template of a task that names neither templates nor a prompt set
 DEFAULT_TEMPLATES = ("a photo of a {}.",)
@@ -38,8 +44,12 @@ class PromptSet:
     rename: Mapping[str, str] = field(default_factory=dict)
     names_by_id: tuple[str, ...] = ()
 
-    def class_names(self, label_names: Sequence[str] | None, num_classes: int | None = None,
-                    key: str = "prompt_set") -> list[str]:  # fmt: skip
+    def class_names(
+        self,
+        label_names: Sequence[str] | None,
+        num_classes: int | None = None,
+        key: str = "prompt_set",
+    ) -> list[str]:
         """One class name per label id from the label feature's names (None: it has none)."""
         numeric = label_names is not None and all(str(n).strip().isdigit() for n in label_names)
         if self.names_by_id and (label_names is None or numeric):
@@ -131,8 +141,7 @@ def zero_shot_prompts(
             f"{key}.class_names: the evaluation set's label column has no class names; set "
             "class_names (one per label) or a prompt_set for zero-shot evaluation"
         )
-    count = num_classes if num_classes is not None else (
-        len(label_names) if label_names else None)  # fmt: skip
+    count = num_classes if num_classes is not None else (len(label_names) if label_names else None)
     if class_names is not None and count is not None and len(names) != count:
         raise FeatCalError(
             f"{key}.class_names: {len(names)} names for {count} classes in the evaluation set; "

@@ -22,9 +22,12 @@ LABEL_FREE = ("agreement", "drift", "kl")
 
 #: whether a higher value of each score is better
 HIGHER_IS_BETTER = {"agreement": True, "drift": False, "kl": False, "validation": True}
-UNITS = {"agreement": "% agreement with the experts", "drift": "mean relative feature drift",
-         "kl": "nats mean KL divergence from the experts' class probabilities",
-         "validation": "% mean validation accuracy"}  # fmt: skip
+UNITS = {
+    "agreement": "% agreement with the experts",
+    "drift": "mean relative feature drift",
+    "kl": "nats mean KL divergence from the experts' class probabilities",
+    "validation": "% mean validation accuracy",
+}
 
 
 def choose(
@@ -67,8 +70,14 @@ def choose(
         why += "; ranked above it but not eligible: " + "; ".join(
             f"{name} ({means[name]:.4g}: {ineligible[name]})" for name in passed
         )
-    return {"score": score, "higher_is_better": HIGHER_IS_BETTER[score], "means": means,
-            "ranking": ranking, "winner": winner, "why": why}  # fmt: skip
+    return {
+        "score": score,
+        "higher_is_better": HIGHER_IS_BETTER[score],
+        "means": means,
+        "ranking": ranking,
+        "winner": winner,
+        "why": why,
+    }
 
 
 def _ranks(values: Sequence[float]) -> list[float]:

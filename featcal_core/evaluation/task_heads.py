@@ -44,12 +44,18 @@ def save_task_heads(directory: str | Path, heads: Mapping[str, LinearHead]) -> l
             raise FeatCalError(f"save_task_heads: task name {task!r} may not hold a '.'")
         tensors[f"{task}.weight"] = head.weight.detach().float().cpu().contiguous()
         tensors[f"{task}.bias"] = head.bias.detach().float().cpu().contiguous()
-        tasks[task] = {"features": head.features, "num_classes": head.num_classes,
-                       "id2label": {str(i): label for i, label in enumerate(head.labels)}}  # fmt: skip
+        tasks[task] = {
+            "features": head.features,
+            "num_classes": head.num_classes,
+            "id2label": {str(i): label for i, label in enumerate(head.labels)},
+        }
     with atomic_file(directory / WEIGHTS_NAME, flag="refit heads") as tmp:
         save_file(tensors, str(tmp), metadata={"format": FORMAT})
-    write_json(directory / CONFIG_NAME, {"format": FORMAT, "version": VERSION, "tasks": tasks},
-               flag="refit heads")  # fmt: skip
+    write_json(
+        directory / CONFIG_NAME,
+        {"format": FORMAT, "version": VERSION, "tasks": tasks},
+        flag="refit heads",
+    )
     return [directory / WEIGHTS_NAME, directory / CONFIG_NAME]
 
 
@@ -66,8 +72,10 @@ def load_task_heads(directory: str | Path) -> dict[str, LinearHead]:
         config = json.loads(config_path.read_text())
         tensors = load_file(str(weights_path))
     except (OSError, ValueError) as exc:
-        raise FeatCalError(f"{directory}: cannot read its refit heads ({exc}); run the head "
-                           "calibration again (`featcal run` with featcal.heads)") from exc  # fmt: skip
+        raise FeatCalError(
+            f"{directory}: cannot read its refit heads ({exc}); run the head "
+            "calibration again (`featcal run` with featcal.heads)"
+        ) from exc
     if config.get("format") != FORMAT:
         raise FeatCalError(f"{config_path} is not a {FORMAT} file")
     heads = {}

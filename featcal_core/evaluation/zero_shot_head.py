@@ -43,9 +43,14 @@ __all__ = ["ZeroShotHead", "check_zero_shot_prompts"]
 
 #: tokenizer files that enter the zero-shot cache key (they change the class embeddings)
 _TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt", "merges.txt",
-    "special_tokens_map.json", "added_tokens.json",
-)  # fmt: skip
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+)
 
 _CACHE_VERSION = "featcal-zeroshot-v1"
 
@@ -112,8 +117,7 @@ class ZeroShotHead(Head):
         if self._key is None:
             files = list(self.base.weight_paths())
             files += [self.clip_dir / n for n in _TOKENIZER_FILES if (self.clip_dir / n).is_file()]
-            self._key = embedding_cache_key(_CACHE_VERSION, files, self.class_names,
-                                            self.templates)  # fmt: skip
+            self._key = embedding_cache_key(_CACHE_VERSION, files, self.class_names, self.templates)
         return self._key
 
     def cache_path(self) -> Path | None:

@@ -155,8 +155,10 @@ class Checkpoint:
     def describe(self) -> dict:
         """How a record names this checkpoint: {"path": the folder, absolute; "sha256": {weight
         file (shards and their index): hex digest}}."""
-        return {"path": str(self.directory.resolve()),
-                "sha256": {p.name: sha256_file(p) for p in self.weight_paths()}}  # fmt: skip
+        return {
+            "path": str(self.directory.resolve()),
+            "sha256": {p.name: sha256_file(p) for p in self.weight_paths()},
+        }
 
     def weight_paths(self) -> list[Path]:
         paths = [self.directory / name for name in self.files]

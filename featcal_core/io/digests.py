@@ -83,8 +83,9 @@ def record(identity: Identity, sha256: str) -> None:
         return
     try:
         with connection:
-            connection.execute("INSERT OR REPLACE INTO digests VALUES (?, ?, ?, ?, ?, ?)",
-                               (*identity, sha256))  # fmt: skip
+            connection.execute(
+                "INSERT OR REPLACE INTO digests VALUES (?, ?, ?, ?, ?, ?)", (*identity, sha256)
+            )
     except sqlite3.Error as exc:
         log.debug("digest store: not recorded (%s)", exc)
     finally:

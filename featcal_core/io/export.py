@@ -18,9 +18,16 @@ from featcal_core.io.safetensors_io import Reader, write_streaming
 
 #: files a model directory needs to turn raw inputs into model inputs
 PREPROCESSOR_FILES = (
-    "preprocessor_config.json", "processor_config.json", "tokenizer*", "vocab*", "merges.txt",
-    "special_tokens_map.json", "added_tokens.json", "spiece.model", "sentencepiece*",
-)  # fmt: skip
+    "preprocessor_config.json",
+    "processor_config.json",
+    "tokenizer*",
+    "vocab*",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "spiece.model",
+    "sentencepiece*",
+)
 
 
 def export_checkpoint(

@@ -399,8 +399,13 @@ def exchange(first: Path, second: Path) -> bool:
         renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
         return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
-                          ctypes.c_uint]  # fmt: skip
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
     at_fdcwd, rename_exchange = -100, 2
     if renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange):
         code = ctypes.get_errno()
@@ -487,8 +492,13 @@ def _leftover(name: str) -> bool:
     return name == LOCK_NAME or (name.startswith(".") and (TEMP_TAG in name or OLD_TAG in name))
 
 
-def check_root(root: str | Path, *, inputs: Iterable[str | Path | None] = (),
-               kind: str = RESULTS, flag: str = "run.results_dir") -> dict[str, str] | None:  # fmt: skip
+def check_root(
+    root: str | Path,
+    *,
+    inputs: Iterable[str | Path | None] = (),
+    kind: str = RESULTS,
+    flag: str = "run.results_dir",
+) -> dict[str, str] | None:
     """Every check `prepare_root` makes, writing nothing (commands call it before any work).
 
     `root` may be missing or empty, a folder whose marker names `kind` (or, for results, a folder
@@ -524,8 +534,13 @@ def check_root(root: str | Path, *, inputs: Iterable[str | Path | None] = (),
     )
 
 
-def prepare_root(root: str | Path, *, inputs: Iterable[str | Path | None] = (),
-                 kind: str = RESULTS, flag: str = "run.results_dir") -> Path:  # fmt: skip
+def prepare_root(
+    root: str | Path,
+    *,
+    inputs: Iterable[str | Path | None] = (),
+    kind: str = RESULTS,
+    flag: str = "run.results_dir",
+) -> Path:
     """Create or adopt an output root after `check_root` and mark it as `kind`. Returns it."""
     adopted = check_root(root, inputs=inputs, kind=kind, flag=flag)
     path = Path(root).expanduser().resolve()
@@ -535,8 +550,12 @@ def prepare_root(root: str | Path, *, inputs: Iterable[str | Path | None] = (),
         if marker is None:
             _write_marker(path, adopted or {}, kind)
             if adopted:
-                log.info("%s %s: adopted as restored by `dvc pull` (%d record(s) match dvc.lock)",
-                         flag, path, len(adopted))  # fmt: skip
+                log.info(
+                    "%s %s: adopted as restored by `dvc pull` (%d record(s) match dvc.lock)",
+                    flag,
+                    path,
+                    len(adopted),
+                )
         elif marker.get("kind") is None:
             _upgrade_root(path, marker, kind)
     except OSError as exc:

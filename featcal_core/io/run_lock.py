@@ -82,8 +82,12 @@ def run_lock(folder: str | Path, what: str = "featcal run") -> Iterator[None]:
             "wait for it to finish or use another results folder"
         ) from None
     try:
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-                  "what": what}  # fmt: skip
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": time.time(),
+            "what": what,
+        }
         try:  # unbuffered: a full disk fails here, once, not again when the lock is released
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(record).encode(), 0)

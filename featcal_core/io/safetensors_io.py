@@ -18,10 +18,17 @@ from pathlib import Path
 import torch
 
 DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool,
-}  # fmt: skip
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 _MAX_HEADER = 100 * 2**20
 
@@ -89,8 +96,9 @@ def read_rows(fd: int, entry: Entry, start: int, stop: int) -> torch.Tensor:
         raise ValueError(f"rows {start}:{stop} of a tensor of shape {list(entry.shape)}")
     row_bytes = math.prod(entry.shape[1:]) * entry.torch_dtype.itemsize
     shape = (stop - start, *entry.shape[1:])
-    return _read_bytes(fd, entry, entry.start + start * row_bytes, entry.start + stop * row_bytes,
-                       shape)  # fmt: skip
+    return _read_bytes(
+        fd, entry, entry.start + start * row_bytes, entry.start + stop * row_bytes, shape
+    )
 
 
 def _read_bytes(fd: int, entry: Entry, begin: int, end: int, shape) -> torch.Tensor:

@@ -85,8 +85,12 @@ def merge_checkpoints(
     key_maps = {task: _key_map(base_ckpt, c) for task, c in expert_ckpts.items()}
     log.info(
         "merging %d experts into %s with %s %s (%d tensors)",
-        len(expert_ckpts), out, merger.name, hp, len(base_ckpt.tensors),
-    )  # fmt: skip
+        len(expert_ckpts),
+        out,
+        merger.name,
+        hp,
+        len(base_ckpt.tensors),
+    )
 
     with guarded_directory(out, overwrite=overwrite, inputs=inputs) as tmp:
         counts = _write_weights(merger, hp, base_ckpt, expert_ckpts, key_maps, tmp, progress)
@@ -151,9 +155,10 @@ def _key_map(base: Checkpoint, expert: Checkpoint) -> dict[str, str | None]:
             mapping[name] = None
     tower = {other for other in mapping.values() if other is not None}
     extra = [
-        n for n in expert.tensors
+        n
+        for n in expert.tensors
         if n.startswith(expert_prefix) and arch.owns(n[len(expert_prefix) :]) and n not in tower
-    ]  # fmt: skip
+    ]
     if extra:
         raise FeatCalError(
             f"{expert.role} {expert.directory} has tower tensor {extra[0]!r} that the base model "
@@ -308,11 +313,16 @@ def _write_weights(
 
         checkpoint = None
         if merger.needs_checkpoint(hp):
-            merged_names = [n for shard in base.files for n in base.entries[shard]
-                            if pairs_of(n) is not None]  # fmt: skip
+            merged_names = [
+                n for shard in base.files for n in base.entries[shard] if pairs_of(n) is not None
+            ]
             total = sum(math.prod(base.tensors[n].shape) for n in merged_names)
-            log.info("%s: checkpoint pass over %d merged tensors (%d entries per expert)",
-                     merger.name, len(merged_names), total)  # fmt: skip
+            log.info(
+                "%s: checkpoint pass over %d merged tensors (%d entries per expert)",
+                merger.name,
+                len(merged_names),
+                total,
+            )
 
             def checkpoint_vector(t: int) -> Iterator[torch.Tensor]:
                 for n in merged_names:
@@ -334,8 +344,9 @@ def _write_weights(
                 theta0 = readers.read(base, name)
                 thetas = [readers.read(expert, other) for expert, other in pairs]
                 place = _place(merger, name, 0, checkpoint)
-                result = cast(merger.merge_tensor(theta0, thetas, hp, **place), name, info.shape,
-                              info.dtype)  # fmt: skip
+                result = cast(
+                    merger.merge_tensor(theta0, thetas, hp, **place), name, info.shape, info.dtype
+                )
                 bar.update(1)
                 return result
             row = numel // info.shape[0]
@@ -378,5 +389,9 @@ def _copy_other_files(base: Checkpoint, out_dir: Path) -> None:
             continue
         shutil.copy2(path, out_dir / path.name)
     if skipped:  # a Hub download's other weight formats, an earlier run's records: expected
-        log.info("not copied from the base %s into the merged model: %s (weights in other "
-                 "formats, or records of an earlier run)", base.directory, ", ".join(skipped))  # fmt: skip
+        log.info(
+            "not copied from the base %s into the merged model: %s (weights in other "
+            "formats, or records of an earlier run)",
+            base.directory,
+            ", ".join(skipped),
+        )

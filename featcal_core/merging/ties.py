@@ -125,8 +125,14 @@ class Ties(MergeMethod):
         thresholds: list[float | None] = []
         for t in range(count):
             thresholds.append(kth_smallest_abs(partial(task_vectors, t), numel, numel - keep + 1))
-            log.info("ties: expert %d of %d: global trim threshold %.6g (%d of %d entries kept)",
-                     t + 1, count, thresholds[-1], keep, numel)  # fmt: skip
+            log.info(
+                "ties: expert %d of %d: global trim threshold %.6g (%d of %d entries kept)",
+                t + 1,
+                count,
+                thresholds[-1],
+                keep,
+                numel,
+            )
         return thresholds
 
     def prepare(

@@ -98,19 +98,38 @@ class BlockRunner:
         if kind == self._kind:
             return
         if kind not in self._kinds:
-            build = (lambda: self.arch.build_block(self.dtype)) if kind is None else (
-                lambda: self.arch.build_block(  # type: ignore[call-arg]  # its arch takes a kind
-                    self.dtype, kind))  # fmt: skip
+            build = (
+                (lambda: self.arch.build_block(self.dtype))
+                if kind is None
+                else (
+                    lambda: self.arch.build_block(  # type: ignore[call-arg]  # its arch takes a kind
+                        self.dtype, kind
+                    )
+                )
+            )
             merged = build().to(self.device).requires_grad_(False)
             expert = build().to(self.device).requires_grad_(False)
             norm_types = self.arch.norm_types + self.arch.rms_norm_types
             linears = [n for n, m in merged.named_modules() if isinstance(m, nn.Linear)]
             norms = [n for n, m in merged.named_modules() if isinstance(m, norm_types)]
-            self._kinds[kind] = (merged, expert, linears, norms, list(merged.state_dict()),
-                                 Capture(self.arch, merged, linears + norms),
-                                 Capture(self.arch, expert, linears + norms))  # fmt: skip
-        (self.merged_block, self.expert_block, self.linears, self.norms, self.local_names,
-         self.merged_capture, self.expert_capture) = self._kinds[kind]  # fmt: skip
+            self._kinds[kind] = (
+                merged,
+                expert,
+                linears,
+                norms,
+                list(merged.state_dict()),
+                Capture(self.arch, merged, linears + norms),
+                Capture(self.arch, expert, linears + norms),
+            )
+        (
+            self.merged_block,
+            self.expert_block,
+            self.linears,
+            self.norms,
+            self.local_names,
+            self.merged_capture,
+            self.expert_capture,
+        ) = self._kinds[kind]
         self._kind = kind
         self._merged_index: int | None = None
 
@@ -184,8 +203,9 @@ class BlockRunner:
             yield from (None for _ in encoder_mask)
             return
         context_kind = {STUDENT: STUDENT_CONTEXT, EXPERT: EXPERT_CONTEXT}[kind]
-        for hidden, mask in zip(streams.batches(context_kind, task, batch_size), encoder_mask,
-                                strict=True):  # fmt: skip
+        for hidden, mask in zip(
+            streams.batches(context_kind, task, batch_size), encoder_mask, strict=True
+        ):
             yield hidden.to(self.device), mask.to(self.device)
 
     def _write_contexts(self, task, source, target, batch_size) -> None:
@@ -197,11 +217,15 @@ class BlockRunner:
             (EXPERT, EXPERT_CONTEXT, self.models.experts[task]),
         ):
             names = list(self.arch.bridge_names)
-            tensors = {k: v.to(self.device, self.dtype)
-                       for k, v in self.models.read(checkpoint, names).items()}  # fmt: skip
+            tensors = {
+                k: v.to(self.device, self.dtype)
+                for k, v in self.models.read(checkpoint, names).items()
+            }
             with torch.no_grad():
-                done = [self.arch.run_bridge(tensors, hidden.to(self.device)).to("cpu")
-                        for hidden in source.batches(kind, task, batch_size)]  # fmt: skip
+                done = [
+                    self.arch.run_bridge(tensors, hidden.to(self.device)).to("cpu")
+                    for hidden in source.batches(kind, task, batch_size)
+                ]
             target.put(context_kind, task, torch.cat(done))
 
     def _load_merged(self, index: int) -> dict[str, torch.Tensor]:
@@ -275,22 +299,42 @@ class BlockRunner:
             mask, weighted = mask.to(self.device), weighted.to(self.device)
             with self.timed("forward"), self.passes():
                 out_m, x_s = self.merged_capture.run(self.merged_block, student, mask, context_s)
-                out_e, x_e = self.expert_capture.run(self.expert_block, expert_hidden, mask,
-                                                     context_e)  # fmt: skip
+                out_e, x_e = self.expert_capture.run(
+                    self.expert_block, expert_hidden, mask, context_e
+                )
             out_m, out_e = out_m.to(self.dtype), out_e.to(self.dtype)
             check_finite(out_e, f"expert {task!r} output of block {index}")
             check_finite(out_m, f"merged output of block {index} on task {task!r}")
             if linear_stats is None:
                 tokens = min(int(m.sum()) for m in masks.values())  # a hint for the cost
-                linear_stats, groups = linear_groups(self.arch, self.merged_block, self.linears,
-                                                     x_s, last, tokens, self.device, self.products,
-                                                     self._reused if reuse else None,
-                                                     params=params)  # fmt: skip
+                linear_stats, groups = linear_groups(
+                    self.arch,
+                    self.merged_block,
+                    self.linears,
+                    x_s,
+                    last,
+                    tokens,
+                    self.device,
+                    self.products,
+                    self._reused if reuse else None,
+                    params=params,
+                )
                 norm_stats = self._norm_stats()
             context_mask = None if context_s is None else context_s[1]
             with self.timed("statistics"):
-                accumulate(self.arch, self.linears, x_s, x_e, weighted, context_mask, last,
-                           groups, linear_stats, norm_stats, expert_params)  # fmt: skip
+                accumulate(
+                    self.arch,
+                    self.linears,
+                    x_s,
+                    x_e,
+                    weighted,
+                    context_mask,
+                    last,
+                    groups,
+                    linear_stats,
+                    norm_stats,
+                    expert_params,
+                )
             del x_s, x_e
             sq, tok = drift_sums(out_m, out_e, self._drift_mask(weighted, last))
             sq_sum, tok_sum = sq_sum + sq, tok_sum + tok
@@ -306,14 +350,14 @@ class BlockRunner:
             for label, stats in linear_stats.items():
                 members = {name: expert_params[name] for name in stats.targets}
                 with tokens_needed(index, task, label):
-                    linear[label] = stats.task_contribution(members, fallbacks=found,
-                                                            task=task)  # fmt: skip
+                    linear[label] = stats.task_contribution(members, fallbacks=found, task=task)
             for name, norm in norm_stats.items():
                 module = self.expert_block.get_submodule(name)
                 assert isinstance(module.weight, torch.Tensor)  # a norm's own γ
                 with tokens_needed(index, task, name):
-                    norms[name] = norm.task_contribution(module.weight,
-                                                         getattr(module, "bias", None))  # fmt: skip
+                    norms[name] = norm.task_contribution(
+                        module.weight, getattr(module, "bias", None)
+                    )
         layout = {
             label: {"d_in": stats.d_in, "tokens": tokens, "modules": stats.modules}
             for label, stats in linear_stats.items()
@@ -360,8 +404,16 @@ class BlockRunner:
         for number, task in enumerate(self.models.experts):
             stats: TaskStatistics | StoredStatistics | Path
             if precomputed is None:
-                stats = self.task_statistics(index, task, source, target, masks, params,
-                                             batch_size, reuse=scratch_dir is None)  # fmt: skip
+                stats = self.task_statistics(
+                    index,
+                    task,
+                    source,
+                    target,
+                    masks,
+                    params,
+                    batch_size,
+                    reuse=scratch_dir is None,
+                )
             else:
                 stats = precomputed(task)
                 if isinstance(stats, Path):
@@ -382,8 +434,15 @@ class BlockRunner:
                 stored.append(stats)
             else:
                 with self.timed("statistics"):
-                    fold(linear_sums, norm_sums, stats.layout, stats.linear.get, stats.norms.get,
-                         self.device, params)  # fmt: skip
+                    fold(
+                        linear_sums,
+                        norm_sums,
+                        stats.layout,
+                        stats.linear.get,
+                        stats.norms.get,
+                        self.device,
+                        params,
+                    )
             del stats
         self._reused.clear()  # the per-task buffers: not held through the solves
 
@@ -391,15 +450,17 @@ class BlockRunner:
             base_sd = self.read_block(self.models.base, index)
         if stored:
             with self.timed("solve"):  # folding stored statistics included
-                solved = fold_and_solve(stored, self._norm_stats(), merged_sd, base_sd, params,
-                                        self.device, found)  # fmt: skip
+                solved = fold_and_solve(
+                    stored, self._norm_stats(), merged_sd, base_sd, params, self.device, found
+                )
             for done in stored:
                 if scratch_dir is not None and done.path.parent == Path(scratch_dir):
                     done.path.unlink(missing_ok=True)
         else:
             with self.timed("solve"):
-                solved = solve(linear_sums, norm_sums, merged_sd, base_sd, params, self.device,
-                               found)  # fmt: skip
+                solved = solve(
+                    linear_sums, norm_sums, merged_sd, base_sd, params, self.device, found
+                )
         del linear_sums, norm_sums, stored
         del base_sd
         result.tensors = {name: solved[name].to(merged_sd[name].dtype) for name in solved}
@@ -420,15 +481,15 @@ class BlockRunner:
             )
             for student, expert_out, mask, weighted, context in batches:
                 with self.timed("forward"):
-                    out = self.forward(self.merged_block, student.to(self.device),
-                                       mask.to(self.device), context)  # fmt: skip
+                    out = self.forward(
+                        self.merged_block, student.to(self.device), mask.to(self.device), context
+                    )
                 check_finite(out, f"calibrated output of block {index} on task {task!r}")
                 drift_mask = self._drift_mask(weighted.to(self.device), last)
                 sq, tok = drift_sums(out, expert_out.to(self.device), drift_mask)
                 sq_sum, tok_sum = sq_sum + sq, tok_sum + tok
                 outputs.append(out.to("cpu"))
-            result.drift_after[task] = mean_drift(sq_sum, tok_sum, task, "after calibration",
-                                                  found)  # fmt: skip
+            result.drift_after[task] = mean_drift(sq_sum, tok_sum, task, "after calibration", found)
             target.put(STUDENT, task, torch.cat(outputs))
         result.fallbacks = found.entries
         result.seconds = time.perf_counter() - start

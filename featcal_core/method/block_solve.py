@@ -24,8 +24,9 @@ def fold(linear_sums, norm_sums, layout, linear_of, norm_of, device, params, ado
     LinearInputStats.merge."""
     for label, lay in layout.items():
         if label not in linear_sums:
-            linear_sums[label] = LinearInputStats(lay["d_in"], lay["modules"], device,
-                                                  lay["tokens"], params=params)  # fmt: skip
+            linear_sums[label] = LinearInputStats(
+                lay["d_in"], lay["modules"], device, lay["tokens"], params=params
+            )
         linear_sums[label].merge(linear_of(label), adopt=adopt)
     if norm_of is not None:
         for name, sums in norm_sums.items():
@@ -40,14 +41,20 @@ def fold_and_solve(stored, norm_sums, merged_sd, base_sd, params, device, fallba
     for label in stored[0].layout:
         linear_sums: dict[str, LinearInputStats] = {}
         for stats in stored:
-            fold(linear_sums, {}, {label: stats.layout[label]},
-                 lambda g, stats=stats: stats.group("linear", g), None, device, params,
-                 adopt=True)  # fmt: skip
+            fold(
+                linear_sums,
+                {},
+                {label: stats.layout[label]},
+                lambda g, stats=stats: stats.group("linear", g),
+                None,
+                device,
+                params,
+                adopt=True,
+            )
         solved.update(solve(linear_sums, {}, merged_sd, base_sd, params, device, fallbacks))
         del linear_sums
     for stats in stored:
-        fold({}, norm_sums, {}, None, lambda n, stats=stats: stats.group("norm", n), device,
-             params)  # fmt: skip
+        fold({}, norm_sums, {}, None, lambda n, stats=stats: stats.group("norm", n), device, params)
     solved.update(solve({}, norm_sums, merged_sd, base_sd, params, device, fallbacks))
     return solved
 

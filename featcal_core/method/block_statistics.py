@@ -64,10 +64,18 @@ def _pooled(arch, name: str, last: bool) -> bool:
 
 
 def linear_groups(
-    arch, block: nn.Module, linears: list[str], captured: dict[str, torch.Tensor], last: bool,
-    tokens: int, device: torch.device, precision: str = "float64", reuse: dict | None = None,
-    *, params: FeatCalParams,
-):  # fmt: skip
+    arch,
+    block: nn.Module,
+    linears: list[str],
+    captured: dict[str, torch.Tensor],
+    last: bool,
+    tokens: int,
+    device: torch.device,
+    precision: str = "float64",
+    reuse: dict | None = None,
+    *,
+    params: FeatCalParams,
+):
     """Group Linear modules that read the same tensor with the same token weights; each group
     is labelled by its first module's name (stable across processes). `precision`: of the
     token products (statistics.py); `params`: FeatCal's α, λ, ε, which the accumulators hold
@@ -94,8 +102,16 @@ def linear_groups(
         d_in = first.in_features
         key = (label, d_in, tuple(modules.items()), tokens, precision, params)
         if key not in kept:
-            kept[key] = LinearInputStats(d_in, modules, device, tokens, scratch, precision,
-                                         keeps_buffers=reuse is not None, params=params)  # fmt: skip
+            kept[key] = LinearInputStats(
+                d_in,
+                modules,
+                device,
+                tokens,
+                scratch,
+                precision,
+                keeps_buffers=reuse is not None,
+                params=params,
+            )
         stats[label] = kept[key]
     return stats, groups
 
@@ -116,9 +132,18 @@ def new_norm_stats(
 
 
 def accumulate(
-    arch, linears, x_s, x_e, mask, context_mask, last, groups, linear_stats, norm_stats,
+    arch,
+    linears,
+    x_s,
+    x_e,
+    mask,
+    context_mask,
+    last,
+    groups,
+    linear_stats,
+    norm_stats,
     expert_params,
-):  # fmt: skip
+):
     """Add one batch's captured inputs (student x_s, expert x_e: module → (B, S, d)) to the
     Linear groups' and norms' accumulators, each token weighted by `arch.token_weights`."""
     done: set[str] = set()

@@ -135,9 +135,14 @@ class Calibration:
         self.precision = self.chosen.name
         self.products = precision.products_for(self.chosen, params.lam)  # the token products'
         if self.products != self.precision:
-            log.info("λ = %g < %g: the token products run in %s, the passes in %s (an "
-                     "unregularised solve amplifies bfloat16 rounding)", params.lam,
-                     precision.BF16_MIN_LAM, self.products, self.precision)  # fmt: skip
+            log.info(
+                "λ = %g < %g: the token products run in %s, the passes in %s (an "
+                "unregularised solve amplifies bfloat16 rounding)",
+                params.lam,
+                precision.BF16_MIN_LAM,
+                self.products,
+                self.precision,
+            )
         precision.allow_tf32(self.chosen, self.device)
         self._runner: BlockRunner | None = None
 
@@ -148,14 +153,20 @@ class Calibration:
     def stems(self, target: HiddenStreams) -> dict[str, torch.Tensor]:
         """Write both streams of every task (each model's own stem); returns task → mask (n, S)."""
         return _run_stems(
-            self.models, self.sets, target, self.dtype, self.device,
-            self.settings.batch_size, self.settings.max_length,
-        )  # fmt: skip
+            self.models,
+            self.sets,
+            target,
+            self.dtype,
+            self.device,
+            self.settings.batch_size,
+            self.settings.max_length,
+        )
 
     def _block_runner(self) -> BlockRunner:
         if self._runner is None:
-            self._runner = BlockRunner(self.models, self.dtype, self.device, self.precision,
-                                       self.products)  # fmt: skip
+            self._runner = BlockRunner(
+                self.models, self.dtype, self.device, self.precision, self.products
+            )
         return self._runner
 
     def task_statistics(
@@ -184,9 +195,15 @@ class Calibration:
     ) -> BlockResult:
         """Calibrate block `index` (see BlockRunner.calibrate)."""
         return self._block_runner().calibrate(
-            index, source, target, masks, self.params, self.settings.batch_size, precomputed,
+            index,
+            source,
+            target,
+            masks,
+            self.params,
+            self.settings.batch_size,
+            precomputed,
             scratch_dir,
-        )  # fmt: skip
+        )
 
     def statistics_bytes(self, index: int) -> int:
         """An upper bound of one task's statistics of block `index` in bytes (float64)."""
@@ -223,9 +240,11 @@ class Calibration:
         record["fallbacks_by_kind"] = dict(sorted(kinds.items()))
         if found:
             log.warning(
-                "%d solver fallbacks or clamped values (%s); see the blocks' \"fallbacks\" in %s",
-                len(found), ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())), RECORD_NAME,
-            )  # fmt: skip
+                '%d solver fallbacks or clamped values (%s); see the blocks\' "fallbacks" in %s',
+                len(found),
+                ", ".join(f"{k}: {n}" for k, n in sorted(kinds.items())),
+                RECORD_NAME,
+            )
         return record
 
 
@@ -299,8 +318,11 @@ def calibrate(
     )
     with guarded_directory(out, overwrite=overwrite, inputs=inputs) as tmp, ExitStack() as stack:
         if spill_dir is not None:  # a marked temporary folder there, swept if a killed run left one
-            work = stack.enter_context(scratch_directory(
-                spill_dir, "featcal-spill", inputs=(*inputs, out), flag="--spill-dir"))  # fmt: skip
+            work = stack.enter_context(
+                scratch_directory(
+                    spill_dir, "featcal-spill", inputs=(*inputs, out), flag="--spill-dir"
+                )
+            )
         else:
             work = tmp / "_work"
             work.mkdir()
@@ -308,11 +330,13 @@ def calibrate(
             streams = HiddenStreams(work / "streams" if spill_dir else None)
             masks = run.stems(streams)
             blocks, replaced = [], {}
-            bar = tqdm(range(run.num_blocks), desc="FeatCal blocks", unit="block",
-                       disable=not progress)  # fmt: skip
+            bar = tqdm(
+                range(run.num_blocks), desc="FeatCal blocks", unit="block", disable=not progress
+            )
             for index in bar:
-                result = run.block(index, streams, streams, masks,
-                                   scratch_dir=work if spill_dir else None)  # fmt: skip
+                result = run.block(
+                    index, streams, streams, masks, scratch_dir=work if spill_dir else None
+                )
                 path = work / f"block_{index:05d}.safetensors"
                 tensors = run.checkpoint_keys(result)
                 save_tensors(path, tensors)
@@ -335,8 +359,9 @@ def _run_stems(models, sets, streams, dtype, device, batch_size, max_length):
     stem = arch.build_stem(dtype).to(device).requires_grad_(False)
     masks: dict[str, torch.Tensor] = {}
 
-    def run(checkpoint: Checkpoint, inputs: dict[str, torch.Tensor], what: str,
-            decoder: bool = False) -> torch.Tensor:  # fmt: skip
+    def run(
+        checkpoint: Checkpoint, inputs: dict[str, torch.Tensor], what: str, decoder: bool = False
+    ) -> torch.Tensor:
         state = models.read(checkpoint, stem_names)
         stem.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=True)
         outputs = []
@@ -361,16 +386,21 @@ def _run_stems(models, sets, streams, dtype, device, batch_size, max_length):
         streams.put(STUDENT, task, run(models.merged, inputs, f"merged model's ({task})"))
         streams.put(EXPERT, task, run(models.experts[task], inputs, f"expert {task!r}"))
         if decoder:  # the decoder's own stem outputs, used from the first decoder block on
-            dec = {"input_ids": inputs["decoder_input_ids"],
-                   "attention_mask": inputs["decoder_attention_mask"]}  # fmt: skip
+            dec = {
+                "input_ids": inputs["decoder_input_ids"],
+                "attention_mask": inputs["decoder_attention_mask"],
+            }
             masks[decoder_mask_key(task)] = dec["attention_mask"].to(torch.float32)
             streams.put(
                 STUDENT_DECODER,
                 task,
                 run(models.merged, dec, f"merged model's decoder ({task})", True),
             )
-            streams.put(EXPERT_DECODER, task,
-                        run(models.experts[task], dec, f"expert {task!r} decoder", True))  # fmt: skip
+            streams.put(
+                EXPERT_DECODER,
+                task,
+                run(models.experts[task], dec, f"expert {task!r} decoder", True),
+            )
     return masks
 
 

@@ -139,9 +139,14 @@ def calibrate_head(
     Returns (weight (classes, d), bias (classes)) in float32, ready for `head.with_linear`.
     """
     stats, expert_linear = head_statistics(
-        head, expert_dir, student_dir, rows, batch_size=batch_size, device=device,
+        head,
+        expert_dir,
+        student_dir,
+        rows,
+        batch_size=batch_size,
+        device=device,
         precision=precision,
-    )  # fmt: skip
+    )
     bias = expert_linear.bias.detach().cpu() if expert_linear.bias is not None else None
     weight, new_bias = fit_linear_head(stats, expert_linear.weight.detach().cpu(), bias, lam, eps)
     logger.info(
@@ -202,9 +207,15 @@ def refit_expert_heads(
             head.require_head()
             rows = load_calibration_set(task, calib[task], head.modality, num_per_task, seed).rows
             weight, bias = calibrate_head(
-                head, expert, student_dir, rows, lam=lam, batch_size=batch_size, device=device,
+                head,
+                expert,
+                student_dir,
+                rows,
+                lam=lam,
+                batch_size=batch_size,
+                device=device,
                 precision=precision,
-            )  # fmt: skip
+            )
             save_linear_head(tmp / task, weight, bias, [str(i) for i in range(weight.shape[0])])
             written[task] = str(Path(out_dir) / task)
     return written

@@ -43,8 +43,16 @@ class Fallbacks:
         parts = [self.where, f"task {task!r}" if task is not None else "", names, reason]
         log.warning("FeatCal fallback (%s): %s", kind, ": ".join(p for p in parts if p))
         for module in modules:
-            self.entries.append({"kind": kind, "module": module, "parameter": parameter,
-                                 "task": task, "count": int(count), "reason": reason})  # fmt: skip
+            self.entries.append(
+                {
+                    "kind": kind,
+                    "module": module,
+                    "parameter": parameter,
+                    "task": task,
+                    "count": int(count),
+                    "reason": reason,
+                }
+            )
 
 
 def anchor(merged: torch.Tensor, base: torch.Tensor, rho: float) -> torch.Tensor:

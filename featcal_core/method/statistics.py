@@ -235,8 +235,12 @@ class LinearInputStats:
         if x_s.shape[0] > chunk:
             for start in range(0, x_s.shape[0], chunk):
                 stop = start + chunk
-                self.add(x_s[start:stop], x_e[start:stop], None if w is None else w[start:stop],
-                         expert_params)  # fmt: skip
+                self.add(
+                    x_s[start:stop],
+                    x_e[start:stop],
+                    None if w is None else w[start:stop],
+                    expert_params,
+                )
             return
         if not self._task_open:
             self._open_task()
@@ -323,8 +327,9 @@ class LinearInputStats:
         for i in range(0, acc.shape[0], block):
             start = i if symmetric else 0
             part = left[:, i : i + block]
-            out = self.scratch.take("product32", part.shape[1], right.shape[1] - start,
-                                    self.product)  # fmt: skip
+            out = self.scratch.take(
+                "product32", part.shape[1], right.shape[1] - start, self.product
+            )
             acc[i : i + block, start:].add_(product(part.T, right[:, start:], out=out))
 
     def task_contribution(
@@ -374,8 +379,9 @@ class LinearInputStats:
             weight_t, bias_t = expert_params[name]
             if self.via_x:  # X_t W_tᵀ, by blocks of W_t's rows (no float64 copy of all of W_t)
                 if target.task_cross is None:  # kept for the next task (see `_open_task`)
-                    target.task_cross = torch.empty(self.d_in, target.d_out, dtype=DTYPE,
-                                                    device=self.device)  # fmt: skip
+                    target.task_cross = torch.empty(
+                        self.d_in, target.d_out, dtype=DTYPE, device=self.device
+                    )
                 cross = target.task_cross
                 for start in range(0, target.d_out, SOLVE_COLUMNS):
                     rows = weight_t[start : start + SOLVE_COLUMNS].to(wide)
@@ -387,10 +393,12 @@ class LinearInputStats:
             else:
                 assert target.task_cross is not None  # direct mode: allocated by _open_task
                 out[f"cross:{name}"] = target.task_cross.mul_(scale)
-            mean_out = torch.cat([
-                weight_t[start : start + SOLVE_COLUMNS].to(DTYPE) @ teacher_mean
-                for start in range(0, target.d_out, SOLVE_COLUMNS)
-            ])  # fmt: skip
+            mean_out = torch.cat(
+                [
+                    weight_t[start : start + SOLVE_COLUMNS].to(DTYPE) @ teacher_mean
+                    for start in range(0, target.d_out, SOLVE_COLUMNS)
+                ]
+            )
             if bias_t is not None:
                 mean_out = mean_out + bias_t.to(DTYPE)
             out[f"target:{name}"] = mean_out.mul_(s_t)
@@ -418,9 +426,7 @@ class LinearInputStats:
         self.scale_sum += float(contribution["scale"][0])
         self.num_tasks += 1
 
-    def end_task(
-        self, expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]]
-    ) -> float:
+    def end_task(self, expert_params: dict[str, tuple[torch.Tensor, torch.Tensor | None]]) -> float:
         """Fold the current task into the running sums; returns its scale s_t."""
         contribution = self.task_contribution(expert_params)
         self.merge(contribution)
@@ -445,8 +451,9 @@ class LinearInputStats:
             target.task_cross = None
         self._task_gram = self._task_mixed = None
         lam, eps = self.params.lam, self.params.eps
-        system = ridge_system(self.gram, lam, eps, in_place=True,
-                              fallbacks=fallbacks, modules=tuple(self.targets))  # fmt: skip
+        system = ridge_system(
+            self.gram, lam, eps, in_place=True, fallbacks=fallbacks, modules=tuple(self.targets)
+        )
         self.gram = None
         out = {}
         for name, target in self.targets.items():

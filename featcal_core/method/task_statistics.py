@@ -39,12 +39,19 @@ class TaskStatistics:
 
     def save(self, path: Path) -> None:
         """One safetensors file, written to a temporary name and renamed."""
-        tensors = {f"linear/{g}/{k}": v.contiguous() for g, c in self.linear.items()
-                   for k, v in c.items()}  # fmt: skip
-        tensors.update({f"norm/{n}/{k}": v.contiguous() for n, c in self.norms.items()
-                        for k, v in c.items()})  # fmt: skip
-        meta = {"task": self.task, "index": self.index, "layout": self.layout,
-                "drift_before": self.drift_before, "fallbacks": self.fallbacks}  # fmt: skip
+        tensors = {
+            f"linear/{g}/{k}": v.contiguous() for g, c in self.linear.items() for k, v in c.items()
+        }
+        tensors.update(
+            {f"norm/{n}/{k}": v.contiguous() for n, c in self.norms.items() for k, v in c.items()}
+        )
+        meta = {
+            "task": self.task,
+            "index": self.index,
+            "layout": self.layout,
+            "drift_before": self.drift_before,
+            "fallbacks": self.fallbacks,
+        }
         with atomic_file(path, "task statistics") as tmp:
             save_tensors(tmp, tensors, {self._META: json.dumps(meta)})
 
@@ -58,8 +65,15 @@ class TaskStatistics:
             for key in stored.entries:
                 kind, owner, name = key.split("/", 2)
                 (linear if kind == "linear" else norms).setdefault(owner, {})[name] = reader[key]
-        return cls(stored.task, stored.index, linear, stored.layout, norms, stored.drift_before,
-                   stored.fallbacks)  # fmt: skip
+        return cls(
+            stored.task,
+            stored.index,
+            linear,
+            stored.layout,
+            norms,
+            stored.drift_before,
+            stored.fallbacks,
+        )
 
 
 class StoredStatistics:
@@ -75,8 +89,10 @@ class StoredStatistics:
         self.task, self.index = meta["task"], meta["index"]
         self.drift_before = meta["drift_before"]
         self.fallbacks = meta.get("fallbacks", [])
-        self.layout = {g: {**v, "modules": {m: tuple(d) for m, d in v["modules"].items()}}
-                       for g, v in meta["layout"].items()}  # fmt: skip
+        self.layout = {
+            g: {**v, "modules": {m: tuple(d) for m, d in v["modules"].items()}}
+            for g, v in meta["layout"].items()
+        }
 
     def group(self, kind: str, owner: str) -> Mapping[str, torch.Tensor]:
         """The contribution of one Linear group (kind "linear") or norm (kind "norm"), each

@@ -40,8 +40,12 @@ log = logging.getLogger(__name__)
 OPEN_CLIP_WEIGHTS = ("open_clip_model.safetensors", "open_clip_pytorch_model.bin")
 #: small tokenizer files fetched with an open_clip checkpoint (text towers with an HF tokenizer)
 OPEN_CLIP_TOKENIZER_PATTERNS = (
-    "tokenizer*", "special_tokens_map.json", "vocab*", "merges*", "spiece.model",
-)  # fmt: skip
+    "tokenizer*",
+    "special_tokens_map.json",
+    "vocab*",
+    "merges*",
+    "spiece.model",
+)
 #: where open_clip checkpoints are imported (relative to the working directory)
 OPEN_CLIP_IMPORT_ROOT = Path("data/models/open_clip")
 #: open_clip's model config file in a repository (featcal_core.open_clip.importer.CONFIG_NAME)
@@ -138,8 +142,9 @@ def _open_clip_config(ref: Any, role: str, source_dir: Path, base_config: Path |
     if (source_dir / OPEN_CLIP_CONFIG).is_file():
         return source_dir / OPEN_CLIP_CONFIG
     if base_config is not None:
-        log.info("%s: no %s in %s; using the base's %s", role, OPEN_CLIP_CONFIG, source_dir,
-                 base_config)  # fmt: skip
+        log.info(
+            "%s: no %s in %s; using the base's %s", role, OPEN_CLIP_CONFIG, source_dir, base_config
+        )
         return base_config
     raise FeatCalError(
         f"{role}: no {OPEN_CLIP_CONFIG} in {source_dir}; set {role}.open_clip_config to the "
@@ -186,9 +191,14 @@ def resolve_open_clip(
         ref, kind, _field(ref, "repo_id"), _field(ref, "revision"), _field(ref, "path")
     )
     source_dir, name, hub = _open_clip_source(
-        ref, role, reference, cache_dir=cache_dir, retries=retries, backoff=backoff,
+        ref,
+        role,
+        reference,
+        cache_dir=cache_dir,
+        retries=retries,
+        backoff=backoff,
         offline=offline,
-    )  # fmt: skip
+    )
     source = source_dir / name
     config_path = _open_clip_config(ref, role, source_dir, base_config)
     digest = sha256_file(source)
@@ -209,9 +219,12 @@ def resolve_open_clip(
             log.info("%s: reusing the import of %s in %s", role, source, target)
         else:
             import_open_clip(
-                source, target, model_cfg=config_path, trust_pickle=trust_pickle,
+                source,
+                target,
+                model_cfg=config_path,
+                trust_pickle=trust_pickle,
                 overwrite=target.exists(),
-            )  # fmt: skip
+            )
     except FeatCalError as exc:
         message = str(exc)
         if not trust_pickle and isinstance(exc.__context__, pickle.UnpicklingError):

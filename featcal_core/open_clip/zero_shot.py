@@ -146,8 +146,9 @@ class OpenCLIPZeroShotHead(Head):
     def cache_key(self) -> str:
         """sha256 over the base's weight and config files, class names and templates."""
         if self._key is None:
-            self._key = embedding_cache_key(_CACHE_VERSION, (self.weights, self.config_path),
-                                            self.class_names, self.templates)  # fmt: skip
+            self._key = embedding_cache_key(
+                _CACHE_VERSION, (self.weights, self.config_path), self.class_names, self.templates
+            )
         return self._key
 
     def cache_path(self) -> Path | None:
@@ -167,8 +168,9 @@ class OpenCLIPZeroShotHead(Head):
         if self._cached is None:
             cached = read_embedding_cache(self.cache_path(), self.num_classes)
             if cached is not None and "logit_scale" not in cached:
-                logger.warning("ignoring class-embedding cache %s without logit_scale",
-                               self.cache_path())  # fmt: skip
+                logger.warning(
+                    "ignoring class-embedding cache %s without logit_scale", self.cache_path()
+                )
                 cached = None
             if cached is None:
                 cached = self._compute(torch.device(device))

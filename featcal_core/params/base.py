@@ -21,8 +21,15 @@ from featcal_core.errors import FeatCalError
 from featcal_core.names import name_problem
 
 _SOURCE_FIELDS = (
-    "hub", "config", "revision", "path", "split", "image_column", "text_column", "label_column",
-)  # fmt: skip
+    "hub",
+    "config",
+    "revision",
+    "path",
+    "split",
+    "image_column",
+    "text_column",
+    "label_column",
+)
 
 
 # Hub ids: letters, digits, "-", "_", "."; starting with a letter or digit; at most 96 characters.

@@ -43,8 +43,10 @@ def settings_from_flags(model: type[_M], section: str, values: Mapping[str, Any]
         first = exc.errors(include_url=False)[0]
         at = (first.get("ctx") or {}).get(KEY_SUFFIX) or ""  # a model-level check names its key
         key = str(first["loc"][0]) if first["loc"] else at.split(".")[0]
-        _fail(f"--{key.replace('_', '-')} {_short(values.get(key))}: {first['msg']} "
-              f"(as {section}.{key} in params.yaml)")  # fmt: skip
+        _fail(
+            f"--{key.replace('_', '-')} {_short(values.get(key))}: {first['msg']} "
+            f"(as {section}.{key} in params.yaml)"
+        )
 
 
 # --------------------------------------------------------------------------------------- loading

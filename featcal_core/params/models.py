@@ -137,8 +137,10 @@ class ModelRef(_Section):
                     "file",
                 )
         if self.open_clip_config is not None and not self.open_clip_config.strip():
-            raise _error("empty open_clip_config; give the path of an open_clip_config.json",
-                         "open_clip_config")  # fmt: skip
+            raise _error(
+                "empty open_clip_config; give the path of an open_clip_config.json",
+                "open_clip_config",
+            )
 
     @property
     def kind(self) -> Literal["hub", "local"]:
@@ -162,8 +164,13 @@ class ModelRef(_Section):
 
     def options(self) -> dict[str, Any]:
         """The keys besides `ref` that differ from their defaults, as written in YAML."""
-        defaults = {"trust_remote_code": False, "format": "hf", "file": None,
-                    "open_clip_config": None, "trust_pickle": False}  # fmt: skip
+        defaults = {
+            "trust_remote_code": False,
+            "format": "hf",
+            "file": None,
+            "open_clip_config": None,
+            "trust_pickle": False,
+        }
         return {
             key: getattr(self, key)
             for key, default in defaults.items()

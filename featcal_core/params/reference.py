@@ -69,8 +69,9 @@ def _table(prefix: str, model: type[BaseModel]) -> list[str]:
     lines = ["| key | type | default | description |", "|---|---|---|---|"]
     for name, info in model.model_fields.items():
         description = (info.description or "").replace("|", "\\|")
-        lines.append(f"| `{prefix}{name}` | {_type(info.annotation)} | {_default(info)} "
-                     f"| {description} |")  # fmt: skip
+        lines.append(
+            f"| `{prefix}{name}` | {_type(info.annotation)} | {_default(info)} | {description} |"
+        )
     return lines
 
 

@@ -15,17 +15,26 @@ from featcal_core.repair.registry import available as available_repairs
 from featcal_core.repair.registry import get as get_repair
 
 #: params a variant may change: what comes after the shared download and calibration sets
-VARIANT_KEYS = ("merge.", "repair.", "featcal.alpha", "featcal.rho", "featcal.lam",
-                "featcal.eps", "featcal.precision", "featcal.num_per_task",
-                "featcal.heads")  # fmt: skip
+VARIANT_KEYS = (
+    "merge.",
+    "repair.",
+    "featcal.alpha",
+    "featcal.rho",
+    "featcal.lam",
+    "featcal.eps",
+    "featcal.precision",
+    "featcal.num_per_task",
+    "featcal.heads",
+)
 
 
 def _option_field(option: Option) -> tuple[Any, Any]:
     """A `repair:` field (annotation, Field) from a registry option: its type, default, bounds
     and help, defined once in the repair's module."""
     annotation = {bool: StrictBool, int: StrictInt}.get(option.kind, FiniteFloat)
-    return annotation, Field(option.default, ge=option.ge, gt=option.gt, le=option.le,
-                             description=option.help)  # fmt: skip
+    return annotation, Field(
+        option.default, ge=option.ge, gt=option.gt, le=option.le, description=option.help
+    )
 
 
 def _known_repair(method: str) -> str:

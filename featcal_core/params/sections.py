@@ -94,8 +94,16 @@ class MergeSettings(_Section):
 
 
 #: the featcal fields that determine the calibrated model (in every block's cache key)
-_CALIBRATION_FIELDS = ("alpha", "rho", "lam", "eps", "num_per_task", "max_length", "pooling",
-                       "token_weighting")  # fmt: skip
+_CALIBRATION_FIELDS = (
+    "alpha",
+    "rho",
+    "lam",
+    "eps",
+    "num_per_task",
+    "max_length",
+    "pooling",
+    "token_weighting",
+)
 
 
 def _method_field(name: str, description: str) -> Any:
@@ -183,8 +191,9 @@ class FeatCalSettings(_Section):
     def core_settings(self, seed: int) -> Settings:
         """How the calibration runs, as the core's `Settings` (the `featcal:` run settings and
         `run.seed`): the one conversion, used by every caller."""
-        return Settings(**{name: getattr(self, name) for name in SETTING_DEFAULTS if name != "seed"},
-                        seed=seed)  # fmt: skip
+        return Settings(
+            **{name: getattr(self, name) for name in SETTING_DEFAULTS if name != "seed"}, seed=seed
+        )
 
 
 class EvaluationSettings(_Section):

@@ -86,8 +86,10 @@ def _legacy_id(hub: str) -> str:
     """Why a one-word dataset id is refused, and the id to use instead."""
     moved = LEGACY_DATASET_IDS.get(hub.lower())
     fix = f"use {moved!r}" if moved else "use the dataset's namespaced id (owner/name)"
-    return (f"{hub!r} is a legacy one-word Hub dataset id, which current huggingface_hub releases "
-            f"refuse (after the datasets before it have downloaded); {fix}")  # fmt: skip
+    return (
+        f"{hub!r} is a legacy one-word Hub dataset id, which current huggingface_hub releases "
+        f"refuse (after the datasets before it have downloaded); {fix}"
+    )
 
 
 def _check_template(template: str) -> str:

@@ -63,8 +63,15 @@ _LICENSE_KEYS = ("license", "license_name", "license_link")
 ROW_ORDER = ("base", "expert", "merged", "calibrated", "merged_heads", "calibrated_heads")
 _TASK_TYPES = {"image": "image-classification", "text": "text-classification"}
 #: the front matter's key order (`ModelCardData.to_yaml(original_order=...)`)
-FRONT_MATTER_ORDER = ["library_name", "license", "license_name", "license_link", "base_model",
-          "base_model_relation", "tags"]  # fmt: skip
+FRONT_MATTER_ORDER = [
+    "library_name",
+    "license",
+    "license_name",
+    "license_link",
+    "base_model",
+    "base_model_relation",
+    "tags",
+]
 
 
 def hub_id(entry: Mapping[str, Any]) -> str | None:
@@ -235,7 +242,7 @@ def eval_results(
             metric_type="accuracy",
             metric_value=round(value, 6),
             metric_name=metric,
-        )  # fmt: skip
+        )
         for task, row in table.items()
         for name, metric in index_rows(own)
         if (value := row.get(name)) is not None

@@ -155,8 +155,12 @@ def _usage_section(model: Mapping[str, Any], heads: Mapping[str, str] | None) ->
         ]
     elif heads:
         first = json.dumps(next(iter(heads)))
-        code += ["", "# the refit heads (head calibration, `featcal heads`): one per task, "
-                     "written beside this folder", "heads = {"]  # fmt: skip
+        code += [
+            "",
+            "# the refit heads (head calibration, `featcal heads`): one per task, "
+            "written beside this folder",
+            "heads = {",
+        ]
         code += [
             f"    {json.dumps(task)}: folder / {json.dumps(path)}," for task, path in heads.items()
         ]

@@ -24,9 +24,17 @@ log = logging.getLogger(__name__)
 
 #: what the chain shows of a calibration set's own record
 _SET_KEYS = (
-    "task", "source", "split", "modality", "seed", "n_requested", "rows_available", "n_rows",
-    "digest", "row_ids",
-)  # fmt: skip
+    "task",
+    "source",
+    "split",
+    "modality",
+    "seed",
+    "n_requested",
+    "rows_available",
+    "n_rows",
+    "digest",
+    "row_ids",
+)
 _RERUN = "restore the recorded input or rerun the pipeline (featcal run) so the records match"
 
 

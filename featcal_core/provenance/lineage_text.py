@@ -80,8 +80,14 @@ def format_trace(result: Mapping[str, Any]) -> str:
             lines.append(
                 f"    imported from  {Path(source.get('path') or '') / (source.get('file') or '')}"
             )
-            lines += _file_lines({"(open_clip source)": {"sha256": source.get("sha256"),
-                                                         "status": source.get("status")}})  # fmt: skip
+            lines += _file_lines(
+                {
+                    "(open_clip source)": {
+                        "sha256": source.get("sha256"),
+                        "status": source.get("status"),
+                    }
+                }
+            )
     lock = chain.get("lock")
     if lock:
         state = "ok" if lock.get("lock_digest_ok") else "EDITED"

@@ -64,12 +64,23 @@ _FEATCAL_LABELS = (
 )
 #: what the model card shows of a calibration set
 _CARD_SET_KEYS = (
-    "digest", "tree_sha256", "n_rows", "rows", "rows_available", "seed", "source", "split",
+    "digest",
+    "tree_sha256",
+    "n_rows",
+    "rows",
+    "rows_available",
+    "seed",
+    "source",
+    "split",
     "source_commit",
-)  # fmt: skip
+)
 #: what the model card shows of the base model, and under which label
-_CARD_MODEL_FACTS = (("reference", "reference"), ("kind", "kind"), ("revision", "revision"),
-                     ("commit", "commit"))  # fmt: skip
+_CARD_MODEL_FACTS = (
+    ("reference", "reference"),
+    ("kind", "kind"),
+    ("revision", "revision"),
+    ("commit", "commit"),
+)
 
 
 def _with_commit(source: Any, commit: Any) -> Any:
@@ -158,8 +169,9 @@ def _model_facts(chain: Mapping[str, Any], checkpoint: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         pass
     sets = as_dict(chain.get("calibration_sets")).values()
-    facts["modality"] = next((as_dict(s).get("modality") for s in sets
-                              if as_dict(s).get("modality")), None)  # fmt: skip
+    facts["modality"] = next(
+        (as_dict(s).get("modality") for s in sets if as_dict(s).get("modality")), None
+    )
     if isinstance(facts["architecture"], str):
         from featcal_core.architectures import get  # (imports torch: only when there is one)
 
@@ -189,8 +201,9 @@ def _refit_heads(results_dir: Any, checkpoint: Path) -> dict[str, str] | None:
         path = checkpoint / str(name)
         if not path.is_file() or sha256_file(path) != digest:
             return None
-    heads = {p.name: str(p) for p in sorted(folder.iterdir())
-             if (p / "classifier.safetensors").is_file()}  # fmt: skip
+    heads = {
+        p.name: str(p) for p in sorted(folder.iterdir()) if (p / "classifier.safetensors").is_file()
+    }
     return heads or None
 
 
@@ -218,10 +231,12 @@ def render_model_card(
     table = accuracy_table(evaluation)
     own = "calibrated" if featcal else "merged"
     data = card_data(
-        inputs=inputs, recipe=recipe, model=model,
+        inputs=inputs,
+        recipe=recipe,
+        model=model,
         results=eval_results(table, own, model.get("modality")) if table else [],
         model_name=" ".join(str(model_name or title).split()),
-    )  # fmt: skip
+    )
 
     lines = [f"# {' '.join(str(title).split())}", ""]
     method = merge.get("method")
@@ -397,9 +412,16 @@ def write_model_card(
     if has_task_heads(directory):  # the refit heads travel in the folder: load them from there
         shown = {task: WEIGHTS_NAME for task in load_task_heads(directory)}
     text = render_model_card(
-        title=title, recipe=recipe, inputs=inputs, metrics=metrics, provenance=provenance,
-        evaluation=evaluation, model=model, heads=shown or None, model_name=model_name,
-    )  # fmt: skip
+        title=title,
+        recipe=recipe,
+        inputs=inputs,
+        metrics=metrics,
+        provenance=provenance,
+        evaluation=evaluation,
+        model=model,
+        heads=shown or None,
+        model_name=model_name,
+    )
     path = directory / CARD_NAME
     _write_text(path, text)
     log.info("wrote model card %s", path)

@@ -81,7 +81,7 @@ def _conversion_revision(
                     author=CONVERSION_BOT,
                     discussion_type="pull_request",
                     discussion_status="open",
-                )  # fmt: skip
+                )
                 if d.is_pull_request and d.author == CONVERSION_BOT
             ]
             if numbers:
@@ -188,13 +188,25 @@ def resolve_model(
         converted = _conversion_revision(repo_id, cache_dir, offline)
         if converted is not None:
             revision, found = converted
-            log.warning("%s: %s has no safetensors weights on its default branch; using the "
-                        "safetensors conversion %s (%s)", role, reference, revision, found)  # fmt: skip
+            log.warning(
+                "%s: %s has no safetensors weights on its default branch; using the "
+                "safetensors conversion %s (%s)",
+                role,
+                reference,
+                revision,
+                found,
+            )
             snapshot, offline = _download(
-                role, f"{repo_id}@{revision}", repo_id, revision, cache_dir=cache_dir,
-                retries=retries, backoff=backoff, trust_remote_code=trust_remote_code,
+                role,
+                f"{repo_id}@{revision}",
+                repo_id,
+                revision,
+                cache_dir=cache_dir,
+                retries=retries,
+                backoff=backoff,
+                trust_remote_code=trust_remote_code,
                 offline=offline,
-            )  # fmt: skip
+            )
     if snapshot.is_dir() and not any(snapshot.glob("*.safetensors")):
         at = f" at {revision}" if revision else ""
         raise FeatCalError(

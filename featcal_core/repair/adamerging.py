@@ -55,8 +55,15 @@ from featcal_core.repair.trained_inputs import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ADAMERGING_RECORD", "DEFAULT_ADAMERGING_BATCH", "DEFAULT_INIT", "DEFAULT_LR",
-           "DEFAULT_STEPS", "adamerge_checkpoint", "check_hyperparameters"]  # fmt: skip
+__all__ = [
+    "ADAMERGING_RECORD",
+    "DEFAULT_ADAMERGING_BATCH",
+    "DEFAULT_INIT",
+    "DEFAULT_LR",
+    "DEFAULT_STEPS",
+    "adamerge_checkpoint",
+    "check_hyperparameters",
+]
 
 ADAMERGING_RECORD = "adamerging.json"
 RECORD_VERSION = 1
@@ -73,8 +80,9 @@ def check_hyperparameters(
 ) -> None:
     """FeatCalError naming the first bad value by its `featcal adamerging` flag (the batch of
     rows per Adam step is --adamerging-batch-size; --batch-size is the calibration batch)."""
-    check_positive_integers({"--steps": steps, "--adamerging-batch-size": batch_size,
-                             "--log-every": log_every})  # fmt: skip
+    check_positive_integers(
+        {"--steps": steps, "--adamerging-batch-size": batch_size, "--log-every": log_every}
+    )
     check_learning_rate(lr)
     if isinstance(init, bool) or not isinstance(init, int | float) or not 0 <= init <= 1:
         raise FeatCalError(f"--init must be a number in [0, 1] (got {init!r})")
@@ -127,12 +135,15 @@ class _Tower:
 
     def weights(self, lambdas: torch.Tensor) -> dict[str, torch.Tensor]:
         """θ_l(λ) = θ0_l + Σ_k λ[k, l] τ_{k,l} for every learnt l; lambdas (T, L), clamped."""
-        return {name: self.theta0[name] + torch.tensordot(lambdas[:, i], self.taus[name], dims=1)
-                for i, name in enumerate(self.names)}  # fmt: skip
+        return {
+            name: self.theta0[name] + torch.tensordot(lambdas[:, i], self.taus[name], dims=1)
+            for i, name in enumerate(self.names)
+        }
 
 
-def _runners(task_heads: dict[str, Head], base: Checkpoint, arch: Architecture,
-             device: torch.device) -> tuple[dict[str, _Runner], dict[str, nn.Linear]]:  # fmt: skip
+def _runners(
+    task_heads: dict[str, Head], base: Checkpoint, arch: Architecture, device: torch.device
+) -> tuple[dict[str, _Runner], dict[str, nn.Linear]]:
     """Each task's features runner and final Linear, with the base tower loaded. Tasks whose
     features modules have the same structure share one module (per-task differences outside
     the tower, e.g. a BERT expert's own pooler, are kept as overrides)."""
@@ -165,16 +176,23 @@ def _runners(task_heads: dict[str, Head], base: Checkpoint, arch: Architecture,
             local = {n: n[len(prefix) :] for n in params if n.startswith(prefix)}
             names = {n: c for n, c in local.items() if base_prefix + c in base}
             if not names:
-                raise FeatCalError(f"{what}: no parameter of its features module is a tower "
-                                   f"tensor of the base model {base.directory}")  # fmt: skip
+                raise FeatCalError(
+                    f"{what}: no parameter of its features module is a tower "
+                    f"tensor of the base model {base.directory}"
+                )
             runners[task] = _Runner(features, names, {task: {}})
             kept.append(runners[task])
         del features, state
     return runners, linears
 
 
-def _tower(runners: dict[str, _Runner], base: Checkpoint, experts: dict[str, Checkpoint],
-           arch: Architecture, device: torch.device) -> tuple[_Tower, list[str]]:  # fmt: skip
+def _tower(
+    runners: dict[str, _Runner],
+    base: Checkpoint,
+    experts: dict[str, Checkpoint],
+    arch: Architecture,
+    device: torch.device,
+) -> tuple[_Tower, list[str]]:
     """The learnt tensors (canonical names read by some runner, float, held by every expert with
     the base's shape, changed by at least one expert) and the unchanged ones."""
     base_prefix = arch.resolve_prefix(base)
@@ -217,8 +235,10 @@ def _tower(runners: dict[str, _Runner], base: Checkpoint, experts: dict[str, Che
         )
         del vectors
     if not names:
-        raise FeatCalError("AdaMerging: no expert changes any tower tensor the heads read; "
-                           "there is nothing to learn (check the experts)")  # fmt: skip
+        raise FeatCalError(
+            "AdaMerging: no expert changes any tower tensor the heads read; "
+            "there is nothing to learn (check the experts)"
+        )
     return _Tower(names, theta0, taus), unchanged
 
 
@@ -237,8 +257,14 @@ def _inputs(head: Head, rows: list[Any], task: str) -> dict[str, torch.Tensor]:
 class _Objective:
     """The tasks' entropies for a given λ: runners, final Linears and cached inputs."""
 
-    def __init__(self, tower: _Tower, runners: dict[str, _Runner], linears: dict[str, nn.Linear],
-                 inputs: dict[str, dict[str, torch.Tensor]], device: torch.device):  # fmt: skip
+    def __init__(
+        self,
+        tower: _Tower,
+        runners: dict[str, _Runner],
+        linears: dict[str, nn.Linear],
+        inputs: dict[str, dict[str, torch.Tensor]],
+        device: torch.device,
+    ):
         self.tower, self.runners, self.linears = tower, runners, linears
         self.inputs, self.device = inputs, device
 
@@ -265,13 +291,21 @@ class _Objective:
         return out
 
 
-def _train(objective: _Objective, tasks: list[str], *, steps: int, lr: float, init: float,
-           batch_size: int, seed: int, log_every: int,
-           progress: bool) -> tuple[torch.Tensor, dict[str, Any]]:  # fmt: skip
+def _train(
+    objective: _Objective,
+    tasks: list[str],
+    *,
+    steps: int,
+    lr: float,
+    init: float,
+    batch_size: int,
+    seed: int,
+    log_every: int,
+    progress: bool,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """Adam on the raw λ (T, L); returns the clamped λ (float32, CPU) and the entropy curve."""
     tower, device = objective.tower, objective.device
-    raw = torch.full((len(tasks), len(tower.names)), float(init), device=device,
-                     requires_grad=True)  # fmt: skip
+    raw = torch.full((len(tasks), len(tower.names)), float(init), device=device, requires_grad=True)
     optimizer = torch.optim.Adam([raw], lr=lr, betas=BETAS, weight_decay=0.0)
     sizes = {t: next(iter(objective.inputs[t].values())).shape[0] for t in tasks}
     gens = {t: _generator(seed, t) for t in tasks}
@@ -290,14 +324,18 @@ def _train(objective: _Objective, tasks: list[str], *, steps: int, lr: float, in
             loss = loss + _entropy(objective.logits(task, weights, rows))
         value = float(loss.detach())
         if not math.isfinite(value):
-            raise FeatCalError(f"AdaMerging: the entropy is NaN or Inf at step {step}; lower --lr "
-                               f"(got {lr}) or check the models")  # fmt: skip
+            raise FeatCalError(
+                f"AdaMerging: the entropy is NaN or Inf at step {step}; lower --lr "
+                f"(got {lr}) or check the models"
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         assert raw.grad is not None  # set by backward
         if not bool(torch.isfinite(raw.grad).all()):
-            raise FeatCalError(f"AdaMerging: NaN or Inf gradient at step {step}; lower --lr "
-                               f"(got {lr}) or check the models")  # fmt: skip
+            raise FeatCalError(
+                f"AdaMerging: NaN or Inf gradient at step {step}; lower --lr "
+                f"(got {lr}) or check the models"
+            )
         optimizer.step()
         del weights, loss
         if step == 1 or step % log_every == 0 or step == steps:
@@ -306,14 +344,25 @@ def _train(objective: _Objective, tasks: list[str], *, steps: int, lr: float, in
     lambdas = raw.detach().clamp(0.0, 1.0)
     if not bool(torch.isfinite(lambdas).all()):
         raise FeatCalError(f"AdaMerging: the coefficients diverged; lower --lr (got {lr})")
-    curve = {"objective": OBJECTIVE, "first": logged[0], "last": logged[-1], "every": log_every,
-             "steps": logged_steps, "values": logged}  # fmt: skip
+    curve = {
+        "objective": OBJECTIVE,
+        "first": logged[0],
+        "last": logged[-1],
+        "every": log_every,
+        "steps": logged_steps,
+        "values": logged,
+    }
     return lambdas.cpu(), curve
 
 
-def _merged_tensors(tower: _Tower, lambdas: dict[str, dict[str, float]], base: Checkpoint,
-                    experts: dict[str, Checkpoint], template: Checkpoint,
-                    arch: Architecture) -> dict[str, torch.Tensor]:  # fmt: skip
+def _merged_tensors(
+    tower: _Tower,
+    lambdas: dict[str, dict[str, float]],
+    base: Checkpoint,
+    experts: dict[str, Checkpoint],
+    template: Checkpoint,
+    arch: Architecture,
+) -> dict[str, torch.Tensor]:
     """Template key → θ0 + Σ_k λ τ_k, from the checkpoints in float64, in the template's dtype."""
     base_prefix, out_prefix = arch.resolve_prefix(base), arch.resolve_prefix(template)
     prefixes = {t: arch.resolve_prefix(c) for t, c in experts.items()}
@@ -336,8 +385,10 @@ def _merged_tensors(tower: _Tower, lambdas: dict[str, dict[str, float]], base: C
             total.add_(tau, alpha=lambdas[task][key])
         value = total.to(DTYPES[template.tensors[key].dtype]).contiguous()
         if not bool(torch.isfinite(value).all()):
-            raise FeatCalError(f"AdaMerging: tensor {key!r} is NaN or Inf after the merge "
-                               f"(in {template.tensors[key].dtype}); check the inputs")  # fmt: skip
+            raise FeatCalError(
+                f"AdaMerging: tensor {key!r} is NaN or Inf after the merge "
+                f"(in {template.tensors[key].dtype}); check the inputs"
+            )
         out[key] = value
     return out
 
@@ -385,37 +436,78 @@ def adamerge_checkpoint(
     started = time.perf_counter()
     out = Path(out)
     check_hyperparameters(steps, lr, init, batch_size, log_every)
-    given = load_trained_inputs("AdaMerging", merged, experts, calibration_sets, out, heads=heads,
-                                tokenizer_dir=tokenizer_dir, settings=settings, seed=seed,
-                                overwrite=overwrite, more_inputs=(base,))  # fmt: skip
+    given = load_trained_inputs(
+        "AdaMerging",
+        merged,
+        experts,
+        calibration_sets,
+        out,
+        heads=heads,
+        tokenizer_dir=tokenizer_dir,
+        settings=settings,
+        seed=seed,
+        overwrite=overwrite,
+        more_inputs=(base,),
+    )
     device, sets, inputs, task_heads = given.device, given.sets, given.inputs, given.heads
     merged_ckpt, expert_ckpts = given.merged, given.experts
     base_ckpt = Checkpoint(base, role="base model")
     arch = detect(base_ckpt.config, source=str(base_ckpt.directory / "config.json"))
     tasks = list(experts)
-    hyper = {"granularity": "layer-wise", "steps": steps, "lr": lr, "betas": list(BETAS),
-             "weight_decay": 0.0, "init": init, "clamp": [0.0, 1.0], "batch_size": batch_size,
-             "seed": seed, "log_every": log_every, "objective": OBJECTIVE}  # fmt: skip
+    hyper = {
+        "granularity": "layer-wise",
+        "steps": steps,
+        "lr": lr,
+        "betas": list(BETAS),
+        "weight_decay": 0.0,
+        "init": init,
+        "clamp": [0.0, 1.0],
+        "batch_size": batch_size,
+        "seed": seed,
+        "log_every": log_every,
+        "objective": OBJECTIVE,
+    }
 
     runners, linears = _runners(task_heads, base_ckpt, arch, device)
     tower, unchanged = _tower(runners, base_ckpt, expert_ckpts, arch, device)
     cached = {t: _inputs(task_heads[t], sets[t].rows, t) for t in tasks}
     objective = _Objective(tower, runners, linears, cached, device)
-    log.info("AdaMerging (layer-wise, %d steps, lr %g, init %g): %d tasks x %d tensors on %s",
-             steps, lr, init, len(tasks), len(tower.names), device)  # fmt: skip
+    log.info(
+        "AdaMerging (layer-wise, %d steps, lr %g, init %g): %d tasks x %d tensors on %s",
+        steps,
+        lr,
+        init,
+        len(tasks),
+        len(tower.names),
+        device,
+    )
     start = torch.full((len(tasks), len(tower.names)), float(init), device=device)
     before = objective.calibration_entropy(start, settings.batch_size)
-    lambdas, curve = _train(objective, tasks, steps=steps, lr=lr, init=init,
-                            batch_size=batch_size, seed=seed, log_every=log_every,
-                            progress=progress)  # fmt: skip
+    lambdas, curve = _train(
+        objective,
+        tasks,
+        steps=steps,
+        lr=lr,
+        init=init,
+        batch_size=batch_size,
+        seed=seed,
+        log_every=log_every,
+        progress=progress,
+    )
     after = objective.calibration_entropy(lambdas.to(device), settings.batch_size)
     out_prefix = arch.resolve_prefix(merged_ckpt)
-    coefficients = {task: {out_prefix + c: float(lambdas[k, i]) for i, c in enumerate(tower.names)}
-                    for k, task in enumerate(tasks)}  # fmt: skip
+    coefficients = {
+        task: {out_prefix + c: float(lambdas[k, i]) for i, c in enumerate(tower.names)}
+        for k, task in enumerate(tasks)
+    }
     del objective, runners, linears, cached
-    log.info("AdaMerging: mean calibration entropy %.4g -> %.4g (batch objective %.4g -> %.4g)",
-             sum(before.values()) / len(before), sum(after.values()) / len(after),
-             curve["first"], curve["last"])  # fmt: skip
+    log.info(
+        "AdaMerging: mean calibration entropy %.4g -> %.4g (batch objective %.4g -> %.4g)",
+        sum(before.values()) / len(before),
+        sum(after.values()) / len(after),
+        curve["first"],
+        curve["last"],
+    )
 
     tensors = _merged_tensors(tower, coefficients, base_ckpt, expert_ckpts, merged_ckpt, arch)
     del tower
@@ -425,8 +517,9 @@ def adamerge_checkpoint(
         try:
             path = work / "adamerging.safetensors"
             save_tensors(path, tensors)
-            export_checkpoint(merged_ckpt, dict.fromkeys(tensors, path), tmp,
-                              extra_sources=(base_ckpt.directory,))  # fmt: skip
+            export_checkpoint(
+                merged_ckpt, dict.fromkeys(tensors, path), tmp, extra_sources=(base_ckpt.directory,)
+            )
         finally:
             shutil.rmtree(work, ignore_errors=True)
         record = {
@@ -440,7 +533,7 @@ def adamerge_checkpoint(
                 "learnt": len(tensors),
                 "unchanged": len(unchanged),
                 "from_merged": len(merged_ckpt.tensors) - len(tensors),
-            },  # fmt: skip
+            },
             "coefficients": coefficients,
             "entropy": {
                 **curve,

@@ -45,10 +45,15 @@ class RegMeanSums:
         self.device = torch.device(device or "cpu")
         self.modules = dict(modules)
         self.lhs: torch.Tensor | None = torch.zeros(d_in, d_in, dtype=DTYPE, device=self.device)
-        self.rhs = {n: torch.zeros(d_in, d_out, dtype=DTYPE, device=self.device)
-                    for n, (d_out, _) in self.modules.items()}  # fmt: skip
-        self.bias_sum = {n: torch.zeros(d_out, dtype=DTYPE, device=self.device)
-                         for n, (d_out, has_bias) in self.modules.items() if has_bias}  # fmt: skip
+        self.rhs = {
+            n: torch.zeros(d_in, d_out, dtype=DTYPE, device=self.device)
+            for n, (d_out, _) in self.modules.items()
+        }
+        self.bias_sum = {
+            n: torch.zeros(d_out, dtype=DTYPE, device=self.device)
+            for n, (d_out, has_bias) in self.modules.items()
+            if has_bias
+        }
         self.num_tasks = 0
 
     def add_task(

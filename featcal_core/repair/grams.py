@@ -68,8 +68,14 @@ class GramSum:
 class ExpertPasses:
     """Runs each expert's stem and blocks on its own task's inputs and collects Linear Grams."""
 
-    def __init__(self, models: ModelSet, dtype: torch.dtype, device: torch.device,
-                 precision: str, pooled_weights: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        models: ModelSet,
+        dtype: torch.dtype,
+        device: torch.device,
+        precision: str,
+        pooled_weights: bool = False,
+    ):
         self.models = models
         self.arch = models.arch
         self.dtype = dtype
@@ -87,8 +93,9 @@ class ExpertPasses:
         names = list(stem.state_dict())
         masks: dict[str, torch.Tensor] = {}
         for task, calibration in sets.items():
-            inputs = arch.prepare_inputs(str(self.models.base.directory), calibration.rows,
-                                         max_length, calibration.targets)  # fmt: skip
+            inputs = arch.prepare_inputs(
+                str(self.models.base.directory), calibration.rows, max_length, calibration.targets
+            )
             masks[task] = inputs["attention_mask"].to(torch.float32)
             if WEIGHT_MASK in inputs:
                 masks[weight_mask_key(task)] = inputs.pop(WEIGHT_MASK).to(torch.float32)
@@ -96,8 +103,10 @@ class ExpertPasses:
             stem.load_state_dict({k: v.to(self.device, self.dtype) for k, v in state.items()})
             streams.put(EXPERT, task, self._run_stem(stem, inputs, batch_size, task, False))
             if arch.decoder_start is not None:
-                dec = {"input_ids": inputs["decoder_input_ids"],
-                       "attention_mask": inputs["decoder_attention_mask"]}  # fmt: skip
+                dec = {
+                    "input_ids": inputs["decoder_input_ids"],
+                    "attention_mask": inputs["decoder_attention_mask"],
+                }
                 masks[decoder_mask_key(task)] = dec["attention_mask"].to(torch.float32)
                 streams.put(EXPERT_DECODER, task, self._run_stem(stem, dec, batch_size, task, True))
         return masks
@@ -120,20 +129,31 @@ class ExpertPasses:
         """(block module, its Linear names, its state names, capture) of block `index`'s kind."""
         kind = self.arch.block_kind(index)
         if kind not in self._kinds:
-            block = (self.arch.build_block(self.dtype) if kind is None
-                     else self.arch.build_block(  # type: ignore[call-arg]  # its arch takes a kind
-                         self.dtype, kind))  # fmt: skip
+            block = (
+                self.arch.build_block(self.dtype)
+                if kind is None
+                else self.arch.build_block(  # type: ignore[call-arg]  # its arch takes a kind
+                    self.dtype, kind
+                )
+            )
             block = block.to(self.device).requires_grad_(False)
             linears = [n for n, m in block.named_modules() if isinstance(m, nn.Linear)]
-            self._kinds[kind] = (block, linears, list(block.state_dict()),
-                                 Capture(self.arch, block, linears))  # fmt: skip
+            self._kinds[kind] = (
+                block,
+                linears,
+                list(block.state_dict()),
+                Capture(self.arch, block, linears),
+            )
         return self._kinds[kind]
 
     def linears(self, index: int) -> dict[str, tuple[int, int, bool]]:
         """Block `index`'s Linear modules: local name → (d_in, d_out, has_bias)."""
         block, names, _, _ = self._use(index)
-        return {n: (m.in_features, m.out_features, m.bias is not None)
-                for n in names for m in [block.get_submodule(n)]}  # fmt: skip
+        return {
+            n: (m.in_features, m.out_features, m.bias is not None)
+            for n in names
+            for m in [block.get_submodule(n)]
+        }
 
     def _phase(self, index: int) -> str:
         start = self.arch.decoder_start
@@ -150,8 +170,9 @@ class ExpertPasses:
         return block
 
     @torch.no_grad()
-    def task_grams(self, index: int, task: str, streams: HiddenStreams, masks: dict,
-                   batch_size: int) -> tuple[dict[str, GramSum], dict[str, str]]:  # fmt: skip
+    def task_grams(
+        self, index: int, task: str, streams: HiddenStreams, masks: dict, batch_size: int
+    ) -> tuple[dict[str, GramSum], dict[str, str]]:
         """Expert `task`'s block `index` on its stream: replaces the stream by the block output
         and returns (group label → its GramSum, Linear name → group label). Linears reading the
         same tensor with the same token weights share one group (labelled by the first)."""
@@ -161,23 +182,35 @@ class ExpertPasses:
         self.load_expert_block(task, index)
         if phase == "bridge":  # the decoder's context: this expert's encoder output, its bridge
             names = list(arch.bridge_names)
-            tensors = {k: v.to(self.device, self.dtype)
-                       for k, v in self.models.read(self.models.experts[task], names).items()}  # fmt: skip
-            done = [arch.run_bridge(tensors, h.to(self.device)).to("cpu")
-                    for h in streams.batches(EXPERT, task, batch_size)]  # fmt: skip
+            tensors = {
+                k: v.to(self.device, self.dtype)
+                for k, v in self.models.read(self.models.experts[task], names).items()
+            }
+            done = [
+                arch.run_bridge(tensors, h.to(self.device)).to("cpu")
+                for h in streams.batches(EXPERT, task, batch_size)
+            ]
             streams.put(EXPERT_CONTEXT, task, torch.cat(done))
         decoder = phase in ("bridge", "decoder")
         source = EXPERT_DECODER if phase == "bridge" else EXPERT
         mask = masks[decoder_mask_key(task)] if decoder else masks[task]
         weighted = masks.get(weight_mask_key(task), mask) if phase == "single" else mask
-        contexts = (streams.batches(EXPERT_CONTEXT, task, batch_size) if decoder
-                    else (None for _ in mask.split(batch_size)))  # fmt: skip
+        contexts = (
+            streams.batches(EXPERT_CONTEXT, task, batch_size)
+            if decoder
+            else (None for _ in mask.split(batch_size))
+        )
         sums: dict[str, GramSum] = {}
         groups: dict[str, str] = {}
         outputs = []
-        batches = zip(streams.batches(source, task, batch_size), mask.split(batch_size),
-                      weighted.split(batch_size), masks[task].split(batch_size), contexts,
-                      strict=True)  # fmt: skip
+        batches = zip(
+            streams.batches(source, task, batch_size),
+            mask.split(batch_size),
+            weighted.split(batch_size),
+            masks[task].split(batch_size),
+            contexts,
+            strict=True,
+        )
         for hidden, m, w, encoder_mask, encoder_out in batches:
             m, w = m.to(self.device), w.to(self.device)
             context: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -198,8 +231,11 @@ class ExpertPasses:
                     tokens = context[1]
                 else:
                     tokens = w
-                weights = (arch.token_weights(name, last, tokens) if self.pooled_weights
-                           else tokens.to(DTYPE))  # fmt: skip
+                weights = (
+                    arch.token_weights(name, last, tokens)
+                    if self.pooled_weights
+                    else tokens.to(DTYPE)
+                )
                 x = captured[name]
                 if label not in sums:
                     sums[label] = GramSum(x.shape[-1], self.device, self.precision)
@@ -220,8 +256,12 @@ class ExpertPasses:
                 f"{self.arch.name}: Linear {name} did not run in the block's forward; RegMean "
                 "needs every Linear of a block to see its input"
             )
-        pooled = (last and self.pooled_weights and self.arch.pooled_position is not None
-                  and self.arch.is_pooled_module(name))  # fmt: skip
+        pooled = (
+            last
+            and self.pooled_weights
+            and self.arch.pooled_position is not None
+            and self.arch.is_pooled_module(name)
+        )
         return (id(captured[name]), self.arch.reads_context(name), pooled)
 
     def _groups(self, captured, linears, last) -> dict[str, str]:

@@ -48,8 +48,14 @@ def check_alpha(alpha: float) -> None:
         raise FeatCalError(f"--alpha must be a number in [0, 1] (got {alpha!r})")
 
 
-def regmean_block(passes: ExpertPasses, index: int, streams: HiddenStreams, masks: dict,
-                  alpha: float, batch_size: int) -> tuple[dict[str, torch.Tensor], dict]:  # fmt: skip
+def regmean_block(
+    passes: ExpertPasses,
+    index: int,
+    streams: HiddenStreams,
+    masks: dict,
+    alpha: float,
+    batch_size: int,
+) -> tuple[dict[str, torch.Tensor], dict]:
     """RegMean of block `index`: task by task, expert t's block on its stream (replaced by the
     block output), its Grams folded into float64 sums, then solved. Returns (merged checkpoint
     key → tensor in the merged dtype, the block's record entry)."""
@@ -100,7 +106,7 @@ def regmean_block(passes: ExpertPasses, index: int, streams: HiddenStreams, mask
         "groups": {
             label: sorted(n for n, g in groups.items() if g == label)
             for label in dict.fromkeys(groups.values())
-        },  # fmt: skip
+        },
         "tokens": tokens,
         "fallbacks": found.entries,
     }
@@ -142,8 +148,14 @@ def regmean_checkpoint(
     check_output(out, overwrite=overwrite, inputs=inputs)
     run = Calibration(base, merged, experts, calibration_sets, settings=settings)  # the checks
     passes = ExpertPasses(run.models, run.dtype, run.device, run.precision, pooled_weights)
-    log.info("RegMean (α = %g): %s, %d blocks, %d tasks, dtype %s", alpha, run.arch.name,
-             run.num_blocks, len(run.sets), run.dtype)  # fmt: skip
+    log.info(
+        "RegMean (α = %g): %s, %d blocks, %d tasks, dtype %s",
+        alpha,
+        run.arch.name,
+        run.num_blocks,
+        len(run.sets),
+        run.dtype,
+    )
     with guarded_directory(out, overwrite=overwrite, inputs=inputs) as tmp:
         if spill_dir is not None:
             Path(spill_dir).mkdir(parents=True, exist_ok=True)
@@ -156,18 +168,27 @@ def regmean_checkpoint(
             streams = HiddenStreams(work / "streams" if spill_dir is not None else None)
             masks = passes.stems(run.sets, streams, settings.batch_size, settings.max_length)
             blocks, replaced = [], {}
-            for index in tqdm(range(run.num_blocks), desc="RegMean blocks", unit="block",
-                              disable=not progress):  # fmt: skip
-                tensors, summary = regmean_block(passes, index, streams, masks, alpha,
-                                                 settings.batch_size)  # fmt: skip
+            for index in tqdm(
+                range(run.num_blocks), desc="RegMean blocks", unit="block", disable=not progress
+            ):
+                tensors, summary = regmean_block(
+                    passes, index, streams, masks, alpha, settings.batch_size
+                )
                 path = work / f"block_{index:05d}.safetensors"
                 save_tensors(path, tensors)
                 replaced.update(dict.fromkeys(tensors, path))
                 blocks.append(summary)
-                log.info("block %d (%d of %d): %d tensors (%.1f s)", index, index + 1, run.num_blocks,
-                         len(tensors), summary["seconds"])  # fmt: skip
-            export_checkpoint(run.models.merged, replaced, tmp,
-                              extra_sources=(run.models.base.directory,))  # fmt: skip
+                log.info(
+                    "block %d (%d of %d): %d tensors (%.1f s)",
+                    index,
+                    index + 1,
+                    run.num_blocks,
+                    len(tensors),
+                    summary["seconds"],
+                )
+            export_checkpoint(
+                run.models.merged, replaced, tmp, extra_sources=(run.models.base.directory,)
+            )
         finally:
             shutil.rmtree(work, ignore_errors=True)
         record = _record(run, alpha, pooled_weights, blocks, started)
@@ -182,8 +203,9 @@ def _record(run: Calibration, alpha: float, pooled_weights: bool, blocks: list, 
     models = run.models
     found = [entry for block in blocks for entry in block["fallbacks"]]
     if found:
-        log.warning("%d RegMean solves needed a ridge (singular Gram); see %s", len(found),
-                    REGMEAN_RECORD)  # fmt: skip
+        log.warning(
+            "%d RegMean solves needed a ridge (singular Gram); see %s", len(found), REGMEAN_RECORD
+        )
     return {
         "regmean_record_version": RECORD_VERSION,
         "method": "regmean",

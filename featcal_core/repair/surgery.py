@@ -50,8 +50,16 @@ from featcal_core.repair.trained_inputs import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_LR", "DEFAULT_RANK", "DEFAULT_STEPS", "DEFAULT_SURGERY_BATCH", "SURGERY_RECORD",
-           "fit_surgery", "head_features", "train_surgery"]  # fmt: skip
+__all__ = [
+    "DEFAULT_LR",
+    "DEFAULT_RANK",
+    "DEFAULT_STEPS",
+    "DEFAULT_SURGERY_BATCH",
+    "SURGERY_RECORD",
+    "fit_surgery",
+    "head_features",
+    "train_surgery",
+]
 
 SURGERY_RECORD = "surgery.json"
 RECORD_VERSION = 1
@@ -66,8 +74,14 @@ def check_hyperparameters(
     rank: int, steps: int, lr: float, batch_size: int, log_every: int
 ) -> None:
     """FeatCalError naming the first bad value."""
-    check_positive_integers({"--rank": rank, "--steps": steps, "--surgery-batch-size": batch_size,
-                             "--log-every": log_every})  # fmt: skip
+    check_positive_integers(
+        {
+            "--rank": rank,
+            "--steps": steps,
+            "--surgery-batch-size": batch_size,
+            "--log-every": log_every,
+        }
+    )
     check_learning_rate(lr)
 
 
@@ -78,8 +92,14 @@ def task_generator(seed: int, task: str) -> torch.Generator:
 
 
 @torch.no_grad()
-def head_features(head: Head, model_dir: str | Path, rows: list[Any], *, batch_size: int = 16,
-                  device: torch.device | str = "cpu") -> torch.Tensor:  # fmt: skip
+def head_features(
+    head: Head,
+    model_dir: str | Path,
+    rows: list[Any],
+    *,
+    batch_size: int = 16,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
     """(N, d) float32 on the CPU: `head`'s input for the tower in `model_dir` on each of `rows`."""
     target = torch.device(device)
     features, _ = head.parts(model_dir, target)
@@ -118,8 +138,10 @@ def fit_surgery(
     (eval mode) and the loss curve: {"first", "last", "every", "steps": [...], "loss": [...]}
     (step 1, every `log_every`-th, the last), plus the L1 on all N rows before and after."""
     if merged.shape != expert.shape or merged.ndim != 2 or merged.shape[0] == 0:
-        raise FeatCalError(f"surgery: merged features {tuple(merged.shape)} and expert features "
-                           f"{tuple(expert.shape)} must both be (N, d) with N ≥ 1")  # fmt: skip
+        raise FeatCalError(
+            f"surgery: merged features {tuple(merged.shape)} and expert features "
+            f"{tuple(expert.shape)} must both be (N, d) with N ≥ 1"
+        )
     check_hyperparameters(rank, steps, lr, batch_size, log_every)
     z, target = merged.detach().float().cpu(), expert.detach().float().cpu()
     n, dim = z.shape
@@ -141,8 +163,10 @@ def fit_surgery(
         loss = F.l1_loss(module(z[batch]), target[batch])
         value = float(loss.detach())
         if not math.isfinite(value):
-            raise FeatCalError(f"surgery: the loss is NaN or Inf at step {step}; check the "
-                               f"features or lower --lr (got {lr})")  # fmt: skip
+            raise FeatCalError(
+                f"surgery: the loss is NaN or Inf at step {step}; check the "
+                f"features or lower --lr (got {lr})"
+            )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -157,9 +181,15 @@ def fit_surgery(
     with torch.no_grad():
         l1_merged = float(F.l1_loss(z, target))
         l1_surgery = float(F.l1_loss(module(z), target))
-    curve = {"first": logged_loss[0], "last": logged_loss[-1], "every": log_every,
-             "steps": logged_steps, "loss": logged_loss,
-             "l1_merged": l1_merged, "l1_surgery": l1_surgery}  # fmt: skip
+    curve = {
+        "first": logged_loss[0],
+        "last": logged_loss[-1],
+        "every": log_every,
+        "steps": logged_steps,
+        "loss": logged_loss,
+        "l1_merged": l1_merged,
+        "l1_surgery": l1_surgery,
+    }
     return module, curve
 
 
@@ -194,15 +224,34 @@ def train_surgery(
     started = time.perf_counter()
     out = Path(out)
     check_hyperparameters(rank, steps, lr, batch_size, log_every)
-    given = load_trained_inputs("surgery", merged, experts, calibration_sets, out, heads=heads,
-                                tokenizer_dir=tokenizer_dir, settings=settings, seed=seed,
-                                overwrite=overwrite)  # fmt: skip
+    given = load_trained_inputs(
+        "surgery",
+        merged,
+        experts,
+        calibration_sets,
+        out,
+        heads=heads,
+        tokenizer_dir=tokenizer_dir,
+        settings=settings,
+        seed=seed,
+        overwrite=overwrite,
+    )
     device, sets, inputs = given.device, given.sets, given.inputs
-    hyper = {"rank": rank, "steps": steps, "lr": lr, "betas": list(BETAS), "weight_decay": 0.0,
-             "batch_size": batch_size, "seed": seed, "log_every": log_every, "loss": "mean L1",
-             "init": "W_down Kaiming-uniform (a = sqrt 5), W_up = 0"}  # fmt: skip
-    log.info("surgery (rank %d, %d steps, lr %g): %d tasks on %s", rank, steps, lr, len(sets),
-             merged)  # fmt: skip
+    hyper = {
+        "rank": rank,
+        "steps": steps,
+        "lr": lr,
+        "betas": list(BETAS),
+        "weight_decay": 0.0,
+        "batch_size": batch_size,
+        "seed": seed,
+        "log_every": log_every,
+        "loss": "mean L1",
+        "init": "W_down Kaiming-uniform (a = sqrt 5), W_up = 0",
+    }
+    log.info(
+        "surgery (rank %d, %d steps, lr %g): %d tasks on %s", rank, steps, lr, len(sets), merged
+    )
     tasks: dict[str, dict] = {}
     with guarded_directory(out, overwrite=overwrite, inputs=inputs) as tmp:
         for task, data in sets.items():
@@ -211,12 +260,21 @@ def train_surgery(
             z = head_features(
                 head, merged, data.rows, batch_size=settings.batch_size, device=device
             )
-            z_t = head_features(head, experts[task], data.rows, batch_size=settings.batch_size,
-                                device=device)  # fmt: skip
-            module, curve = fit_surgery(z, z_t, rank=rank, steps=steps, lr=lr,
-                                        batch_size=batch_size, generator=task_generator(seed, task),
-                                        log_every=log_every, progress=progress,
-                                        desc=f"surgery {task}")  # fmt: skip
+            z_t = head_features(
+                head, experts[task], data.rows, batch_size=settings.batch_size, device=device
+            )
+            module, curve = fit_surgery(
+                z,
+                z_t,
+                rank=rank,
+                steps=steps,
+                lr=lr,
+                batch_size=batch_size,
+                generator=task_generator(seed, task),
+                log_every=log_every,
+                progress=progress,
+                desc=f"surgery {task}",
+            )
             summary = {
                 "task": task,
                 "feature": {
@@ -237,9 +295,17 @@ def train_surgery(
             }
             save_surgery(tmp / task, module, summary)
             tasks[task] = {k: summary[k] for k in ("feature", "loss", "wall_seconds")}
-            log.info("surgery %s: d %d, %d rows, L1 %.4g -> %.4g (batch loss %.4g -> %.4g, %.1f s)",
-                     task, z.shape[1], z.shape[0], curve["l1_merged"], curve["l1_surgery"],
-                     curve["first"], curve["last"], summary["wall_seconds"])  # fmt: skip
+            log.info(
+                "surgery %s: d %d, %d rows, L1 %.4g -> %.4g (batch loss %.4g -> %.4g, %.1f s)",
+                task,
+                z.shape[1],
+                z.shape[0],
+                curve["l1_merged"],
+                curve["l1_surgery"],
+                curve["first"],
+                curve["last"],
+                summary["wall_seconds"],
+            )
         record = {
             "surgery_record_version": RECORD_VERSION,
             "method": "representation_surgery",

@@ -27,8 +27,14 @@ from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.head import Head
 from featcal_core.io.outputs import atomic_file, write_json
 
-__all__ = ["SURGERY_CONFIG", "SURGERY_WEIGHTS", "SurgeryHead", "SurgeryModule", "load_surgery",
-           "save_surgery"]  # fmt: skip
+__all__ = [
+    "SURGERY_CONFIG",
+    "SURGERY_WEIGHTS",
+    "SurgeryHead",
+    "SurgeryModule",
+    "load_surgery",
+    "save_surgery",
+]
 
 SURGERY_WEIGHTS = "surgery.safetensors"
 SURGERY_CONFIG = "surgery.json"
@@ -46,8 +52,10 @@ class SurgeryModule(nn.Module):
     def __init__(self, dim: int, rank: int):
         super().__init__()
         if not (isinstance(dim, int) and isinstance(rank, int) and dim >= 1 and rank >= 1):
-            raise FeatCalError(f"surgery module: dim and rank must be positive integers "
-                               f"(got dim={dim!r}, rank={rank!r})")  # fmt: skip
+            raise FeatCalError(
+                f"surgery module: dim and rank must be positive integers "
+                f"(got dim={dim!r}, rank={rank!r})"
+            )
         # no init here (it would draw from the global generator): `reset_parameters` or a load
         self.down_proj = nn.utils.skip_init(nn.Linear, dim, rank, bias=False)
         self.up_proj = nn.utils.skip_init(nn.Linear, rank, dim, bias=False)
@@ -79,8 +87,9 @@ def save_surgery(folder: str | Path, module: SurgeryModule, config: dict[str, An
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    tensors = {k: v.detach().to("cpu", torch.float32).contiguous()
-               for k, v in module.state_dict().items()}  # fmt: skip
+    tensors = {
+        k: v.detach().to("cpu", torch.float32).contiguous() for k, v in module.state_dict().items()
+    }
     with atomic_file(folder / SURGERY_WEIGHTS, "surgery weights") as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     full = {"format": FORMAT, "version": VERSION, "rank": module.rank, "dim": module.dim, **config}
@@ -95,16 +104,20 @@ def _config(folder: Path) -> dict[str, Any]:
         raise FeatCalError(f"{path} is not readable JSON ({exc}); re-run train_surgery") from exc
     found = config.get("format") if isinstance(config, dict) else None
     if found != FORMAT:
-        raise FeatCalError(f"{path}: format is {found!r}, not {FORMAT!r}; pass a folder written "
-                           "by train_surgery")  # fmt: skip
+        raise FeatCalError(
+            f"{path}: format is {found!r}, not {FORMAT!r}; pass a folder written by train_surgery"
+        )
     if config.get("version") != VERSION:
-        raise FeatCalError(f"{path}: version {config.get('version')!r} is not supported (this "
-                           f"featcal reads version {VERSION}); re-run train_surgery")  # fmt: skip
+        raise FeatCalError(
+            f"{path}: version {config.get('version')!r} is not supported (this "
+            f"featcal reads version {VERSION}); re-run train_surgery"
+        )
     for key in ("rank", "dim"):
         value = config.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise FeatCalError(f"{path}: {key} must be a positive integer (got {value!r}); "
-                               "re-run train_surgery")  # fmt: skip
+            raise FeatCalError(
+                f"{path}: {key} must be a positive integer (got {value!r}); re-run train_surgery"
+            )
     return config
 
 
@@ -116,21 +129,26 @@ def load_surgery(folder: str | Path) -> SurgeryModule:
     folder = Path(folder)
     for name in (SURGERY_CONFIG, SURGERY_WEIGHTS):
         if not (folder / name).is_file():
-            raise FeatCalError(f"surgery folder {folder}: {name} is missing; pass a task folder "
-                               "written by train_surgery (OUT/<task>)")  # fmt: skip
+            raise FeatCalError(
+                f"surgery folder {folder}: {name} is missing; pass a task folder "
+                "written by train_surgery (OUT/<task>)"
+            )
     config = _config(folder)
     path = folder / SURGERY_WEIGHTS
     try:
         tensors = load_file(str(path))
     except (OSError, SafetensorError) as exc:
-        raise FeatCalError(f"{path} is not a readable safetensors file ({exc}); re-run "
-                           "train_surgery") from exc  # fmt: skip
+        raise FeatCalError(
+            f"{path} is not a readable safetensors file ({exc}); re-run train_surgery"
+        ) from exc
     module = SurgeryModule(config["dim"], config["rank"])
     expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     got = {k: tuple(v.shape) for k, v in tensors.items()}
     if got != expected:
-        raise FeatCalError(f"{path} holds {got}, {SURGERY_CONFIG} (rank {config['rank']}, dim "
-                           f"{config['dim']}) needs {expected}; re-run train_surgery")  # fmt: skip
+        raise FeatCalError(
+            f"{path} holds {got}, {SURGERY_CONFIG} (rank {config['rank']}, dim "
+            f"{config['dim']}) needs {expected}; re-run train_surgery"
+        )
     if not all(t.is_floating_point() and torch.isfinite(t).all() for t in tensors.values()):
         raise FeatCalError(f"{path}: NaN, Inf or non-float weights; re-run train_surgery")
     module.load_state_dict({k: v.float() for k, v in tensors.items()})

@@ -36,15 +36,20 @@ def check_learning_rate(lr: object) -> None:
         raise FeatCalError(f"--lr must be a positive number (got {lr!r})")
 
 
-def task_heads(experts: Mapping[str, str | Path], heads: Mapping[str, Head] | None,
-               tokenizer_dir: str | Path | None, method: str) -> dict[str, Head]:  # fmt: skip
+def task_heads(
+    experts: Mapping[str, str | Path],
+    heads: Mapping[str, Head] | None,
+    tokenizer_dir: str | Path | None,
+    method: str,
+) -> dict[str, Head]:
     """{task: head}: the given one, else the expert's own classifier (ExpertHead); errors name
     `method`, the repair that needs the heads."""
     if heads is not None:
         extra = sorted(set(heads) - set(experts))
         if extra:
-            raise FeatCalError(f"heads: task {extra[0]!r} has no expert; give heads only for "
-                               "the experts' tasks")  # fmt: skip
+            raise FeatCalError(
+                f"heads: task {extra[0]!r} has no expert; give heads only for the experts' tasks"
+            )
     from featcal_core.evaluation.expert_head import ExpertHead
 
     out = {}

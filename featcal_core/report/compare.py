@@ -24,8 +24,13 @@ from featcal_core.evaluation.selection import LABEL_FREE
 from featcal_core.io.outputs import guarded_directory
 from featcal_core.report.tables import gap_closed
 
-__all__ = ["COMPARE_FILES", "comparison_markdown", "comparison_rows", "label_free_summary",
-           "write_comparison"]  # fmt: skip
+__all__ = [
+    "COMPARE_FILES",
+    "comparison_markdown",
+    "comparison_rows",
+    "label_free_summary",
+    "write_comparison",
+]
 
 COMPARE_FILES = ("compare.md", "compare.json", "accuracy_vs_cost.png")
 
@@ -64,18 +69,28 @@ def comparison_rows(
         mean = {key: _mean([t[key] for t in tasks.values()]) for key in ("accuracy", "normalized")}
         # gap closed of the means (as the accuracy table's average row): a task whose gap is
         # tiny would otherwise swing a mean of per-task percentages
-        means = [_mean([(models.get(row) or {}).get("accuracy") for models in evaluation.values()])
-                 for row in (reference, variant["row"], "expert")]  # fmt: skip
+        means = [
+            _mean([(models.get(row) or {}).get("accuracy") for models in evaluation.values()])
+            for row in (reference, variant["row"], "expert")
+        ]
         mean["gap_closed"] = gap_closed(*means)
         cost = dict(variant["cost"])
         cost["total_seconds"] = cost.get("merge_seconds", 0.0) + cost.get("repair_seconds", 0.0)
-        row = {"name": variant["name"], "merge": variant["merge"], "repair": variant["repair"],
-               "set": list(variant.get("set", [])), "tasks": tasks, "mean": mean, "cost": cost}  # fmt: skip
+        row = {
+            "name": variant["name"],
+            "merge": variant["merge"],
+            "repair": variant["repair"],
+            "set": list(variant.get("set", [])),
+            "tasks": tasks,
+            "mean": mean,
+            "cost": cost,
+        }
         if variant.get("label_free"):  # {task: {"agreement", "drift", ...}} on held-out inputs
             by_task = variant["label_free"]
-            row["label_free"] = {"tasks": dict(by_task), **{
-                key: sum(v[key] for v in by_task.values()) / len(by_task)
-                for key in LABEL_FREE}}  # fmt: skip
+            row["label_free"] = {
+                "tasks": dict(by_task),
+                **{key: sum(v[key] for v in by_task.values()) / len(by_task) for key in LABEL_FREE},
+            }
         rows.append(row)
     return rows
 
@@ -97,12 +112,18 @@ def label_free_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any] | No
         sign = 1.0 if HIGHER_IS_BETTER[score] else -1.0
         values = [sign * r["label_free"][score] for r in scored]
         winner = choose({r["name"]: r["label_free"]["tasks"] for r in scored}, score)["winner"]
-        found[score] = {"spearman": spearman(values, accuracy), "choice": winner,
-                        "accuracy": by_name[winner]["mean"]["accuracy"],
-                        "gap_closed": by_name[winner]["mean"]["gap_closed"]}  # fmt: skip
+        found[score] = {
+            "spearman": spearman(values, accuracy),
+            "choice": winner,
+            "accuracy": by_name[winner]["mean"]["accuracy"],
+            "gap_closed": by_name[winner]["mean"]["gap_closed"],
+        }
     best = max(scored, key=lambda r: r["mean"]["accuracy"])
-    found["best_on_test"] = {"name": best["name"], "accuracy": best["mean"]["accuracy"],
-                             "gap_closed": best["mean"]["gap_closed"]}  # fmt: skip
+    found["best_on_test"] = {
+        "name": best["name"],
+        "accuracy": best["mean"]["accuracy"],
+        "gap_closed": best["mean"]["gap_closed"],
+    }
     return found
 
 
@@ -110,50 +131,85 @@ def _pct(value: float | None, unit: str = "") -> str:
     return "—" if value is None else f"{value:.1f}{unit}"
 
 
-def comparison_markdown(run_name: str, rows: Sequence[Mapping[str, Any]], reference: str,
-                        chosen: Mapping[str, Any] | None = None) -> str:  # fmt: skip
+def comparison_markdown(
+    run_name: str,
+    rows: Sequence[Mapping[str, Any]],
+    reference: str,
+    chosen: Mapping[str, Any] | None = None,
+) -> str:
     """compare.md: a table of variants × tasks (accuracy %), the means (accuracy, normalized,
     gap closed against `reference`) and the cost columns; then what each variant set."""
     tasks = list(rows[0]["tasks"]) if rows else []
-    lines = [f"# featcal compare: {run_name}", "",
-             f"Accuracy (%) on the evaluation split; gap closed against the reference merge "
-             f"`{reference}`, of the mean accuracies; cost = the variant's merge (shared by "
-             "variants with the same merge) plus its repair, on this machine (a merge or "
-             "calibration reused from an earlier run costs what reusing it took).", ""]  # fmt: skip
+    lines = [
+        f"# featcal compare: {run_name}",
+        "",
+        f"Accuracy (%) on the evaluation split; gap closed against the reference merge "
+        f"`{reference}`, of the mean accuracies; cost = the variant's merge (shared by "
+        "variants with the same merge) plus its repair, on this machine (a merge or "
+        "calibration reused from an earlier run costs what reusing it took).",
+        "",
+    ]
     label_free = any(row.get("label_free") for row in rows)
-    header = ["variant", *tasks, "mean acc", "mean norm", "gap closed", "merge s", "repair s",
-              "total s", "peak RSS MiB"] + (["agree %", "drift", "KL"] if label_free else [])  # fmt: skip
+    header = [
+        "variant",
+        *tasks,
+        "mean acc",
+        "mean norm",
+        "gap closed",
+        "merge s",
+        "repair s",
+        "total s",
+        "peak RSS MiB",
+    ] + (["agree %", "drift", "KL"] if label_free else [])
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cost = row["cost"]
-        cells = [f"`{row['name']}`", *(_pct(row["tasks"][t]["accuracy"]) for t in tasks),
-                 _pct(row["mean"]["accuracy"]), _pct(row["mean"]["normalized"]),
-                 _pct(row["mean"]["gap_closed"], " %"), f"{cost.get('merge_seconds', 0):.1f}",
-                 f"{cost.get('repair_seconds', 0):.1f}", f"{cost['total_seconds']:.1f}",
-                 "—" if cost.get("peak_rss_mb") is None else f"{cost['peak_rss_mb']:.0f}"]  # fmt: skip
+        cells = [
+            f"`{row['name']}`",
+            *(_pct(row["tasks"][t]["accuracy"]) for t in tasks),
+            _pct(row["mean"]["accuracy"]),
+            _pct(row["mean"]["normalized"]),
+            _pct(row["mean"]["gap_closed"], " %"),
+            f"{cost.get('merge_seconds', 0):.1f}",
+            f"{cost.get('repair_seconds', 0):.1f}",
+            f"{cost['total_seconds']:.1f}",
+            "—" if cost.get("peak_rss_mb") is None else f"{cost['peak_rss_mb']:.0f}",
+        ]
         if label_free:
             scores = row.get("label_free") or {}
-            cells += [_pct(scores.get("agreement")), *(
-                "—" if scores.get(k) is None else f"{scores[k]:.4f}" for k in ("drift", "kl"))]  # fmt: skip
+            cells += [
+                _pct(scores.get("agreement")),
+                *("—" if scores.get(k) is None else f"{scores[k]:.4f}" for k in ("drift", "kl")),
+            ]
         lines.append("| " + " | ".join(cells) + " |")
     summary = label_free_summary(rows)
     if summary is not None:
         best = summary["best_on_test"]
-        lines += ["", "Label-free scores (on held-out unlabeled calibration inputs, against each "
-                  "task's expert) as predictors of the mean test accuracy:", ""]  # fmt: skip
+        lines += [
+            "",
+            "Label-free scores (on held-out unlabeled calibration inputs, against each "
+            "task's expert) as predictors of the mean test accuracy:",
+            "",
+        ]
         for score in LABEL_FREE:
             found = summary[score]
             rho = "—" if found["spearman"] is None else f"{found['spearman']:+.2f}"
-            lines.append(f"- {score}: Spearman ρ {rho}; it would choose `{found['choice']}` "
-                         f"({_pct(found['accuracy'])} % mean accuracy, gap closed "
-                         f"{_pct(found['gap_closed'], ' %')})")  # fmt: skip
-        lines.append(f"- best on test: `{best['name']}` ({_pct(best['accuracy'])} %, gap closed "
-                     f"{_pct(best['gap_closed'], ' %')})")  # fmt: skip
+            lines.append(
+                f"- {score}: Spearman ρ {rho}; it would choose `{found['choice']}` "
+                f"({_pct(found['accuracy'])} % mean accuracy, gap closed "
+                f"{_pct(found['gap_closed'], ' %')})"
+            )
+        lines.append(
+            f"- best on test: `{best['name']}` ({_pct(best['accuracy'])} %, gap closed "
+            f"{_pct(best['gap_closed'], ' %')})"
+        )
     lines += ["", "| variant | merge | repair | overrides |", "|---|---|---|---|"]
     for row in rows:
         merge = f"{row['merge']['method']} {json.dumps(row['merge']['hyperparameters'])}"
-        lines.append(f"| `{row['name']}` | {merge} | {row['repair']} | "
-                     f"{', '.join(f'`{s}`' for s in row['set']) or '—'} |")  # fmt: skip
+        lines.append(
+            f"| `{row['name']}` | {merge} | {row['repair']} | "
+            f"{', '.join(f'`{s}`' for s in row['set']) or '—'} |"
+        )
     if chosen:
         lines += ["", f"Chosen: `{chosen['name']}` ({chosen['why']})"]
     return "\n".join(lines) + "\n"
@@ -165,15 +221,23 @@ def plot_accuracy_vs_cost(rows: Sequence[Mapping[str, Any]], path: Path) -> list
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    points = [(r["name"], r["cost"]["total_seconds"], r["mean"]["accuracy"]) for r in rows
-              if r["mean"]["accuracy"] is not None]  # fmt: skip
+    points = [
+        (r["name"], r["cost"]["total_seconds"], r["mean"]["accuracy"])
+        for r in rows
+        if r["mean"]["accuracy"] is not None
+    ]
     figure = Figure(figsize=(7, 4.5), dpi=100)
     FigureCanvasAgg(figure)
     axes = figure.add_subplot()
     for name, seconds, accuracy in points:
         axes.scatter([seconds], [accuracy])
-        axes.annotate(str(name).replace("$", r"\$"), (seconds, accuracy), fontsize=8,
-                      xytext=(4, 4), textcoords="offset points")  # fmt: skip
+        axes.annotate(
+            str(name).replace("$", r"\$"),
+            (seconds, accuracy),
+            fontsize=8,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
     axes.set_xlabel("cost: merge + repair (s)")
     axes.set_ylabel("mean accuracy (%)")
     axes.set_title("accuracy against cost")
@@ -183,13 +247,23 @@ def plot_accuracy_vs_cost(rows: Sequence[Mapping[str, Any]], path: Path) -> list
     return points
 
 
-def write_comparison(out_dir: str | Path, *, run_name: str, rows: Sequence[Mapping[str, Any]],
-                     reference: str, record: Mapping[str, Any]) -> dict[str, Path]:  # fmt: skip
+def write_comparison(
+    out_dir: str | Path,
+    *,
+    run_name: str,
+    rows: Sequence[Mapping[str, Any]],
+    reference: str,
+    record: Mapping[str, Any],
+) -> dict[str, Path]:
     """Write compare.md, compare.json (`record` plus the rows) and accuracy_vs_cost.png into
     `out_dir`, replacing an earlier comparison there atomically; returns {file: final path}."""
     out = Path(out_dir)
-    document = {**record, "reference": reference, "variants": list(rows),
-                "label_free": label_free_summary(rows)}  # fmt: skip
+    document = {
+        **record,
+        "reference": reference,
+        "variants": list(rows),
+        "label_free": label_free_summary(rows),
+    }
     with guarded_directory(out, overwrite=True, flag="comparison folder") as tmp:
         chosen = record.get("chosen")
         (tmp / "compare.md").write_text(comparison_markdown(run_name, rows, reference, chosen))

@@ -76,9 +76,15 @@ def paper_section(
     for task, paper_task in tasks.items():
         ta, featcal = PAPER_CLIP[paper_task]
         ours = evaluation.get(task) or {}
-        rows.append([task, f"{ta:.1f}", f"{featcal:.1f}",
-                     _pct((ours.get("merged") or {}).get("accuracy")),
-                     _pct((ours.get("calibrated") or {}).get("accuracy"))])  # fmt: skip
+        rows.append(
+            [
+                task,
+                f"{ta:.1f}",
+                f"{featcal:.1f}",
+                _pct((ours.get("merged") or {}).get("accuracy")),
+                _pct((ours.get("calibrated") or {}).get("accuracy")),
+            ]
+        )
     lines = [
         "This run is the paper's CLIP setting (ViT-B/32, the published experts, Task Arithmetic "
         "0.3): its numbers beside the paper's (Gu et al., FeatCal, the authors' demo values).",

@@ -41,8 +41,7 @@ def accuracy_csv(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> s
     (`accuracy_series`), tasks as rows (its "average" group left out), rows as columns."""
     groups, series = accuracy_series(evaluation)
     tasks = [g for g in groups if g != "average"]
-    rows = [[task] + [_number(series[m][i], 100.0) for m in series]
-            for i, task in enumerate(tasks)]  # fmt: skip
+    rows = [[task] + [_number(series[m][i], 100.0) for m in series] for i, task in enumerate(tasks)]
     return _csv(["task", *series], rows)
 
 
@@ -50,11 +49,19 @@ def drift_csv(calibration: Mapping[str, Any]) -> str:
     """drift.csv's text from a calibration record: the drift plot's own series (`drift_series`)."""
     drift = drift_series(calibration)
     after = drift["after"]
-    rows = [[block, _number(drift["mean_before"][i]), _number(drift["mean_after"][i]),
-             *(_number(after[t][i]) for t in after)]
-            for i, block in enumerate(drift["blocks"])]  # fmt: skip
-    return _csv(["block", "drift_before_mean", "drift_after_mean",
-                 *(f"drift_after/{t}" for t in after)], rows)  # fmt: skip
+    rows = [
+        [
+            block,
+            _number(drift["mean_before"][i]),
+            _number(drift["mean_after"][i]),
+            *(_number(after[t][i]) for t in after),
+        ]
+        for i, block in enumerate(drift["blocks"])
+    ]
+    return _csv(
+        ["block", "drift_before_mean", "drift_after_mean", *(f"drift_after/{t}" for t in after)],
+        rows,
+    )
 
 
 def write_plot_data(

@@ -69,8 +69,10 @@ def accuracy_series(
     groups = [str(task) for task in evaluation]
     series: dict[str, list[float | None]] = {}
     for name in names:
-        values = [_number(((models or {}).get(name) or {}).get("accuracy"))
-                  for models in evaluation.values()]  # fmt: skip
+        values = [
+            _number(((models or {}).get(name) or {}).get("accuracy"))
+            for models in evaluation.values()
+        ]
         if any(v is not None for v in values):
             series[name] = values + [_mean(values)[0]]
     return (groups + ["average"] if groups else groups), series
@@ -91,10 +93,13 @@ def plot_accuracy(
     for k, (model, values) in enumerate(series.items()):
         points = [(g - 0.4 + width * (k + 0.5), v) for g, v in enumerate(values) if v is not None]
         ax.bar(
-            [p[0] for p in points], [p[1] for p in points], width=width,
-            label=_plain(_LABELS.get(model, model)), color=_color(model, others),
+            [p[0] for p in points],
+            [p[1] for p in points],
+            width=width,
+            label=_plain(_LABELS.get(model, model)),
+            color=_color(model, others),
             edgecolor="white",
-        )  # fmt: skip
+        )
     if len(groups) > 1:
         ax.axvline(len(groups) - 1.5, color="#999", linestyle=":", linewidth=1)
     ax.set_xticks(range(len(groups)))
@@ -164,34 +169,60 @@ def plot_drift(path: str | Path, calibration: Mapping[str, Any]) -> dict[str, An
     figure = _canvas(max(8.0, min(0.4 * len(blocks) + 6.0, 18.0)), 4.5)
     axes = figure.subplots(1, 2, sharey=True)
     values = [v for when in ("before", "after") for v in data[f"mean_{when}"] if v is not None]
-    values += [v for when in ("before", "after") for line in data[when].values() for v in line
-               if v is not None]  # fmt: skip
-    for ax, when, title in ((axes[0], "before", "before calibration"),
-                            (axes[1], "after", "after calibration")):  # fmt: skip
+    values += [
+        v
+        for when in ("before", "after")
+        for line in data[when].values()
+        for v in line
+        if v is not None
+    ]
+    for ax, when, title in (
+        (axes[0], "before", "before calibration"),
+        (axes[1], "after", "after calibration"),
+    ):
         for task, line in data[when].items():
             points = [(b, v) for b, v in zip(blocks, line, strict=True) if v is not None]
             ax.plot(
-                [p[0] for p in points], [p[1] for p in points], color=colors[task],
-                linewidth=1, alpha=0.85, label=_plain(task),
-            )  # fmt: skip
+                [p[0] for p in points],
+                [p[1] for p in points],
+                color=colors[task],
+                linewidth=1,
+                alpha=0.85,
+                label=_plain(task),
+            )
         means = data[f"mean_{when}"]
         mean = [(b, v) for b, v in zip(blocks, means, strict=True) if v is not None]
         ax.plot(
-            [p[0] for p in mean], [p[1] for p in mean], color="black", linewidth=2.2,
-            marker="o", markersize=4, label="mean over tasks",
-        )  # fmt: skip
-        hollow = [(b, v) for b, v, r in zip(blocks, means, restored, strict=True)
-                  if r and v is not None]  # fmt: skip
+            [p[0] for p in mean],
+            [p[1] for p in mean],
+            color="black",
+            linewidth=2.2,
+            marker="o",
+            markersize=4,
+            label="mean over tasks",
+        )
+        hollow = [
+            (b, v) for b, v, r in zip(blocks, means, restored, strict=True) if r and v is not None
+        ]
         if hollow:
             ax.plot(
-                [p[0] for p in hollow], [p[1] for p in hollow], linestyle="none", marker="o",
-                markersize=8, markerfacecolor="white", markeredgecolor="black",
-            )  # fmt: skip
+                [p[0] for p in hollow],
+                [p[1] for p in hollow],
+                linestyle="none",
+                marker="o",
+                markersize=8,
+                markerfacecolor="white",
+                markeredgecolor="black",
+            )
         for n, index in enumerate(b for b, r in zip(blocks, restored, strict=True) if r):
             ax.axvspan(
-                index - 0.5, index + 0.5, color="#bbbbbb", alpha=0.25, linewidth=0,
+                index - 0.5,
+                index + 0.5,
+                color="#bbbbbb",
+                alpha=0.25,
+                linewidth=0,
                 label="restored (not recomputed)" if n == 0 else None,
-            )  # fmt: skip
+            )
         _y_scale(ax, values)
         ax.set_xlabel("block index")
         ax.set_title(title)
@@ -204,8 +235,13 @@ def plot_drift(path: str | Path, calibration: Mapping[str, Any]) -> dict[str, An
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             legend.setdefault(label, handle)
     if legend:
-        axes[1].legend(list(legend.values()), list(legend), loc="upper left",
-                       bbox_to_anchor=(1.0, 1.0), frameon=False)  # fmt: skip
+        axes[1].legend(
+            list(legend.values()),
+            list(legend),
+            loc="upper left",
+            bbox_to_anchor=(1.0, 1.0),
+            frameon=False,
+        )
     figure.suptitle("Feature drift per block (per task and mean over tasks)")
     figure.tight_layout()
     figure.savefig(path, format="png")

@@ -69,8 +69,9 @@ _HEAD_MODELS = ("expert", "merged", "merged_heads", "calibrated", "calibrated_he
 def _heads_section(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> _Section | None:
     """Head calibration (beyond the paper), when the evaluation has "<model>_heads" rows:
     accuracy with the refit heads beside the paper-faithful numbers, and the gap each closes."""
-    if not any("merged_heads" in (m or {}) or "calibrated_heads" in (m or {})
-               for m in evaluation.values()):  # fmt: skip
+    if not any(
+        "merged_heads" in (m or {}) or "calibrated_heads" in (m or {}) for m in evaluation.values()
+    ):
         return None
     section = _Section("Head calibration (beyond the paper)")
     section.lines.append(
@@ -78,9 +79,17 @@ def _heads_section(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
         "expert's logits on the merged (or calibrated) tower; no labels. Gap closed is "
         "(model − merged) / (expert − merged)."
     )
-    header = ["task", "expert", "merged", "merged + heads", "calibrated", "calibrated + heads",
-              "gap closed: calibrated", "gap closed: merged + heads",
-              "gap closed: calibrated + heads"]  # fmt: skip
+    header = [
+        "task",
+        "expert",
+        "merged",
+        "merged + heads",
+        "calibrated",
+        "calibrated + heads",
+        "gap closed: calibrated",
+        "gap closed: merged + heads",
+        "gap closed: calibrated + heads",
+    ]
     table = []
     sums: dict[str, list[float | None]] = {m: [] for m in _HEAD_MODELS}
     for task, models in evaluation.items():
@@ -95,8 +104,10 @@ def _heads_section(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
 
 
 def _head_cells(label: str, acc: Mapping[str, float | None]) -> list[str]:
-    gaps = [gap_closed(acc["merged"], acc[m], acc["expert"])
-            for m in ("calibrated", "merged_heads", "calibrated_heads")]  # fmt: skip
+    gaps = [
+        gap_closed(acc["merged"], acc[m], acc["expert"])
+        for m in ("calibrated", "merged_heads", "calibrated_heads")
+    ]
     return [label, *(_pct(acc[m]) for m in _HEAD_MODELS), *(_gap_text(g) for g in gaps)]
 
 

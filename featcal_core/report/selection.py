@@ -12,9 +12,12 @@ from typing import Any
 
 __all__ = ["held_out_text", "selection_lines", "selection_table"]
 
-_LABELS = {"agreement": "agreement with the experts (%)", "drift": "feature drift",
-           "kl": "KL divergence from the experts' class probabilities (nats)",
-           "validation": "validation accuracy (%)"}  # fmt: skip
+_LABELS = {
+    "agreement": "agreement with the experts (%)",
+    "drift": "feature drift",
+    "kl": "KL divergence from the experts' class probabilities (nats)",
+    "validation": "validation accuracy (%)",
+}
 
 
 def _value(score: str, value: float | None) -> str:
@@ -52,12 +55,17 @@ def selection_lines(record: Mapping[str, Any]) -> list[str]:
     if record.get("winner") is None:
         return [record.get("why") or "no selection"]
     score = record["score"]
-    where = ("each task's labelled validation split" if score == "validation" else
-             f"{held_out_text(_held_out(record), record['holdout_per_task'])} (label-free)")  # fmt: skip
+    where = (
+        "each task's labelled validation split"
+        if score == "validation"
+        else f"{held_out_text(_held_out(record), record['holdout_per_task'])} (label-free)"
+    )
     better = "higher" if record["higher_is_better"] else "lower"
-    return [f"chosen: {record['winner']} ({'; '.join(record['set']) or 'no overrides'})",
-            f"score: {_LABELS[score]} on {where}; {better} is better",
-            f"why: {record['why']}"]  # fmt: skip
+    return [
+        f"chosen: {record['winner']} ({'; '.join(record['set']) or 'no overrides'})",
+        f"score: {_LABELS[score]} on {where}; {better} is better",
+        f"why: {record['why']}",
+    ]
 
 
 def selection_table(record: Mapping[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -77,10 +85,17 @@ def selection_table(record: Mapping[str, Any]) -> tuple[list[str], list[list[str
     for rank, name in enumerate(record["ranking"], start=1):
         candidate = by_name[name]
         seconds = candidate["merge_seconds"] + candidate["repair_seconds"]
-        rows.append([
-            str(rank), name + (" *" if name == record["winner"] else "")
-            + (" (not eligible)" if candidate.get("eligible") is False else ""),
-            candidate["merge"]["method"], candidate["repair"], _value(score, candidate["mean"]),
-            *[_value(score, candidate["tasks"][t].get(score)) for t in tasks], f"{seconds:.1f}",
-        ])  # fmt: skip
+        rows.append(
+            [
+                str(rank),
+                name
+                + (" *" if name == record["winner"] else "")
+                + (" (not eligible)" if candidate.get("eligible") is False else ""),
+                candidate["merge"]["method"],
+                candidate["repair"],
+                _value(score, candidate["mean"]),
+                *[_value(score, candidate["tasks"][t].get(score)) for t in tasks],
+                f"{seconds:.1f}",
+            ]
+        )
     return headers, rows

@@ -126,8 +126,12 @@ def headline(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[
             {f"normalized_mean/{m}": v for m, v in average.normalized.items() if v is not None}
         )
         out["gap_closed_mean"] = average.gap
-    examples = [r["examples"] for models in evaluation.values() for r in (models or {}).values()
-                if isinstance(r, Mapping) and isinstance(r.get("examples"), int)]  # fmt: skip
+    examples = [
+        r["examples"]
+        for models in evaluation.values()
+        for r in (models or {}).values()
+        if isinstance(r, Mapping) and isinstance(r.get("examples"), int)
+    ]
     if examples:
         out["examples_min"] = min(examples)
     return out
@@ -160,8 +164,13 @@ def evaluated_rows(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
     rows per task", or "mnist 200, digits 150 rows"; None when no row records it."""
     counts = {}
     for task, models in evaluation.items():
-        found = sorted({int(r["examples"]) for r in (models or {}).values()
-                        if isinstance(r, Mapping) and isinstance(r.get("examples"), int)})  # fmt: skip
+        found = sorted(
+            {
+                int(r["examples"])
+                for r in (models or {}).values()
+                if isinstance(r, Mapping) and isinstance(r.get("examples"), int)
+            }
+        )
         if found:
             counts[str(task)] = "/".join(map(str, found))
     if not counts:
@@ -179,8 +188,12 @@ def evaluation_cut(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
     cut = {}
     for task, models in evaluation.items():
         for r in (models or {}).values():
-            if (isinstance(r, Mapping) and isinstance(r.get("examples"), int)
-                    and isinstance(r.get("split_rows"), int) and r["examples"] < r["split_rows"]):  # fmt: skip
+            if (
+                isinstance(r, Mapping)
+                and isinstance(r.get("examples"), int)
+                and isinstance(r.get("split_rows"), int)
+                and r["examples"] < r["split_rows"]
+            ):
                 cut[str(task)] = f"{r['examples']} of {r['split_rows']}"
                 break
     return ", ".join(f"{task} {text}" for task, text in cut.items()) + " rows" if cut else None
@@ -190,8 +203,11 @@ def cut_rows(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str |
     """What a per-task table's numbers are on when evaluation was cut short ("the first rows of
     each evaluation split only (evaluation cut short: mnist 100 of 10000 rows)"), else None."""
     cut = evaluation_cut(evaluation)
-    return None if cut is None else (
-        f"the first rows of each evaluation split only (evaluation cut short: {cut})")  # fmt: skip
+    return (
+        None
+        if cut is None
+        else (f"the first rows of each evaluation split only (evaluation cut short: {cut})")
+    )
 
 
 def table_caption(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
@@ -215,9 +231,14 @@ def above_expert(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> l
 def evaluated_precision(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str | None:
     """The dtype(s) the evaluation forwards ran in (evaluation.json's `precision`), e.g.
     "bfloat16"; None when no row records it."""
-    found = sorted({str(r["precision"]) for models in evaluation.values()
-                    for r in (models or {}).values()
-                    if isinstance(r, Mapping) and r.get("precision")})  # fmt: skip
+    found = sorted(
+        {
+            str(r["precision"])
+            for models in evaluation.values()
+            for r in (models or {}).values()
+            if isinstance(r, Mapping) and r.get("precision")
+        }
+    )
     return "/".join(found) or None
 
 

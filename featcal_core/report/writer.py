@@ -64,11 +64,16 @@ def write_report(
     if (counted := evaluated_rows(evaluation)) is not None:  # e.g. evaluation.max_examples_per_task
         notes.insert(0, f"evaluated on {counted} of the evaluation split")
     if (cut := evaluation_cut(evaluation)) is not None:
-        notes.insert(0, f"evaluation cut short by evaluation.max_examples_per_task: {cut}; the "
-                        "numbers are on those first rows, not on the whole split")  # fmt: skip
+        notes.insert(
+            0,
+            f"evaluation cut short by evaluation.max_examples_per_task: {cut}; the "
+            "numbers are on those first rows, not on the whole split",
+        )
     if beyond := above_expert(evaluation):
-        notes.append("normalized accuracy above 100 % (the model beats the task's expert), "
-                     f"which lifts the normalized average: {', '.join(beyond)}")  # fmt: skip
+        notes.append(
+            "normalized accuracy above 100 % (the model beats the task's expert), "
+            f"which lifts the normalized average: {', '.join(beyond)}"
+        )
     if (dtype := evaluated_precision(evaluation)) is not None:  # evaluation.precision
         notes.append(f"evaluation forwards in {dtype}")
     summary = _summary(rows, calibration is not None)
@@ -105,5 +110,8 @@ def write_report(
 
 def _selection_section(selection: dict) -> _Section:
     """The choice among select:'s candidates: what won, on which score, and every candidate."""
-    return _Section("Choice of settings (select:)", lines=selection_lines(selection),
-                    tables=[selection_table(selection)])  # fmt: skip
+    return _Section(
+        "Choice of settings (select:)",
+        lines=selection_lines(selection),
+        tables=[selection_table(selection)],
+    )

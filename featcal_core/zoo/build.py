@@ -148,9 +148,12 @@ PRESETS: dict[str, ZooSpec] = {
 # with a head fitted on the base's features and kept frozen (task arithmetic's CLIP recipe, where
 # the zero-shot head stays fixed), so that each task vector is small next to the base (≈ 2 %)
 PRESETS["vision-paper"] = dataclasses.replace(
-    PRESETS["vision"], name="vision-paper", expert_steps=200, lr=2e-4,
+    PRESETS["vision"],
+    name="vision-paper",
+    expert_steps=200,
+    lr=2e-4,
     extra={"expert": {"head": "probe"}},
-)  # fmt: skip
+)
 
 
 def repo_id(zoo: str, model: str) -> str:
@@ -302,9 +305,14 @@ def build_zoo(
 
                 pretrain["config"] = vision_config(**pretrain.pop("tower"))
             base_stats = pretrain_vision_base(
-                data, base_dir, steps=spec.pretrain_steps, batch_size=spec.batch_size,
-                seed=spec.seed, progress=progress, **pretrain,
-            )  # fmt: skip
+                data,
+                base_dir,
+                steps=spec.pretrain_steps,
+                batch_size=spec.batch_size,
+                seed=spec.seed,
+                progress=progress,
+                **pretrain,
+            )
         if spec.modality == "text":
             base_dir = _text_base(base_dir, work / "base")
         base_commit = hub_cache.publish(base_dir, hub, repo_id(spec.name, "base"))
@@ -314,11 +322,17 @@ def build_zoo(
             expert_dir = work / task
             seed = spec.seed * 1000 + index + 1
             common: dict[str, Any] = dict(
-                steps=spec.expert_steps, batch_size=spec.batch_size, lr=spec.lr, seed=seed,
-                progress=progress, threads=threads)  # fmt: skip
+                steps=spec.expert_steps,
+                batch_size=spec.batch_size,
+                lr=spec.lr,
+                seed=seed,
+                progress=progress,
+                threads=threads,
+            )
             if spec.modality == "image":
-                stats = finetune_vision_expert(base_dir, dataset, expert_dir, **common,
-                                               **spec.extra.get("expert", {}))  # fmt: skip
+                stats = finetune_vision_expert(
+                    base_dir, dataset, expert_dir, **common, **spec.extra.get("expert", {})
+                )
             else:
                 stats = finetune_text_expert(
                     base_dir, dataset, expert_dir, max_length=spec.max_length, **common
@@ -327,8 +341,10 @@ def build_zoo(
             experts[task] = {"repo_id": repo_id(spec.name, task), "commit": commit, **stats}
             logger.info(
                 "zoo %s: expert %s validation accuracy %.4f",
-                spec.name, task, stats.get("validation_accuracy", float("nan")),
-            )  # fmt: skip
+                spec.name,
+                task,
+                stats.get("validation_accuracy", float("nan")),
+            )
         shutil.rmtree(work, ignore_errors=True)
 
         manifest = {

@@ -97,10 +97,13 @@ def check_dataset(ds, where: str, modality: str) -> None:
             bad = low if low < 0 else top
             raise FeatCalError(
                 f"{at}: column 'label' has value {bad} outside 0..{high}"
-                + (f" (ClassLabel {label.names})" if isinstance(label, datasets.ClassLabel) else
-                   " (integer labels must be 0..max of the train split)")
+                + (
+                    f" (ClassLabel {label.names})"
+                    if isinstance(label, datasets.ClassLabel)
+                    else " (integer labels must be 0..max of the train split)"
+                )
                 + "; fix: relabel those rows or widen the ClassLabel names"
-            )  # fmt: skip
+            )
         if split == "train":
             bounds, reference = (0, high), label
             if len(pc.unique(values)) < 2:

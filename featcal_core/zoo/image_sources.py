@@ -134,13 +134,32 @@ def textures() -> Rows:
         height, width = photo.shape
         half, band = width // 2, height - VALIDATION_BAND
         parts = [
-            (_patches(photo, range(0, band - PATCH + 1, TRAIN_STRIDE),
-                      range(0, half - PATCH + 1, TRAIN_STRIDE)), False, False),
-            (_patches(photo, range(band, height - PATCH + 1, PATCH),
-                      range(0, half - PATCH + 1, PATCH)), False, True),
-            (_patches(photo, range(0, height - PATCH + 1, PATCH),
-                      range(half, width - PATCH + 1, PATCH)), True, False),
-        ]  # fmt: skip
+            (
+                _patches(
+                    photo,
+                    range(0, band - PATCH + 1, TRAIN_STRIDE),
+                    range(0, half - PATCH + 1, TRAIN_STRIDE),
+                ),
+                False,
+                False,
+            ),
+            (
+                _patches(
+                    photo, range(band, height - PATCH + 1, PATCH), range(0, half - PATCH + 1, PATCH)
+                ),
+                False,
+                True,
+            ),
+            (
+                _patches(
+                    photo,
+                    range(0, height - PATCH + 1, PATCH),
+                    range(half, width - PATCH + 1, PATCH),
+                ),
+                True,
+                False,
+            ),
+        ]
         for patches, is_test, is_validation in parts:
             images.append(patches)
             labels += [k] * len(patches)

@@ -91,8 +91,12 @@ def pretrain_vision_base(
         }
         logger.info(
             "%s: rotation pretraining on %d train images of %s, %d steps of %d",
-            out_dir.name, len(pooled), sorted(datasets), steps, batch_size,
-        )  # fmt: skip
+            out_dir.name,
+            len(pooled),
+            sorted(datasets),
+            steps,
+            batch_size,
+        )
         torch.manual_seed(seed)
         model = CLIPVisionModel(config).train()
         rotation_head = nn.Linear(config.hidden_size, 4)

@@ -96,8 +96,12 @@ def finetune_text_expert(
         )
         logger.info(
             "%s: fine-tuning on %d train texts, %d classes, %d steps of %d",
-            out_dir.name, len(train_y), len(names), steps, batch_size,
-        )  # fmt: skip
+            out_dir.name,
+            len(train_y),
+            len(names),
+            steps,
+            batch_size,
+        )
         torch.manual_seed(seed)  # dropout masks
         model.train()
         generator = torch.Generator().manual_seed(seed)
@@ -108,9 +112,15 @@ def finetune_text_expert(
             return F.cross_entropy(model(**train_x.batch(index)).logits, train_y[index])
 
         losses = train_steps(
-            step_loss, list(model.parameters()), steps, lr, weight_decay, out_dir.name, progress,
+            step_loss,
+            list(model.parameters()),
+            steps,
+            lr,
+            weight_decay,
+            out_dir.name,
+            progress,
             cosine=False,
-        )  # fmt: skip
+        )
         model.eval()
         val_accuracy, val_loss = evaluate(lambda index: model(**val_x.batch(index)).logits, val_y)
         with guarded_directory(out_dir, overwrite=overwrite, flag="out_dir") as tmp:
@@ -156,9 +166,12 @@ def _tokenize(tokenizer: Any, split: Any, max_length: int, what: str, name: str)
                 "(drop or fill the missing ones)"
             )
         encoded = tokenizer(
-            texts, truncation=True, max_length=max_length, padding="max_length",
+            texts,
+            truncation=True,
+            max_length=max_length,
+            padding="max_length",
             return_tensors="pt",
-        )  # fmt: skip
+        )
         for key in ("input_ids", "attention_mask", "token_type_ids"):
             if key in encoded:
                 parts.setdefault(key, []).append(encoded[key])

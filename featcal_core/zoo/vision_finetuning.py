@@ -86,11 +86,16 @@ def finetune_vision_expert(
         model = load_pretrained(CLIPVisionModel, base_dir, "vision base")
         logger.info(
             "%s: fine-tuning on %d train images, %d classes, %d steps of %d",
-            out_dir.name, len(train_x), len(names), steps, batch_size,
-        )  # fmt: skip
+            out_dir.name,
+            len(train_x),
+            len(names),
+            steps,
+            batch_size,
+        )
         torch.manual_seed(seed)
-        initial = {k: v.detach().clone() for k, v in model.state_dict().items()
-                   if v.is_floating_point()}  # fmt: skip
+        initial = {
+            k: v.detach().clone() for k, v in model.state_dict().items() if v.is_floating_point()
+        }
         probe_accuracy = None
         if head == "probe":
             linear = _linear_probe(model, store, train_x, train_y, len(names), probe_steps, seed)
@@ -148,12 +153,23 @@ def finetune_vision_expert(
 def _features(model: Any, store: PixelStore, stored: torch.Tensor) -> torch.Tensor:
     """pooler_output (N, hidden) of the frozen model for stored images (N, 3, S, S)."""
     model.eval()
-    return torch.cat([model(pixel_values=store.pixels(stored[i : i + 256])).pooler_output
-                      for i in range(0, len(stored), 256)])  # fmt: skip
+    return torch.cat(
+        [
+            model(pixel_values=store.pixels(stored[i : i + 256])).pooler_output
+            for i in range(0, len(stored), 256)
+        ]
+    )
 
 
-def _linear_probe(model: Any, store: PixelStore, train_x: torch.Tensor, train_y: torch.Tensor,
-                  num_classes: int, steps: int, seed: int) -> nn.Linear:  # fmt: skip
+def _linear_probe(
+    model: Any,
+    store: PixelStore,
+    train_x: torch.Tensor,
+    train_y: torch.Tensor,
+    num_classes: int,
+    steps: int,
+    seed: int,
+) -> nn.Linear:
     """A Linear head fitted on the frozen model's train features: `steps` full-batch AdamW steps
     (lr 1e-2, weight decay 1e-4) on the cross-entropy; features standardised only through the
     head's own weights (the model's output is what the head will see)."""

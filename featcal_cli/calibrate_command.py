@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from featcal_cli.arguments import Command, pairs, refuse_with_params, setting_flags, task_path
 from featcal_cli.step_runner import run_step
 from featcal_core.errors import FeatCalError
+from featcal_core.method.settings import RUN_SETTINGS
 
 if TYPE_CHECKING:
     from featcal_core.params import FeatCalSettings
@@ -32,19 +33,7 @@ def add_arguments(cal: argparse.ArgumentParser) -> None:
     setting_flags(
         cal,
         FeatCalSettings,
-        [
-            "alpha",
-            "rho",
-            "lam",
-            "eps",
-            "num_per_task",
-            "batch_size",
-            "device",
-            "max_length",
-            "pooling",
-            "token_weighting",
-            "precision",
-        ],
+        ["alpha", "rho", "lam", "eps", *RUN_SETTINGS],
         "featcal",
     )
     setting_flags(cal, RunSettings, ["seed"], "run")

@@ -52,11 +52,31 @@ def prefect_api(tmp_path_factory):
 
 
 def _selects_server_tests(config) -> bool:
+    if not _selects_slow_tests(config):
+        return False  # every test that uses `prefect_api` is marked slow
     for arg in config.args:
         path = Path(arg.split("::")[0])
         if path.is_dir() or path.name in SERVER_FILES:
             return True
     return False
+
+
+def _selects_slow_tests(config) -> bool:
+    """Whether the `-m` expression can select a test marked slow (whatever its other marks)."""
+    markexpr = config.option.markexpr
+    if not markexpr:
+        return True
+    from _pytest.mark.expression import Expression
+
+    try:
+        expression = Expression.compile(markexpr)
+    except Exception:  # a malformed expression: pytest reports it
+        return True
+
+    def marks(others: bool):  # "slow", and either every other mark or none
+        return lambda name, /, **kwargs: name == "slow" or others
+
+    return expression.evaluate(marks(False)) or expression.evaluate(marks(True))
 
 
 _SERVER_KEY = pytest.StashKey[tuple]()
@@ -125,9 +145,71 @@ def _group(item) -> str | None:
     return None if name in SPREAD else name
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the xdist_group marks
+#: the slow lane (`-m slow`), left out by `./scripts/test --fast`: every test that uses the
+#: `prefect_api` fixture, every test of SLOW_FILES and the tests named in SLOW_TESTS. The fast
+#: lane runs in under 2 minutes on 2 cores; `--durations` shows what to add when it does not.
+SLOW_FILES = SERVER_FILES | {
+    "test_serve.py",  # `featcal serve` and local Prefect servers in subprocesses
+    "test_install.py",  # installs featcal into a fresh virtual environment, runs `featcal run`
+    "test_compare.py",  # `featcal compare` in a subprocess
+    "test_demo.py",  # builds a synthetic pool, runs the demo on it twice
+    "test_zoo_training.py",  # pretrains a base model and fine-tunes experts
+    "test_surgery.py",  # trains surgery modules (its module fixture)
+    "test_zoo_sources.py",  # decodes the bundled real data sets
+    "test_tracking.py",  # creates MLflow SQLite stores (a schema migration each)
+    "test_forward_precision.py",  # bfloat16 forwards of real experts against float32
+    "test_lm_evaluation.py",  # one forward per example and class, against the batched path
+    "test_report.py",  # writes the whole report, its matplotlib plots included, in each test
+}
+
+#: single tests of otherwise fast files, by `file::name` (every parametrization) or
+#: `file::name[id]`
+SLOW_TESTS = {
+    # start the `featcal` CLI in a subprocess
+    "test_end_to_end.py::test_console_script_runs",
+    "test_bad_inputs.py::test_bad_input_from_the_shell_prints_no_traceback",
+    # import the stack in a fresh Python process
+    "test_checkpoint_io.py::test_featcal_core_imports_no_orchestration",
+    "test_merging.py::test_merging_imports_no_orchestration",
+    # build a zoo (the last one then runs `featcal run` on it in a subprocess)
+    "test_zoo.py::test_featcal_zoo_on_own_datasets_then_reuse",
+    "test_zoo.py::test_the_paper_regime_preset_keeps_base_fitted_heads_and_records_task_vector_sizes",
+    "test_zoo.py::test_flow_builds_the_zoo_and_runs_with_head_calibration",
+    # float64 accumulators of a 1600-wide Gram
+    "test_precision.py::test_float32_products_match_float64_accumulators[wide-symmetric-gram]",
+    "test_precision.py::test_bfloat16_products_stay_near_the_float64_accumulators[wide-symmetric-gram]",
+    # calibrate a tiny pool twice (or per architecture) and compare the checkpoints
+    "test_precision.py::test_float32_calibration_matches_the_float64_path",
+    "test_precision.py::test_bfloat16_calibration_against_the_float64_path",
+    "test_end_to_end.py::test_transformers4_layout_clipmodel_and_shards_give_the_same_result",
+    "test_end_to_end.py::test_bf16_runs_without_nan_and_matches_fp32",
+    "test_end_to_end.py::test_spill_dir_gives_identical_output",
+    "test_llama.py::test_bare_llama_model_expert_gives_the_same_result",
+    "test_llama.py::test_answer_weighting_differs_from_all_and_drift_is_measured_on_answers",
+    "test_t5.py::test_transformers4_layout_checkpoints_give_the_same_blocks",
+    "test_t5.py::test_t5_end_to_end_without_target_column",
+    "test_regmean.py::test_checkpoint_matches_hooked_grams_and_keeps_everything_else",
+    "test_regmean.py::test_pooled_weights_change_only_the_last_block_and_spilling_changes_nothing",
+    "test_task_statistics.py::test_block_from_saved_task_statistics_is_bitwise_identical",
+}
+
+
+def _slow(item) -> bool:
+    name = item.path.name
+    return (
+        "prefect_api" in getattr(item, "fixturenames", ())
+        or name in SLOW_FILES
+        or f"{name}::{item.name}" in SLOW_TESTS
+        or f"{name}::{getattr(item, 'originalname', item.name)}" in SLOW_TESTS
+    )
+
+
+# tryfirst: before `-m` deselects and before pytest-xdist's own hook reads the xdist_group marks
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        if _slow(item):
+            item.add_marker(pytest.mark.slow)
         group = _group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
@@ -153,8 +235,18 @@ def pytest_terminal_summary(terminalreporter):
 def _restore_logger_levels():
     """`featcal_cli.main.main` sets logger levels for its process (quiet by default); tests call
     it in-process, so each test starts from the levels it found."""
-    names = ["", "featcal", "featcal.tasks", "featcal_core", "featcal_core.method.calibration",
-             "httpx", "urllib3", "datasets", "transformers", "huggingface_hub"]  # fmt: skip
+    names = [
+        "",
+        "featcal",
+        "featcal.tasks",
+        "featcal_core",
+        "featcal_core.method.calibration",
+        "httpx",
+        "urllib3",
+        "datasets",
+        "transformers",
+        "huggingface_hub",
+    ]
     levels = {name: logging.getLogger(name).level for name in names}
     for name in names:  # Prefect's console handlers (PREFECT_LOGGING_EXTRA_LOGGERS) hold the
         logger = logging.getLogger(name)  # stderr of the test that imported Prefect: capsys's,

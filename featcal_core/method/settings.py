@@ -26,3 +26,6 @@ class Settings:
 
 #: the default of each setting
 SETTING_DEFAULTS: dict[str, object] = {f.name: f.default for f in fields(Settings)}
+
+#: the settings of the `featcal:` section (the seed is `run.seed`), in their order
+RUN_SETTINGS: tuple[str, ...] = tuple(name for name in SETTING_DEFAULTS if name != "seed")

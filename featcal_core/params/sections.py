@@ -15,7 +15,7 @@ from pydantic import (
 from featcal_core.errors import FeatCalError
 from featcal_core.io.outputs import check_target
 from featcal_core.method.hyperparameters import BOUNDS, DEFAULTS, FeatCalParams
-from featcal_core.method.settings import SETTING_DEFAULTS, Settings
+from featcal_core.method.settings import RUN_SETTINGS, SETTING_DEFAULTS, Settings
 from featcal_core.names import name_problem
 from featcal_core.params.base import (
     FiniteFloat,
@@ -191,9 +191,7 @@ class FeatCalSettings(_Section):
     def core_settings(self, seed: int) -> Settings:
         """How the calibration runs, as the core's `Settings` (the `featcal:` run settings and
         `run.seed`): the one conversion, used by every caller."""
-        return Settings(
-            **{name: getattr(self, name) for name in SETTING_DEFAULTS if name != "seed"}, seed=seed
-        )
+        return Settings(**{name: getattr(self, name) for name in RUN_SETTINGS}, seed=seed)
 
 
 class EvaluationSettings(_Section):

@@ -3,6 +3,7 @@ calibration sets (featcal_core.repair.regmean)."""
 
 from __future__ import annotations
 
+from featcal_core.method.settings import RUN_SETTINGS
 from featcal_core.repair import defaults
 from featcal_core.repair.registry.base import CommandSpec, Option, Repair, RepairInputs
 
@@ -54,15 +55,7 @@ REPAIR = Repair(
             "last block) instead of 1 for every real token",
         ),
     ),
-    settings=(
-        "num_per_task",
-        "batch_size",
-        "device",
-        "max_length",
-        "pooling",
-        "token_weighting",
-        "precision",
-    ),
+    settings=RUN_SETTINGS,
     command=CommandSpec(
         merged="merged model directory (every tensor outside the block Linears is kept)",
         out="output directory (save_pretrained layout)",

@@ -40,6 +40,8 @@ def experiment_set(params_path: str | Path) -> list[str]:
         return []
     import yaml
 
+    from featcal_core.params.base import load_yaml
+
     path = Path(params_path).resolve()
     try:
         shown = subprocess.run(
@@ -50,7 +52,7 @@ def experiment_set(params_path: str | Path) -> list[str]:
             timeout=60,
             check=True,
         )
-        before, now = yaml.safe_load(shown.stdout), yaml.safe_load(path.read_text("utf-8"))
+        before, now = load_yaml(shown.stdout), load_yaml(path.read_text("utf-8"))
     except (OSError, subprocess.SubprocessError, yaml.YAMLError) as exc:
         log.warning("%s: cannot read the experiment's baseline params (%s)", path, exc)
         return []

@@ -39,6 +39,7 @@ from featcal_core.evaluation.selection import LABEL_FREE
 from featcal_core.params import Params, load_params
 from featcal_core.params.repair import Variant, layered, override_key
 from featcal_core.provenance.records import REPORTS_ROOT
+from featcal_core.repair.registry import get as get_repair
 
 configure()  # before prefect is imported
 from prefect import flow  # noqa: E402
@@ -89,6 +90,18 @@ def load_compare(params_path: str, overrides: list[str]) -> tuple[Params, dict[s
             variants[variant.name] = variant_params(params, variant.name)
         except FeatCalError as exc:
             raise FeatCalError(f"compare variant {variant.name!r}: {exc}") from None
+        chosen = variants[variant.name]
+        repair = get_repair(chosen.repair_method)
+        if (
+            chosen.featcal.heads
+            and repair.output == "task_modules"
+            and any(override_key(o) == "featcal.heads" for o in variant_set(params, variant.name))
+        ):
+            raise FeatCalError(
+                f"compare variant {variant.name!r}: featcal.heads=true has no effect with "
+                f"repair.method {repair.name} (its modules feed the tasks' own heads); drop "
+                "featcal.heads from the variant or choose another repair"
+            )
     return params, variants
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from featcal.flows.environment import command_api, configure
 from featcal.flows.environment import project_root as working_project
@@ -59,12 +60,13 @@ def flow_run_name() -> str:
 def featcal_run(
     params_path: str = "params.yaml",
     overrides: list[str] | None = None,
-    params: Params | None = None,
+    params: Any = None,
 ) -> dict:
     """The whole pipeline for the params file `params_path` (relative paths: from the working
     directory) with `--set`-style `overrides`; returns a summary (paths, results, MLflow run id).
-    `params`: those params as the caller already validated them (the file is then not read
-    again); a scheduled run of a deployment reads the file at each run.
+    `params`: those params as the caller already validated them, a `Params` (the file is then
+    not read again; typed Any, since Prefect builds its parameter model from the annotations
+    without this module's names); a scheduled run of a deployment reads the file at each run.
     """
     params = flow_params({"params_path": params_path, "overrides": overrides, "params": params})
     steps = Steps(params, in_flow=True)

@@ -51,6 +51,20 @@ def layout(params: Params) -> dict[str, Path]:
     return results_layout(params.run.results_dir, params.run.name)
 
 
+def check_device(device: str) -> None:
+    """`featcal.device: cuda` on a machine without CUDA is refused in one line, before any
+    step writes (cpu and auto always run)."""
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise FeatCalError(
+            "featcal.device: cuda, but no CUDA device is available on this machine; set "
+            "featcal.device to cpu or auto (--set featcal.device=auto)"
+        )
+
+
 class Steps:
     """The steps of one run. `in_flow`: call the Prefect tasks (inside a flow run); otherwise
     call their bodies directly, with no Prefect server (calibration still runs as its own,
@@ -133,7 +147,9 @@ class Steps:
     def session(self, what: str = "featcal run") -> Iterator[None]:
         """The guarantees around every step: the results folder checked (never an input, never
         a folder of the user's), the report folder checked, the run lock held, and what killed
-        runs left behind swept; all before the first write."""
+        runs left behind swept; the device the settings ask for checked; all before the first
+        write."""
+        check_device(self.params.featcal.device)
         inputs = self.inputs()
         check_target(self.paths["report"], inputs=inputs, root=REPORTS_ROOT, flag="report folder")
         root = prepare_root(self.paths["root"], inputs=inputs)

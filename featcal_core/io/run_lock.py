@@ -69,6 +69,13 @@ def run_lock(folder: str | Path, what: str = "featcal run") -> Iterator[None]:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         raise _failed(exc, path) from exc
+    if os.fstat(fd).st_nlink > 1:  # a hard link: the same bytes are a file elsewhere too
+        os.close(fd)
+        raise FeatCalError(
+            f"the run lock {path} is a hard link to another file; featcal never writes into "
+            "a file that has other names; remove it (the other names keep their file) and run "
+            "again"
+        )
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

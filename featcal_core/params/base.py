@@ -10,7 +10,6 @@ from typing import Annotated, Any
 import yaml
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     Strict,
@@ -65,6 +64,49 @@ _YAML12_OTHER_RE = re.compile(
 )
 
 
+class Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader reading plain scalars by YAML 1.2's core schema, as params.yaml,
+    `--set` and the number flags are read: booleans are `true` / `false` only (`yes`, `no`,
+    `on`, `off` are text, as in YAML 1.2 and for DVC's `-S`), numbers are as YAML 1.2 and Python
+    write them (`1e-3` is a float, `010` is 10; `1_000` and `1:30` are text). A quoted value is
+    text: `'0.5'` is not a number."""
+
+
+def _yaml12_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = str(loader.construct_scalar(node))
+    lowered = text.lower()
+    base = 16 if "0x" in lowered else 8 if "0o" in lowered else 10
+    return int(lowered.replace("0o", "") if base == 8 else lowered, base)
+
+
+Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if not tag.endswith((":bool", ":int", ":float"))]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
+Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"),
+    list("-+0123456789"),
+)
+Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
+)
+Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _yaml12_int)
+
+
+def load_yaml(text: str) -> Any:
+    """`text` read as YAML by `Yaml12Loader` (params files, `--set` values, flags)."""
+    return yaml.load(text, Loader=Yaml12Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _yaml_number(value: Any) -> Any:
     """PyYAML (YAML 1.1) reads `1e-6` (no dot) as a string: take such strings as numbers."""
     if isinstance(value, str) and _NUMBER_RE.match(value.strip()):
@@ -74,9 +116,8 @@ def _yaml_number(value: Any) -> Any:
 
 def read_value(text: str) -> Any:
     """A VALUE given on the command line (`--hp KEY=VALUE`, a number flag) read by the one rule
-    params.yaml's values follow: YAML (`0.3`, `20`, `true`, `global`), and a number that PyYAML's
-    YAML 1.1 leaves a string (`1e-3`, `1E3`, `-2e-1`) read as a number, as YAML 1.2 and Python
-    do (`_yaml_number`, also the params schema's `FiniteFloat`). `nan` and `inf` stay text;
+    params.yaml's values follow: YAML 1.2 (`Yaml12Loader`: `0.3`, `20`, `1e-3`, `true`, `global`).
+    `nan` and `inf` stay text;
     `.nan` / `.inf` are YAML's non-finite floats, refused wherever a finite number is wanted.
     An empty text is "". Raises yaml.YAMLError on a value that is not YAML."""
     stripped = text.strip()
@@ -84,14 +125,15 @@ def read_value(text: str) -> Any:
         return ""
     if _NUMBER_RE.match(stripped):  # as YAML 1.2 and Python read it (`010` is 10, not 8)
         return int(stripped) if _INTEGER_RE.match(stripped) else float(stripped)
-    value = yaml.safe_load(text)
+    value = load_yaml(text)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if not _YAML12_OTHER_RE.match(stripped):
             return stripped  # YAML 1.1 alone reads `1:30` or `1_000` as a number: text here
     return _yaml_number(value)
 
 
-FiniteFloat = Annotated[float, BeforeValidator(_yaml_number), Strict(), Field(allow_inf_nan=False)]
+#: a finite number; a string (a quoted `'0.5'` included) is not one
+FiniteFloat = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 
 
 class _Section(BaseModel):

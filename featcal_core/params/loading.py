@@ -13,7 +13,7 @@ from pydantic import (
     ValidationError,
 )
 
-from featcal_core.params.base import KEY_SUFFIX, _fail
+from featcal_core.params.base import KEY_SUFFIX, _fail, load_yaml
 from featcal_core.params.overrides import _overridden, _short, _yaml_problem
 from featcal_core.params.overrides import apply_overrides as apply_overrides
 from featcal_core.params.schema import Params
@@ -65,7 +65,7 @@ def load_params(path: str | Path, overrides: Iterable[str] = ()) -> Params:
     except (OSError, UnicodeDecodeError) as exc:
         _fail(f"{name}: cannot be read ({exc})")
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
         _fail(f"{name}: not valid YAML ({_yaml_problem(exc)}); fix the syntax")
     if data is None:

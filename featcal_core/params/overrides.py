@@ -17,7 +17,7 @@ from pydantic import (
     ValidationError,
 )
 
-from featcal_core.params.base import KEY_SUFFIX, _fail
+from featcal_core.params.base import KEY_SUFFIX, _fail, load_yaml
 from featcal_core.params.models import ModelRef
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -164,7 +164,7 @@ def _apply_override(data: dict[str, Any], override: str, name: str, root: type[B
     if not sep or not key or any(not part for part in parts):
         _fail(f"override {override!r}: expected KEY.PATH=VALUE, e.g. featcal.alpha=0.3")
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = load_yaml(text) if text.strip() else ""
     except yaml.YAMLError as exc:
         _fail(f"override {override!r}: value is not valid YAML ({_yaml_problem(exc)})")
 

@@ -52,6 +52,12 @@ class SelectSettings(_Section):
         if problem is not None:
             raise _error(problem)
         for candidate in candidates:
+            if candidate.sets("featcal.heads"):
+                raise _error(
+                    f"candidate {candidate.name!r}: a candidate may not set featcal.heads (each "
+                    "candidate is scored under the tasks' own heads, so refit heads cannot change "
+                    "the choice); set featcal.heads in the params file: the winner then refits them"
+                )
             if candidate.sets("featcal.num_per_task"):
                 raise _error(
                     f"candidate {candidate.name!r}: a candidate may not change "

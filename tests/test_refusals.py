@@ -1,0 +1,121 @@
+"""Refused before any work, with inputs and the user's files unchanged: a run lock that is a hard
+link to a user's file, settings that cannot take effect (refit heads in a `select:` candidate or
+beside a repair of per-task modules), and a device the machine lacks."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from featcal_core.errors import FeatCalError
+from featcal_core.io.run_lock import LOCK_NAME, run_lock
+from featcal_core.params import load_params
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_run_lock_hard_linked_to_a_users_file_is_refused(tmp_path):
+    mine = tmp_path / "notes.txt"
+    mine.write_text("the user's own notes\n")
+    before = _digest(mine)
+    results = tmp_path / "results"
+    results.mkdir()
+    os.link(mine, results / LOCK_NAME)
+    with pytest.raises(FeatCalError, match=r"is a hard link to another file.*remove it"):
+        with run_lock(results):
+            pass
+    assert _digest(mine) == before and mine.stat().st_nlink == 2
+    (results / LOCK_NAME).unlink()
+    with run_lock(results):  # a lock of its own: taken
+        pass
+    assert _digest(mine) == before
+
+
+def _params(tmp_path: Path, **sections) -> Path:
+    path = tmp_path / "p.yaml"
+    data = {
+        "run": {"results_dir": str(tmp_path / "results")},
+        "models": {"base": "a/b", "experts": {"t": "a/c"}},
+        "tasks": {
+            "t": {
+                "calibration": {"path": "d", "split": "train"},
+                "evaluation": {"path": "d", "split": "test"},
+            }
+        },
+        **sections,
+    }
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_a_select_candidate_may_not_set_refit_heads(tmp_path):
+    select = {
+        "candidates": [{"name": "a", "set": ["featcal.heads=true"]}, {"name": "b", "set": []}]
+    }
+    with pytest.raises(FeatCalError, match="candidate 'a': a candidate may not set featcal.heads"):
+        load_params(_params(tmp_path, select=select))
+
+
+def test_refit_heads_beside_per_task_modules_are_refused_in_compare(tmp_path):
+    from featcal.flows.compare import load_compare
+
+    compare = {
+        "variants": [
+            {"name": "s", "set": ["repair.method=surgery", "featcal.heads=true"]},
+            {"name": "f", "set": ["featcal.heads=true"]},
+        ]
+    }
+    path = _params(tmp_path, compare=compare)
+    with pytest.raises(
+        FeatCalError,
+        match="variant 's': featcal.heads=true has no effect with repair.method surgery",
+    ):
+        load_compare(str(path), [])
+    compare["variants"] = compare["variants"][1:]  # FeatCal under refit heads: fine
+    path = _params(tmp_path, compare=compare)
+    _, variants = load_compare(str(path), [])
+    assert variants["f"].featcal.heads
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_refused_before_any_write(tmp_path):
+    from featcal.flows.steps import Steps
+
+    params = load_params(_params(tmp_path), ["featcal.device=cuda"])
+    with pytest.raises(FeatCalError, match="featcal.device: cuda, but no CUDA device"):
+        with Steps(params).session():
+            pass
+    assert not (tmp_path / "results").exists()
+    with Steps(load_params(_params(tmp_path), ["featcal.device=auto"])).session():
+        pass
+
+
+@pytest.mark.parametrize(
+    ("featcal", "sets", "key"),
+    [
+        ({"heads": "yes"}, [], "featcal.heads"),  # YAML 1.1's boolean: text in YAML 1.2
+        ({"alpha": "'0.5'"}, [], "featcal.alpha"),  # a quoted number is text
+        ({}, ["featcal.heads=on"], "featcal.heads"),
+        ({}, ["featcal.alpha='0.5'"], "featcal.alpha"),
+    ],
+)
+def test_params_read_as_yaml_1_2(tmp_path, featcal, sets, key):
+    path = _params(tmp_path)
+    text = path.read_text() + "featcal:\n" + "".join(f"  {k}: {v}\n" for k, v in featcal.items())
+    path.write_text(text if featcal else path.read_text())
+    with pytest.raises(FeatCalError, match=key):
+        load_params(path, sets)
+
+
+def test_numbers_and_booleans_of_yaml_1_2_are_read_as_such(tmp_path):
+    path = _params(tmp_path)
+    path.write_text(path.read_text() + "featcal:\n  alpha: 1e-1\n  heads: true\n  eps: 1E-9\n")
+    featcal = load_params(path).featcal
+    assert (featcal.alpha, featcal.heads, featcal.eps) == (0.1, True, 1e-9)

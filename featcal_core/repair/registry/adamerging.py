@@ -21,16 +21,11 @@ def run(inputs: RepairInputs) -> dict:
         inputs.experts,
         inputs.calibration_sets,
         inputs.out,
-        heads=inputs.task_heads(),
         steps=inputs.option(REPAIR, "adamerging_steps"),
         lr=inputs.option(REPAIR, "adamerging_lr"),
         init=inputs.option(REPAIR, "adamerging_init"),
         batch_size=inputs.option(REPAIR, "adamerging_batch_size"),
-        settings=inputs.settings,
-        seed=inputs.settings.seed,
-        tokenizer_dir=inputs.base,
-        overwrite=inputs.overwrite,
-        progress=inputs.progress,
+        **inputs.trained(),
     )
 
 

@@ -67,6 +67,19 @@ class RepairInputs:
         """{task: head} from `heads`, or None (each expert's own head)."""
         return self.heads() if self.heads is not None else None
 
+    def trained(self) -> dict[str, Any]:
+        """The keywords every trained repair (Surgery, AdaMerging) takes besides its options:
+        the heads, the run settings and seed, the tokenizer folder (the base), overwrite and
+        progress."""
+        return {
+            "heads": self.task_heads(),
+            "settings": self.settings,
+            "seed": self.settings.seed,
+            "tokenizer_dir": self.base,
+            "overwrite": self.overwrite,
+            "progress": self.progress,
+        }
+
 
 @dataclass(frozen=True)
 class CommandSpec:

@@ -17,16 +17,11 @@ def run(inputs: RepairInputs) -> dict:
         inputs.experts,
         inputs.calibration_sets,
         inputs.out,
-        heads=inputs.task_heads(),
         rank=inputs.option(REPAIR, "surgery_rank"),
         steps=inputs.option(REPAIR, "surgery_steps"),
         lr=inputs.option(REPAIR, "surgery_lr"),
         batch_size=inputs.option(REPAIR, "surgery_batch_size"),
-        settings=inputs.settings,
-        seed=inputs.settings.seed,
-        tokenizer_dir=inputs.base,
-        overwrite=inputs.overwrite,
-        progress=inputs.progress,
+        **inputs.trained(),
     )
 
 

@@ -27,7 +27,7 @@ def run(args: argparse.Namespace) -> int:
     from featcal.flows.compare import run_compare
     from featcal.flows.summary import shown
 
-    summary = run_compare(args.params, args.set)
+    summary = run_compare(args.params, args.set, params)
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "files"}, indent=2, default=str))
         return 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from featcal.flows.environment import command_api, configure
 from featcal.flows.environment import project_root as working_project
@@ -71,9 +72,13 @@ def variant_params(params: Params, name: str) -> Params:
     return params.with_overrides([*variant_set(params, name), f"run.results_dir={results}"])
 
 
-def load_compare(params_path: str, overrides: list[str]) -> tuple[Params, dict[str, Params]]:
-    """The params and every variant's params, all validated (before any work)."""
-    params = load_params(params_path, overrides)
+def load_compare(
+    params_path: str, overrides: list[str], params: Params | None = None
+) -> tuple[Params, dict[str, Params]]:
+    """The params (`params`: as the caller already read and validated them from `params_path`
+    and `overrides`) and every variant's params, all validated (before any work)."""
+    if params is None:
+        params = load_params(params_path, overrides)
     if params.compare is None:
         raise FeatCalError(
             f"{params_path} has no compare: section; add compare: {{variants: [{{name: ..., "
@@ -114,15 +119,20 @@ def compare_name(params: Params) -> str:
 
 def compare_run_name() -> str:
     parameters = flow_run.parameters
-    params = load_params(parameters["params_path"], parameters.get("overrides") or [])
+    params = parameters.get("params")
+    if not isinstance(params, Params):
+        params = load_params(parameters["params_path"], parameters.get("overrides") or [])
     return f"{compare_name(params)}-{params_digest(params)[:8]}"
 
 
 @flow(name="featcal-variant", flow_run_name="{name}")
-def variant_flow(name: str, params_path: str, overrides: list[str], merged: str) -> dict:
+def variant_flow(
+    name: str, params_path: str, overrides: list[str], merged: str, params: Any = None
+) -> dict:
     """One variant's repair into `<results>/variants/<name>/calibrated`; returns its path and
-    cost (seconds, peak RSS of the repair in MiB)."""
-    base_params = load_params(params_path, overrides)
+    cost (seconds, peak RSS of the repair in MiB). `params`: the compare's validated `Params`
+    (typed Any for Prefect's parameter model), else read from `params_path` and `overrides`."""
+    base_params = params if isinstance(params, Params) else load_params(params_path, overrides)
     params = variant_params(base_params, name)
     shared = Steps(base_params)
     steps = shared_steps(shared, params, Path(merged))
@@ -136,10 +146,15 @@ def variant_flow(name: str, params_path: str, overrides: list[str], merged: str)
 
 
 @flow(name="featcal-compare", flow_run_name=compare_run_name)
-def featcal_compare(params_path: str = "params.yaml", overrides: list[str] | None = None) -> dict:
+def featcal_compare(
+    params_path: str = "params.yaml", overrides: list[str] | None = None, params: Any = None
+) -> dict:
     """Every variant of the params file's `compare:` section (module docstring); returns the
-    summary: the comparison rows, the merges (with how often each ran), report and MLflow ids."""
-    params, variants = load_compare(params_path, overrides or [])
+    summary: the comparison rows, the merges (with how often each ran), report and MLflow ids.
+    `params`: the validated `Params` of `params_path` and `overrides` (the file is then not read
+    again; typed Any for Prefect's parameter model)."""
+    given = params if isinstance(params, Params) else None
+    params, variants = load_compare(params_path, overrides or [], given)
     steps = Steps(params, in_flow=True)
     with steps.session("featcal compare"):
         return _compare(
@@ -147,11 +162,14 @@ def featcal_compare(params_path: str = "params.yaml", overrides: list[str] | Non
         )
 
 
-def run_compare(params_path: str | Path, overrides: list[str] | None = None) -> dict:
-    """Validate the params and every variant, take the run lock, then run `featcal_compare`."""
-    params, _ = load_compare(str(params_path), list(overrides or []))
+def run_compare(
+    params_path: str | Path, overrides: list[str] | None = None, params: Params | None = None
+) -> dict:
+    """Validate the params (`params`: already validated by the caller) and every variant, take
+    the run lock, then run `featcal_compare`. The params file is read once."""
+    params, _ = load_compare(str(params_path), list(overrides or []), params)
     with Steps(params).session("featcal compare"), command_api():
-        return featcal_compare(str(Path(params_path).resolve()), list(overrides or []))
+        return featcal_compare(str(Path(params_path).resolve()), list(overrides or []), params)
 
 
 def shared_count(params: Params, variants: dict[str, Params]) -> int:
@@ -191,7 +209,7 @@ def _compare(
             }
             for t, r in sets.items()
         )
-        _, variants = load_compare(params_path, overrides)  # after the zoo step: models known
+        _, variants = load_compare(params_path, overrides, params)  # after the zoo step
         merges = run_merges(
             steps, [(REFERENCE, params)] + [(None, v) for v in variants.values()], step_run
         )
@@ -199,7 +217,9 @@ def _compare(
         for name, variant in variants.items():
             key = merge_key(variant.merge)
             with step_run(name, tags={"featcal.variant": name}) as child:
-                costs[name] = variant_flow(name, params_path, overrides, str(merges[key]["path"]))
+                costs[name] = variant_flow(
+                    name, params_path, overrides, str(merges[key]["path"]), params
+                )
             children[name] = child.info.run_id if child is not None else None
         models, surgeries, refit = evaluation_rows(variants, merges, costs)
         base, experts = steps.models()

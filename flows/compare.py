@@ -24,7 +24,7 @@ from typing import Any
 
 from featcal.flows.environment import command_api, configure
 from featcal.flows.environment import project_root as working_project
-from featcal.flows.run_tags import lineage_tags, params_digest
+from featcal.flows.run_tags import flow_params, lineage_tags, params_digest
 from featcal.flows.selection import exhausted_tasks, score_held_out
 from featcal.flows.steps import Steps
 from featcal.flows.variants import (
@@ -119,9 +119,7 @@ def compare_name(params: Params) -> str:
 
 def compare_run_name() -> str:
     parameters = flow_run.parameters
-    params = parameters.get("params")
-    if not isinstance(params, Params):
-        params = load_params(parameters["params_path"], parameters.get("overrides") or [])
+    params = flow_params(parameters)
     return f"{compare_name(params)}-{params_digest(params)[:8]}"
 
 
@@ -132,7 +130,9 @@ def variant_flow(
     """One variant's repair into `<results>/variants/<name>/calibrated`; returns its path and
     cost (seconds, peak RSS of the repair in MiB). `params`: the compare's validated `Params`
     (typed Any for Prefect's parameter model), else read from `params_path` and `overrides`."""
-    base_params = params if isinstance(params, Params) else load_params(params_path, overrides)
+    base_params = flow_params(
+        {"params_path": params_path, "overrides": overrides, "params": params}
+    )
     params = variant_params(base_params, name)
     shared = Steps(base_params)
     steps = shared_steps(shared, params, Path(merged))

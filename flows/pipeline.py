@@ -22,7 +22,7 @@ from typing import Any
 from featcal.flows.environment import command_api, configure
 from featcal.flows.environment import project_root as working_project
 from featcal.flows.progress import run_progress
-from featcal.flows.run_tags import checkpoint_digest, lineage_tags, params_digest
+from featcal.flows.run_tags import checkpoint_digest, flow_params, lineage_tags, params_digest
 from featcal.flows.selection import select_step
 from featcal.flows.selection_record import check_candidates
 from featcal.flows.steps import Steps
@@ -39,15 +39,6 @@ log = logging.getLogger(__name__)
 
 #: the flow's name in Prefect (deployments: `featcal-run/<deployment>`)
 FLOW_NAME = "featcal-run"
-
-
-def flow_params(parameters: dict) -> Params:
-    """The validated params of a `featcal_run` call: the `params` its caller validated, or (a
-    deployment's scheduled run) the params file and overrides read now."""
-    given = parameters.get("params")
-    if isinstance(given, Params):
-        return given
-    return load_params(parameters["params_path"], parameters.get("overrides") or [])
 
 
 def flow_run_name() -> str:

@@ -1,5 +1,6 @@
 """What names a run's inputs in MLflow tags, for `featcal run` and the single steps alike: the
-params digest and the lineage tags of the lock file (references, commits, file digests). This
+params digest, the lineage tags of the lock file (references, commits, file digests), and the
+params a flow run was called with. This
 module does not import Prefect or MLflow."""
 
 from __future__ import annotations
@@ -7,12 +8,22 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from featcal_core.params import Params, dump
+from featcal_core.params import Params, dump, load_params
 
 
 def params_digest(params: Params) -> str:
     """sha256 of the full configuration (defaults filled in, as `featcal_core.params.dump`)."""
     return hashlib.sha256(dump(params).encode()).hexdigest()
+
+
+def flow_params(parameters: dict) -> Params:
+    """The validated params of a flow call (`featcal_run`, `featcal_compare`, a variant's
+    subflow): the `params` its caller validated, or (a deployment's scheduled run) the params
+    file and overrides read now."""
+    given = parameters.get("params")
+    if isinstance(given, Params):
+        return given
+    return load_params(parameters["params_path"], parameters.get("overrides") or [])
 
 
 def files_digest(files: dict[str, str]) -> str:

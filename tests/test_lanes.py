@@ -1,6 +1,6 @@
 """The fast lane (`./scripts/test --fast`, `pytest -m "not slow"`) selects no test that uses the
 `prefect_api` fixture: tests/conftest.py marks every such test slow, so the lane never waits on a
-Prefect server. Collection only: this session's own items when it collected the whole test
+Prefect server. Collection only: this pytest run's own items when it collected the whole test
 directory (`./scripts/test`, with or without `--fast`), otherwise a `--collect-only` subprocess
 over the test files that name the fixture."""
 
@@ -54,7 +54,7 @@ def _collected_every_file(config) -> bool:
 def test_every_test_that_uses_prefect_api_is_marked_slow_and_left_out_by_not_slow(request):
     config = request.config
     if not _collected_every_file(config):
-        pytest.skip("this session did not collect the whole test directory: see the last test")
+        pytest.skip("this pytest run did not collect the whole test directory: see the last test")
     users = [item for item in request.session.items if _uses_prefect_api(item)]
     unmarked = [item.nodeid for item in users if item.get_closest_marker("slow") is None]
     assert unmarked == [], "use prefect_api but are not marked slow:\n" + "\n".join(unmarked)
@@ -79,7 +79,7 @@ def test_the_slow_lists_name_existing_files_and_tests():
 
 def test_a_not_slow_collection_leaves_out_every_test_that_uses_prefect_api(request, tmp_path):
     if _collected_every_file(request.config):
-        pytest.skip("the first test checks this session's own items")
+        pytest.skip("the first test checks this pytest run's own items")
     files = sorted(
         str(path.relative_to(ROOT))
         for path in TESTS.glob("test_*.py")

@@ -4,10 +4,12 @@ writes). Import-light: no torch."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from featcal_core.errors import FeatCalError
 from featcal_core.method.settings import Settings
 
 #: what a repair leaves in its output folder: one checkpoint (`from_pretrained` loads it), one
@@ -126,10 +128,6 @@ class Repair:
         """`values` ({Option.key: value}, the missing at their defaults) checked against each
         option's type and bounds; FeatCalError names the option by `where(option)` (its flag,
         or its params key)."""
-        import math
-
-        from featcal_core.errors import FeatCalError
-
         checked = {}
         for option in self.options:
             value = values.get(option.key, option.default)

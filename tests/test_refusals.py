@@ -119,3 +119,82 @@ def test_numbers_and_booleans_of_yaml_1_2_are_read_as_such(tmp_path):
     path.write_text(path.read_text() + "featcal:\n  alpha: 1e-1\n  heads: true\n  eps: 1E-9\n")
     featcal = load_params(path).featcal
     assert (featcal.alpha, featcal.heads, featcal.eps) == (0.1, True, 1e-9)
+
+
+def _md5(path: Path) -> str:
+    return hashlib.md5(path.read_bytes(), usedforsecurity=False).hexdigest()
+
+
+def _project_with_lock(tmp_path: Path, cmd: str) -> tuple[Path, Path]:
+    """A DVC project whose dvc.lock records results/metrics.json as an output of a stage running
+    `cmd`; returns (results folder, the metrics file)."""
+    (tmp_path / ".dvc").mkdir()
+    results = tmp_path / "results"
+    results.mkdir()
+    metrics = results / "metrics.json"
+    metrics.write_text('{"accuracy": 0.91}\n')
+    lock = {
+        "schema": "2.0",
+        "stages": {
+            "score": {
+                "cmd": cmd,
+                "outs": [{"path": "results/metrics.json", "md5": _md5(metrics), "size": 19}],
+            }
+        },
+    }
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump(lock))
+    return results, metrics
+
+
+def test_a_results_folder_of_the_users_own_dvc_stage_is_refused(tmp_path):
+    from featcal_core.io.outputs import prepare_root
+
+    results, metrics = _project_with_lock(tmp_path, "python score.py --out results")
+    before = _digest(metrics)
+    with pytest.raises(FeatCalError, match=r"metrics\.json.*featcal's own stages.*new or empty"):
+        prepare_root(results)
+    assert _digest(metrics) == before and sorted(p.name for p in results.iterdir()) == [
+        "metrics.json"
+    ]
+
+
+def test_a_results_folder_of_featcals_own_dvc_stage_is_adopted(tmp_path):
+    from featcal_core.io.outputs import check_root
+
+    results, _ = _project_with_lock(tmp_path, "featcal report --params params.yaml")
+    assert set(check_root(results) or {}) == {"metrics.json"}
+
+
+@pytest.mark.parametrize(
+    ("cmd", "featcal"),
+    [
+        ("featcal report --params params.yaml", True),
+        (["featcal heads --params p.yaml", "featcal evaluate --params p.yaml"], True),
+        ("featcal download --params p.yaml && mkdir -p data/models/x", True),
+        (".venv/bin/featcal calibrate", True),
+        ("python -m featcal_cli.main merge --params p.yaml", True),
+        ("featcal report && python plot.py", False),
+        ("python score.py", False),
+        ("mkdir -p out", False),
+        ("featcal 'unclosed", False),
+        (None, False),
+    ],
+)
+def test_which_dvc_stages_are_featcals(cmd, featcal):
+    from featcal_core.io.restored import featcal_command
+
+    assert featcal_command(cmd) is featcal
+
+
+def test_a_pulled_results_folder_without_its_dvc_lock_says_how_to_adopt_it(tmp_path):
+    from featcal_core.io.outputs import prepare_root
+
+    (tmp_path / ".git").mkdir()  # a project root without dvc.lock: the search stops here
+    copied = tmp_path / "copied-results"
+    copied.mkdir()
+    for name in ("models.lock.json", "evaluation.json"):
+        (copied / name).write_text("{}\n")
+    before = {p.name: _digest(p) for p in copied.iterdir()}
+    with pytest.raises(FeatCalError, match=r"restored by `dvc pull`.*no dvc\.lock.*dvc pull"):
+        prepare_root(copied)
+    assert {p.name: _digest(p) for p in copied.iterdir()} == before

@@ -5,22 +5,26 @@ calibrated checkpoints) and from git (the uncached outs: the lock, `selection.js
 `evaluation.json`, the plots), without the root marker that says featcal wrote it. Such a folder
 is adopted only when **every** entry in it is one of:
 
-- a file that the DVC project's `dvc.lock` records as a stage output, with the same md5;
-- a folder that `dvc.lock` records as a stage output, every file of which a featcal marker inside
+- a file that the DVC project's `dvc.lock` records as an output of one of featcal's own stages
+  (a stage whose command runs `featcal`), with the same md5;
+- a folder that `dvc.lock` records as such an output, every file of which a featcal marker inside
   it lists with its sha256 (`markers.verify_output` on each marked folder: the calibration sets,
   the checkpoints, the plots), or whose own marker says it is a results folder (the calibration
   flow's `calibration/`, checked when it is used).
 
 DVC's own `.gitignore` there (each line naming one of those outputs) is left as it is. Anything
 else (a folder of the user's whose entries happen to be called `plots` or `calibration`)
-is refused whole, naming the first entry that is not accounted for. Reads YAML only; never imports
-DVC.
+is refused whole, naming the first entry that is not accounted for: the outputs of the user's own
+stages are the user's files, whatever the folder is called. A folder that looks restored but has
+no `dvc.lock` above it (copied out of the project) is refused with the ways to adopt it. Reads YAML
+only; never imports DVC.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 from pathlib import Path
 
 import yaml
@@ -30,6 +34,8 @@ from featcal_core.io import markers
 from featcal_core.io.digests import sha256_file
 
 LOCK_FILE = "dvc.lock"
+#: the files a featcal results folder holds at its root (git-tracked records beside DVC's outs)
+RECORD_NAMES = ("models.lock.json", "evaluation.json", "metrics.json", "selection.json")
 
 
 def find_dvc_lock(folder: Path) -> Path | None:
@@ -43,9 +49,37 @@ def find_dvc_lock(folder: Path) -> Path | None:
     return None
 
 
+def featcal_command(cmd: object) -> bool:
+    """A stage command (a string or a list of them, as `dvc.lock` stores it) every part of which
+    (split at `&&`, `||` and `;`) runs `featcal`, `python -m featcal_cli…` or a shell built-in
+    that writes nothing of its own (`mkdir -p`, `true`)."""
+    commands = cmd if isinstance(cmd, list) else [cmd]
+    if not commands or not all(isinstance(c, str) for c in commands):
+        return False
+    found = False
+    for command in commands:
+        text = command.replace("&&", ";").replace("||", ";")
+        for part in text.split(";"):
+            try:
+                words = shlex.split(part)
+            except ValueError:
+                return False
+            if not words:
+                continue
+            program = Path(words[0]).name
+            if program == "featcal" or (
+                program.startswith("python") and words[1:3] == ["-m", "featcal_cli.main"]
+            ):
+                found = True
+            elif program not in ("mkdir", "true"):
+                return False
+    return found
+
+
 def recorded_outs(lock_file: Path) -> dict[Path, str]:
-    """{absolute output path: md5} of every stage's outs in `lock_file` (a folder's md5 ends in
-    `.dir`); {} when the file is not a readable lock."""
+    """{absolute output path: md5} of the outs of featcal's own stages in `lock_file` (stages
+    whose command runs featcal: `featcal_command`; a folder's md5 ends in `.dir`); {} when the file
+    is not a readable lock. The outs of the user's own stages are not featcal's to adopt."""
     try:
         data = yaml.safe_load(lock_file.read_text(encoding="utf-8"))
     except (OSError, yaml.YAMLError):
@@ -53,7 +87,9 @@ def recorded_outs(lock_file: Path) -> dict[Path, str]:
     stages = data.get("stages") if isinstance(data, dict) else None
     outs: dict[Path, str] = {}
     for stage in (stages or {}).values():
-        for out in (stage or {}).get("outs") or []:
+        if not isinstance(stage, dict) or not featcal_command(stage.get("cmd")):
+            continue
+        for out in stage.get("outs") or []:
             if isinstance(out, dict) and isinstance(out.get("path"), str):
                 path = Path(os.path.abspath(lock_file.parent / out["path"]))
                 outs[path] = str(out.get("md5") or "")
@@ -106,8 +142,19 @@ def restored_files(root: Path, entries: list[Path], flag: str) -> dict[str, str]
     run lock and temporaries left out) is a DVC output `dvc.lock` records as it is; FeatCalError
     naming the first entry that is not."""
     lock_file = find_dvc_lock(root.parent)
+    if lock_file is None and any(e.name in RECORD_NAMES for e in entries):
+        raise FeatCalError(
+            f"{flag} {root} looks like a results folder restored by `dvc pull`, but no dvc.lock "
+            "lies above it to prove its files are featcal's; use it inside the DVC project that "
+            "restored it (where its dvc.lock is), restore it there again (`git clone` + `dvc "
+            f"pull`), or choose a new or empty folder for {flag} (left untouched)"
+        )
     outs = recorded_outs(lock_file) if lock_file is not None else {}
-    where = f"{lock_file} does not record it as it is" if lock_file else "no dvc.lock above it"
+    where = (
+        f"{lock_file} does not record it as an output of featcal's own stages"
+        if lock_file
+        else "no dvc.lock above it"
+    )
     files: dict[str, str] = {}
     for entry in entries:
         md5 = outs.get(Path(os.path.abspath(entry)))

@@ -1,8 +1,9 @@
 """Answer-token vs all-token weighting of FeatCal on Llama-class causal LMs, measured on validation
 data (a benchmark, not a test).
 
-The method page publishes no token-weighting rule for causal LMs: "padding 0; all other tokens 1
-unless a measured alternative (answer tokens only) is better on validation data — report both".
+The paper has no token-weighting rule for causal LMs; docs/featcal.md states this project's:
+"padding 0; all other tokens 1 unless a measured alternative (answer tokens only) is better on
+validation data — report both".
 No pretrained LM is available offline, so this script builds a tiny LM zoo from the offline text
 zoo's real classification data (data/zoo/text/data: rotten_tomatoes, subjectivity, polarity, hedge)
 and measures both weightings.
@@ -33,7 +34,7 @@ the positions whose next token is an answer token). Accuracy is label-continuati
 (`featcal_core.evaluation.language_model.label_continuation`, prompt "{text} ->", the task's two label words).
 Validation (at most --max-val seeded rows per task) scores every grid point; per weighting the grid
 point with the best average validation accuracy is selected (ties: the earlier grid point), and the
-weighting with the better selected validation accuracy wins (ties: "all", the method page's rule).
+weighting with the better selected validation accuracy wins (ties: "all", docs/featcal.md's rule).
 The test split (at most --max-test seeded rows per task; 0 = all) is scored only for the base, the
 experts, the merged model, each weighting's selected setting and the paper defaults (α 0.25, λ 0.05,
 ρ 2.2). Gap closed = (model − merged) / (expert − merged) on average test accuracy, where "expert"

@@ -1,4 +1,4 @@
-"""A plain in-memory float64 FeatCal, written straight from the method page, for the tests
+"""A plain in-memory float64 FeatCal, written straight from docs/featcal.md, for the tests
 (`reference_featcal` for single-stack models, `reference_featcal_t5` for T5 encoder-decoders).
 
 It holds every model whole, computes X_t explicitly, solves with torch.linalg.solve and shares no
@@ -155,7 +155,7 @@ def _capture(family, layer, hidden, mask):
 
 
 def _solve_block(before, base_layer, expert_layers, xs, xe, weights, alpha, rho, lam, eps):
-    """The closed forms of the method page for every Linear and norm of one block: `before` is the
+    """The closed forms of docs/featcal.md for every Linear and norm of one block: `before` is the
     merged block before calibration, xs / xe the captured student / expert inputs by task and
     module name, weights(task, name) the flattened ω of that module's input tokens. Returns the new
     tensors by local name."""

@@ -10,7 +10,7 @@ keys masked (eager attention). The final `norm` and `lm_head` are not calibrated
 Inputs: each calibration row's tokens (with the tokenizer's special tokens, e.g. bos), followed,
 when the set has a `target` column, by the target's tokens (no special tokens; the prompt is cut
 from the end when the pair exceeds the token limit). Token weights: padding 0, every real token 1
-(no pooled token; the method page publishes no special rule for causal LMs), or, with
+(no pooled token; docs/featcal.md gives causal LMs no special rule), or, with
 `token_weighting = "answer"`, 1 only at the positions whose next token is a target token (the
 positions whose outputs predict the answer) and 0 elsewhere; prompt tokens are still attended to.
 """

@@ -1,4 +1,4 @@
-"""Calibrate one block (method page, "Data flow", steps 1–4).
+"""Calibrate one block (docs/featcal.md, "Data flow", steps 1–4).
 
 One pass of the *uncalibrated* merged block on each task's student stream and of expert t's block on
 its expert stream gives every statistic (`BlockRunner.task_statistics`, with the pieces of

@@ -1,4 +1,5 @@
-"""Fold the tasks' statistics of one block and solve its modules (method page, "Data flow", step 3).
+"""Fold the tasks' statistics of one block and solve its modules (docs/featcal.md, "Data flow",
+step 3).
 
 `fold` adds one task's contribution (see task_statistics.py) to the block's accumulators, in task
 order; `solve` turns the folded accumulators into calibrated parameters with the closed forms of

@@ -1,4 +1,4 @@
-"""The pieces of a block's statistics pass (method page, "Data flow", step 2).
+"""The pieces of a block's statistics pass (docs/featcal.md, "Data flow", step 2).
 
 `Capture` hooks record the input of every Linear and norm of a block module while it runs on a
 batch of hidden states (B, S, d) with its token mask (B, S). `linear_groups` and `new_norm_stats`

@@ -1,4 +1,4 @@
-"""FeatCal's closed-form solutions (method page, "Closed forms"), all in float64.
+"""FeatCal's closed-form solutions (docs/featcal.md, "Closed forms"), all in float64.
 
 Symbols: d_in/d_out are a Linear's input/output widths, d a norm's width. λ is the ridge weight,
 ε the jitter, a(p) = ρ·p_merged + (1 − ρ)·p_base the anchor of a parameter.

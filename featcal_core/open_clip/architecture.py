@@ -17,7 +17,7 @@ here runs attention explicitly with two real Linears, `attn.in_proj` (d → 3d, 
 
 Token weights: with CLS pooling (open_clip `pool_type: "tok"`, the default) the last block weights
 the CLS token (position 0) 1 and the patch tokens 0.01, as for HF CLIP, except in `attn.in_proj`:
-the method page exempts the key and value projections (CLS attends to every token's key and
+docs/featcal.md exempts the key and value projections (CLS attends to every token's key and
 value), and here k and v are rows of the one packed Linear, whose single input statistic cannot
 weigh tokens differently per output row, so the whole `attn.in_proj` (its q rows too) keeps weight 1
 for every token. Average pooling (`pool_type: "avg"`) or an attentional pooler: every token 1.

@@ -57,7 +57,8 @@ def add_arguments(merge: argparse.ArgumentParser) -> None:
         action="append",
         type=task_path("--expert"),
         metavar="TASK=DIR",
-        help="a fine-tuned expert (repeat per task)",
+        help="a fine-tuned expert: a save_pretrained directory or a peft LoRA adapter folder "
+        "(repeat per task)",
     )
     merge.add_argument(
         "--method", choices=_MethodNames(), metavar="METHOD", help="merge method: %(choices)s"

@@ -33,19 +33,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace an existing --out file whose settings differ",
+        help="replace an existing --out file whose settings differ (never a file inside a "
+        "model folder the params name)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
     from featcal_core.io.outputs import write_file
     from featcal_core.params import dump, load_params
+    from featcal_core.params.export import model_folder_holding
 
-    text = dump(load_params(args.params, args.set))
+    params = load_params(args.params, args.set)
+    text = dump(params)
     if args.out == "-":
         sys.stdout.write(text)
         return 0
     out = Path(args.out)
+    found = model_folder_holding(out, params)
+    if found is not None:
+        folder, named = found
+        raise FeatCalError(
+            f"--out {out} lies inside the model folder {folder}, which the params name as "
+            f"{named}; featcal never writes into a model's folder, --overwrite included; choose "
+            "another --out (left untouched)"
+        )
     if out.is_dir():
         raise FeatCalError(f"--out {out}: is a directory; name the file to write (params.yaml)")
     if out.exists() and not args.overwrite:

@@ -45,14 +45,27 @@ CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 @dataclass(frozen=True)
 class Precision:
-    """A resolved precision and why it was chosen (recorded in featcal.json and MLflow)."""
+    """A resolved precision, what was asked for, why, and whether the device runs it natively
+    or emulated (recorded in featcal.json, evaluation.json and MLflow: `record`)."""
 
     name: str  # float64 | float32 | bfloat16
     reason: str
+    requested: str  # auto | float64 | float32 | bfloat16
+    execution: str = "native"  # native | emulated (bfloat16 on a device without bfloat16 units)
 
     @property
     def product(self) -> torch.dtype:
         return PRODUCT_DTYPES[self.name]
+
+    def record(self) -> dict[str, str]:
+        """The precision fields of every record: `precision` (what ran), `precision_requested`,
+        `precision_reason` and `precision_execution` (native or emulated)."""
+        return {
+            "precision": self.name,
+            "precision_requested": self.requested,
+            "precision_reason": self.reason,
+            "precision_execution": self.execution,
+        }
 
 
 @functools.lru_cache(maxsize=1)
@@ -88,12 +101,12 @@ def resolve(requested: str, device: torch.device, model_dtype: torch.dtype) -> P
     if requested not in CHOICES:
         raise FeatCalError(f"--precision must be one of {', '.join(CHOICES)} (got {requested!r})")
     if model_dtype == torch.float64:  # they compute in float64: nothing narrower runs
-        return Precision("float64", "the checkpoints are float64")
+        return Precision("float64", "the checkpoints are float64", requested)
     native, evidence = native_bfloat16(device)
     if requested == "auto":
         if native:
-            return Precision("bfloat16", f"auto: native bfloat16 ({evidence})")
-        return Precision("float32", f"auto: no native bfloat16 ({evidence})")
+            return Precision("bfloat16", f"auto: native bfloat16 ({evidence})", requested)
+        return Precision("float32", f"auto: no native bfloat16 ({evidence})", requested)
     if requested == "bfloat16":
         if device.type == "cuda" and not native:
             raise FeatCalError(
@@ -106,7 +119,8 @@ def resolve(requested: str, device: torch.device, model_dtype: torch.dtype) -> P
                 "emulated, slower than float32",
                 evidence,
             )
-    return Precision(requested, "asked for")
+            return Precision(requested, f"asked for; emulated ({evidence})", requested, "emulated")
+    return Precision(requested, "asked for", requested)
 
 
 def resolve_forwards(
@@ -118,7 +132,7 @@ def resolve_forwards(
     hold float32 weights), and the reason says so."""
     chosen = resolve(requested, device, model_dtype)
     if chosen.name == "float64":
-        return Precision("float32", f"{chosen.reason}; the heads' towers run in float32")
+        return Precision("float32", f"{chosen.reason}; the heads' towers run in float32", requested)
     return chosen
 
 

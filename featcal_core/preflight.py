@@ -3,9 +3,11 @@
     problems, notes = check(params)   # [(params key, what is wrong; the fix)], [(key, note)]
 
 Models: a local directory must exist with a config.json of a supported family and safetensors
-weights; a Hub model must exist at its revision (the Hub's file listing; offline: the cache) with
-safetensors weights, or a safetensors conversion pull request to use (a note), and a supported
-config (config.json is the only file fetched); every expert must be of the base's family.
+weights that open as every command opens them (the headers), and a local expert must have the
+local base's structure (featcal_core.io.structure); a Hub model must exist at its revision (the
+Hub's file listing; offline: the cache) with safetensors weights, or a safetensors conversion pull
+request to use (a note), and a supported config (config.json is the only file fetched); every
+expert must be of the base's family.
 Datasets: a local save_to_disk folder must open (memory-mapped: no rows are read) with its split,
 its input column and, for evaluation, its label column; where the head is zero-shot, class names
 must be given or come from the label feature or a prompt set, one per class. A Hub dataset must
@@ -47,7 +49,9 @@ def check(
         families[role] = _check_model(role, ref, cache_dir, problems, notes)
     base = families.get("models.base")
     for role, family in families.items():
-        if base is not None and family is not None and family.name != base.name:
+        if family is _ADAPTER:
+            families[role] = base  # an adapter stands for a model of the base's family
+        elif base is not None and family is not None and family.name != base.name:
             problems.append(
                 (
                     role,
@@ -55,6 +59,7 @@ def check(
                     "every expert must be fine-tuned from the base",
                 )
             )
+    _check_structure(roles, families, problems)
     hub: dict = {}  # one Hub lookup per dataset and config, however many roles read it
     for task, spec in params.tasks.items():
         sources = {"calibration": spec.calibration, "evaluation": spec.evaluation}
@@ -68,6 +73,10 @@ def check(
 
 
 # ---------------------------------------------------------------------------------------- models
+
+
+#: `_check_model`'s answer for a LoRA adapter folder (its family is its base's)
+_ADAPTER = object()
 
 
 def _check_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: list[Finding]):
@@ -87,6 +96,10 @@ def _check_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes:
                 )
             )
             return None
+        from featcal_core.io.adapters import is_adapter
+
+        if role != "models.base" and is_adapter(path):
+            return _ADAPTER  # opened over the base by _check_structure
         files = [p.name for p in path.iterdir() if p.is_file()]
         config = path / "config.json" if "config.json" in files else None
         where = str(path)
@@ -95,6 +108,15 @@ def _check_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes:
         if found is None:
             return None
         files, config, where = found
+    if config is None and not any(name.endswith(".safetensors") for name in files):
+        problems.append(
+            (
+                role,
+                f"{where} is not a model folder (no config.json, no safetensors weights); point "
+                "at a save_pretrained folder or a Hub model id",
+            )
+        )
+        return None
     if not any(name.endswith(".safetensors") for name in files):
         pickled = sorted(n for n in files if n.endswith((".bin", ".pt", ".pth", ".ckpt")))
         problems.append(
@@ -110,6 +132,45 @@ def _check_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes:
         problems.append((role, f"{where} has no config.json; point at a save_pretrained folder"))
         return None
     return _family(role, Path(config), problems)
+
+
+def _check_structure(roles: dict[str, Any], families: dict, problems: list[Finding]) -> None:
+    """Local models of a known family, opened as every command opens them (config.json and the
+    safetensors headers, no weights), and each expert compared with the base
+    (featcal_core.io.structure); a model whose family differs from the base's is reported
+    already."""
+    from featcal_core.io.adapters import is_adapter, open_expert
+    from featcal_core.io.checkpoint import Checkpoint
+    from featcal_core.io.structure import check_same_structure
+
+    opened: dict[str, Checkpoint] = {}
+    adapters = {}
+    for role, ref in roles.items():
+        path = Path(ref.path).expanduser() if ref.kind == "local" else None
+        if families.get(role) is None or path is None or not any(path.glob("*.safetensors")):
+            continue  # not local, or its config or weights are reported already
+        if role != "models.base" and is_adapter(path):
+            adapters[role] = path
+            continue
+        try:
+            opened[role] = Checkpoint(path, "base model" if role == "models.base" else "expert")
+        except FeatCalError as exc:
+            problems.append((role, str(exc)))
+    base = opened.pop("models.base", None)
+    for role, path in adapters.items():  # its config, weights and shapes against the base's
+        if base is None:
+            continue
+        try:
+            opened[role] = open_expert(path, "expert", base)
+        except FeatCalError as exc:
+            problems.append((role, str(exc)))
+    for role, checkpoint in opened.items():
+        if base is None or families[role].name != families["models.base"].name:
+            continue
+        try:
+            check_same_structure(base, checkpoint)
+        except FeatCalError as exc:
+            problems.append((role, str(exc)))
 
 
 def _family(role: str, config: Path, problems: list[Finding]):

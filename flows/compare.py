@@ -167,7 +167,9 @@ def run_compare(
 ) -> dict:
     """Validate the params (`params`: already validated by the caller) and every variant, take
     the run lock, then run `featcal_compare`. The params file is read once."""
-    params, _ = load_compare(str(params_path), list(overrides or []), params)
+    params, variants = load_compare(str(params_path), list(overrides or []), params)
+    for variant in variants.values():  # every variant's folder, before any variant runs
+        Steps(variant).check_session()
     with Steps(params).session("featcal compare"), command_api():
         return featcal_compare(str(Path(params_path).resolve()), list(overrides or []), params)
 

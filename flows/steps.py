@@ -15,6 +15,7 @@ from pathlib import Path
 
 from featcal_core.errors import FeatCalError
 from featcal_core.io.outputs import (
+    check_root,
     check_target,
     prepare_root,
     sweep_tree,
@@ -149,13 +150,20 @@ class Steps:
         a folder of the user's), the report folder checked, the run lock held, and what killed
         runs left behind swept; the device the settings ask for checked; all before the first
         write."""
-        check_device(self.params.featcal.device)
-        inputs = self.inputs()
-        check_target(self.paths["report"], inputs=inputs, root=REPORTS_ROOT, flag="report folder")
+        inputs = self.check_session()
         root = prepare_root(self.paths["root"], inputs=inputs)
         with run_lock(root, what):
             sweep_tree(root, depth=3)
             yield
+
+    def check_session(self) -> list:
+        """Every check `session` makes before its first write, writing nothing (a compare makes
+        them for every variant before any variant runs); returns the inputs."""
+        check_device(self.params.featcal.device)
+        inputs = self.inputs()
+        check_target(self.paths["report"], inputs=inputs, root=REPORTS_ROOT, flag="report folder")
+        check_root(self.paths["root"], inputs=inputs)
+        return inputs
 
     def call(self, task, *args, **kwargs):
         """The Prefect task `task` (in a flow run), or its body (outside one)."""

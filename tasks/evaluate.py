@@ -10,7 +10,8 @@ feature's; open_clip experts are bare vision towers without a head). Causal LMs 
 scored by the likeliest label continuation (`label_words` after `prompt`,
 featcal_core.evaluation.language_model), with the base as a row too, plus the perplexity of the evaluation
 texts. Classification towers run in `evaluation.precision` (null: `featcal.precision`'s choice;
-`forward_precision`), recorded as each row's `precision`; causal LMs are scored in float32.
+`forward_precision`), recorded in each row (`precision`, `precision_requested`, `precision_reason`,
+`precision_execution`); causal LMs are scored in float32.
 Evaluation data never feeds calibration: the params refuse a task whose evaluation source
 is its calibration source.
 """
@@ -270,7 +271,7 @@ def evaluate_models(
                     precision=chosen.name,
                 )
             )
-        row = {name: {**found[name], "precision": chosen.name} for name in order}
+        row = {name: {**found[name], **chosen.record()} for name in order}
         table[task_name] = _normalize(task_name, row)
     return table
 
@@ -321,5 +322,10 @@ def _evaluate_lm(params, task_name, spec, data: Path, split, base: str, models: 
             batch_size=params.evaluation.batch_size,
             device=params.featcal.device,
         )
-        row[name]["precision"] = "float32"
+        row[name].update(
+            precision="float32",
+            precision_requested=params.evaluation.precision or params.featcal.precision,
+            precision_reason="causal LMs are scored in float32",
+            precision_execution="native",
+        )
     return _normalize(task_name, row)

@@ -84,7 +84,7 @@ def calibrate_heads(
             record = {
                 "model": directory,
                 "weights": weight_digests(directory),
-                "precision": chosen.name,
+                **chosen.record(),
             }
             (folders[name] / FITTED_ON).write_text(json.dumps(record, indent=2) + "\n")
     return out

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from prefect import task
 
-from featcal_core.io.checkpoint import Checkpoint, sha256_file
+from featcal_core.io.adapters import expert_weight_paths
+from featcal_core.io.checkpoint import sha256_file
 from featcal_core.io.outputs import verify_output
 from featcal_core.merging import get
 from featcal_core.merging.run import RECORD_NAME, merge_checkpoints
@@ -23,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def _fingerprint(base: Path, experts: dict[str, Path], method: str, hp: dict) -> dict:
     def files(directory: Path, role: str) -> dict[str, str]:
-        return {p.name: sha256_file(p) for p in Checkpoint(directory, role).weight_paths()}
+        return {p.name: sha256_file(p) for p in expert_weight_paths(directory, role)}
 
     return {
         "method": method,

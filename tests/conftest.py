@@ -32,6 +32,7 @@ SERVER_FILES = {
     "test_faults.py",
     "test_process_lifecycle.py",
     "test_paper_run.py",
+    "test_records_cover.py",
 }
 
 

@@ -279,3 +279,34 @@ def test_hub_datasets_checked_from_their_cards_without_downloading_rows(
             "label)",
         )
     ]
+
+
+def test_a_folder_that_is_no_model_is_one_line(good, tmp_path, capsys):
+    data = yaml.safe_load(good.read_text())
+    data["models"]["experts"]["alpha"] = "/etc"
+    path = tmp_path / "etc.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["check", "--params", str(path)]) == 2
+    errors = [e for e in capsys.readouterr().err.splitlines() if e.startswith("featcal: error: ")]
+    assert errors == [
+        "featcal: error: models.experts.alpha: /etc is not a model folder (no config.json, no "
+        "safetensors weights); point at a save_pretrained folder or a Hub model id"
+    ]
+
+
+def test_a_lora_adapter_expert_is_checked_over_its_base(good, tmp_path, capsys):
+    peft = pytest.importorskip("peft")
+    from transformers import CLIPModel
+
+    data = yaml.safe_load(good.read_text())
+    model = CLIPModel.from_pretrained(data["models"]["base"])
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"])
+    peft.get_peft_model(model, config).save_pretrained(tmp_path / "lora")
+    data["models"]["experts"]["alpha"] = str(tmp_path / "lora")
+    path = tmp_path / "lora.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["check", "--params", str(path)]) == 0, capsys.readouterr().err
+    (tmp_path / "lora" / "adapter_config.json").write_text('{"peft_type": "IA3"}')
+    assert main(["check", "--params", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "models.experts.alpha" in err and "IA3" in err

@@ -198,3 +198,31 @@ def test_a_pulled_results_folder_without_its_dvc_lock_says_how_to_adopt_it(tmp_p
     with pytest.raises(FeatCalError, match=r"restored by `dvc pull`.*no dvc\.lock.*dvc pull"):
         prepare_root(copied)
     assert {p.name: _digest(p) for p in copied.iterdir()} == before
+
+
+def test_a_compare_checks_every_variant_folder_first_and_takes_emptied_ones(tmp_path):
+    from test_pipeline import write_params
+
+    from featcal_core.io.outputs import check_root, prepare_root
+    from featcal.flows.compare import run_compare
+
+    params_path = write_params(tmp_path)
+    params = yaml.safe_load(params_path.read_text())
+    params["compare"] = {
+        "variants": [{"name": "first", "set": []}, {"name": "second", "set": ["featcal.alpha=0.5"]}]
+    }
+    params_path.write_text(yaml.safe_dump(params))
+    results = prepare_root(tmp_path / "results")
+    mine = results / "variants" / "second" / "calibrated" / "mine.txt"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("the user's own\n")
+    before = sorted(p.relative_to(results) for p in results.rglob("*"))
+    with pytest.raises(
+        FeatCalError, match=r"variants/second.*did not create.*mine\.txt|calibrated"
+    ):
+        run_compare(params_path)
+    # refused before the first variant's repair, the merge or the calibration sets
+    assert sorted(p.relative_to(results) for p in results.rglob("*")) == before
+    assert mine.read_text() == "the user's own\n"
+    mine.unlink()  # the user removes the file and leaves its folder: nothing there to lose
+    assert check_root(results / "variants" / "second") is None

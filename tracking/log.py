@@ -48,7 +48,8 @@ def log_calibration_record(record: Mapping[str, Any], *, run_id: str | None = No
     `calibrated_blocks`, `calibrated_blocks_restored`, `calibration_wall_s`, `peak_rss_mb` (and
     `peak_device_mb` when recorded). No params: the hyperparameters are the run's `featcal.*`
     params already (one value per param). Tags `calibration.precision` (the passes' dtype that
-    ran, `featcal.precision: auto` resolved), `calibration.precision_reason`,
+    ran, `featcal.precision: auto` resolved), `calibration.precision_requested`,
+    `calibration.precision_reason`, `calibration.precision_execution` (native or emulated),
     `calibration.products_precision`,
     `calibration.architecture`, `calibration.record_version`, `calibration.inputs_sha256` (digest
     of the inputs section: weight and data digests, row indices). Artifact: `featcal.json`.
@@ -92,7 +93,9 @@ def log_calibration_record(record: Mapping[str, Any], *, run_id: str | None = No
     ran = record.get("hyperparameters") or {}
     tags = {
         "calibration.precision": ran.get("precision"),
+        "calibration.precision_requested": ran.get("precision_requested"),
         "calibration.precision_reason": ran.get("precision_reason"),
+        "calibration.precision_execution": ran.get("precision_execution"),
         "calibration.products_precision": ran.get("products_precision"),
         "calibration.architecture": record.get("architecture"),
         "calibration.record_version": record.get("featcal_record_version"),

@@ -20,9 +20,9 @@ from torch import nn
 from featcal_core.errors import FeatCalError
 from featcal_core.io.checkpoint import Checkpoint
 
-#: weight of non-pooled tokens in the last block (method page, "Token weights")
+#: weight of non-pooled tokens in the last block (docs/featcal.md, "Token weights")
 POOLED_OTHER_WEIGHT = 0.01
-#: token weighting modes: "all" (every real token; the method page's rule) or "answer" (causal
+#: token weighting modes: "all" (every real token; docs/featcal.md's rule) or "answer" (causal
 #: LMs whose calibration set has a `target` column: only the positions that predict its tokens)
 TOKEN_WEIGHTINGS = ("all", "answer")
 #: inputs key of the (B, S) 0/1 token-weight mask when it differs from the attention mask
@@ -70,6 +70,11 @@ class Architecture(ABC):
     @abstractmethod
     def matches(cls, config: dict[str, Any]) -> bool:
         """True when config.json describes a model of this family."""
+
+    def tower_config(self) -> dict[str, Any]:
+        """The part of config.json that describes the tower FeatCal calibrates: the whole config,
+        or a nested one where a model holds several towers (CLIPModel's vision_config)."""
+        return self.config
 
     @property
     @abstractmethod

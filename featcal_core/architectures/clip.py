@@ -52,6 +52,11 @@ class HFCLIPVision(Architecture):
     def matches(cls, config: dict[str, Any]) -> bool:
         return config.get("model_type") in ("clip_vision_model", "clip")
 
+    def tower_config(self) -> dict[str, Any]:
+        if self.config.get("model_type") != "clip":
+            return self.config
+        return {"model_type": "clip_vision_model", **self.config.get("vision_config", {})}
+
     @property
     def num_blocks(self) -> int:
         return int(self.hf_config.num_hidden_layers)

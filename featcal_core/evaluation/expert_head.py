@@ -29,7 +29,7 @@ from featcal_core.evaluation.preprocessing import (
     _tokenizer,
 )
 from featcal_core.evaluation.tower import _load_tower, _tower_prefix
-from featcal_core.io.checkpoint import Checkpoint
+from featcal_core.io.adapters import open_expert
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,10 @@ class ExpertHead(Head):
         from featcal_core.evaluation.linear_head import has_linear_head, load_linear_head
 
         self.expert_dir = Path(expert_dir)
-        checkpoint = Checkpoint(self.expert_dir, role="expert")  # checks dir, config, weights
+        # checks dir, config, weights; a LoRA adapter (no classifier of its own) is refused
+        checkpoint = open_expert(
+            self.expert_dir, "expert", None, reader="an expert's classification head"
+        )
         self.config = checkpoint.config
         names = self.config.get("architectures") or []
         self.arch: Architecture = detect(self.config, source=str(self.expert_dir / "config.json"))

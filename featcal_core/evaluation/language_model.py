@@ -7,6 +7,9 @@ class's label words appended; the prediction is the class whose continuation has
 log-probability (sum over the label's tokens, so no length normalisation); the loss is the mean
 negative log-likelihood of the true label's tokens. Perplexity: exp of the mean next-token
 negative log-likelihood over every real (non-padding) token after the first, in float64.
+
+A model folder may be a peft LoRA adapter: it is applied over `tokenizer_dir`, the base model
+(featcal_core.io.adapters).
 """
 
 from __future__ import annotations
@@ -29,10 +32,14 @@ log = logging.getLogger(__name__)
 DEFAULT_TEMPLATE = "{text} ->"
 
 
-def generation_kind(model_dir: str | Path) -> str | None:
-    """ "causal" (hf-llama), "seq2seq" (hf-t5 with a decoder) or None (not a generating LM)."""
+def generation_kind(model_dir: str | Path, base: str | Path | None = None) -> str | None:
+    """ "causal" (hf-llama), "seq2seq" (hf-t5 with a decoder) or None (not a generating LM); of
+    a LoRA adapter folder: its `base`'s."""
     from featcal_core.architectures import detect
+    from featcal_core.io.adapters import is_adapter
 
+    if base is not None and is_adapter(model_dir):
+        model_dir = base
     try:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
@@ -47,21 +54,34 @@ def generation_kind(model_dir: str | Path) -> str | None:
 
 
 def load_causal_lm(
-    model_dir: str | Path, device: torch.device, kind: str | None = None
+    model_dir: str | Path,
+    device: torch.device,
+    kind: str | None = None,
+    base: str | Path | None = None,
 ) -> torch.nn.Module:
     """A `*ForCausalLM` (or, for T5, `*ForConditionalGeneration`) from a save_pretrained
-    directory, float32, in eval mode."""
+    directory, or from a LoRA adapter folder over `base`, float32, in eval mode."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    kind = kind or generation_kind(model_dir)
+    from featcal_core.io.adapters import is_adapter, load_adapter_weights
+
+    adapter = is_adapter(model_dir)
+    if adapter and base is None:
+        raise FeatCalError(
+            f"{model_dir} is a LoRA adapter; evaluating it needs its base model: pass the base"
+        )
+    source = base if adapter and base is not None else model_dir
+    kind = kind or generation_kind(source)
     loader = AutoModelForSeq2SeqLM if kind == "seq2seq" else AutoModelForCausalLM
     try:
-        model: torch.nn.Module = loader.from_pretrained(str(model_dir), dtype=torch.float32)
+        model: torch.nn.Module = loader.from_pretrained(str(source), dtype=torch.float32)
     except Exception as exc:
         raise FeatCalError(
             f"{model_dir}: cannot load a causal language model ({exc}); pass a save_pretrained "
             "directory of a *ForCausalLM or T5ForConditionalGeneration (config.json with weights)"
         ) from exc
+    if adapter:
+        load_adapter_weights(model, model_dir, source)
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -122,8 +142,8 @@ def label_continuation(
     target = _check_labels(labels, len(label_words), "evaluation set", "label")
     dev = _device(device)
     tokenizer = load_tokenizer(tokenizer_dir, "base model", right_padded=True)
-    kind = generation_kind(model_dir)
-    model = load_causal_lm(model_dir, dev, kind)
+    kind = generation_kind(model_dir, tokenizer_dir)
+    model = load_causal_lm(model_dir, dev, kind, base=tokenizer_dir)
     if kind == "seq2seq":
         scores, lengths = _seq2seq_scores(
             model,
@@ -187,7 +207,7 @@ def perplexity(
     """{"perplexity", "nll", "tokens"} of `texts` under the model (see module doc)."""
     dev = _device(device)
     tokenizer = load_tokenizer(tokenizer_dir, "base model", right_padded=True)
-    model = load_causal_lm(model_dir, dev)
+    model = load_causal_lm(model_dir, dev, base=tokenizer_dir)
     total, count = 0.0, 0
     for start in range(0, len(texts), batch_size):
         encoded = tokenizer(
@@ -234,7 +254,7 @@ def evaluate_lm_dataset(
     result = label_continuation(
         model_dir, tokenizer_dir, texts, labels, label_words, template, batch_size, device
     )
-    if generation_kind(model_dir) == "causal":  # the texts' perplexity (decoder-only models)
+    if generation_kind(model_dir, tokenizer_dir) == "causal":  # decoder-only: texts' perplexity
         result.update(
             perplexity(model_dir, tokenizer_dir, texts, batch_size=batch_size, device=device)
         )

@@ -1,8 +1,12 @@
 """Lazy, per-tensor access to Hugging Face `save_pretrained` directories (safetensors only).
 
 A `Checkpoint` reads only headers when opened: tensor names, shapes, dtypes and which shard holds
-each (a truncated or malformed shard is reported then). Tensors are read on demand with
-`read(names)`, which copies exactly the requested tensors' bytes with plain file reads.
+each. Opening refuses a folder that is not one consistent checkpoint: an index naming a shard
+outside the folder or a tensor its shard does not hold, a tensor stored twice, a shard whose
+header is malformed or truncated or whose tensors overlap, leave the file or leave bytes unowned
+(`read_header`). featcal_core.io.structure compares a checkpoint with its base. Tensors are read
+on demand with `read(names)`, which copies exactly the requested tensors' bytes with plain file
+reads.
 """
 
 from __future__ import annotations
@@ -10,8 +14,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 
@@ -28,6 +33,8 @@ from featcal_core.io.safetensors_io import (
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+#: a file named by its content's hash: a blob of the Hugging Face cache or DVC's cache
+_CACHE_BLOB = re.compile(r"[0-9a-f]{30,64}")
 
 
 @dataclass(frozen=True)
@@ -60,12 +67,21 @@ class Checkpoint:
             raise FeatCalError(
                 f"{config_path} is not valid JSON ({exc}); re-save the {role}"
             ) from exc
+        self.weight_map: dict[str, str] | None = None  # the index's, when there is one
         self.files = self._weight_files()
         self.tensors: dict[str, TensorInfo] = {}
         self.entries: dict[str, dict[str, Entry]] = {}  # shard → its header entries
         self.file_metadata: dict[str, dict[str, str]] = {}
         for name in self.files:
             self._read_header(name)
+        listed: dict[str, str] = self.weight_map or {}
+        absent = sorted(set(listed) - set(self.tensors))
+        if absent:
+            raise FeatCalError(
+                f"{self.directory / INDEX_NAME} places tensor {absent[0]!r} in "
+                f"{listed[absent[0]]!r}, which does not hold it ({len(absent)} such); "
+                f"re-save the {self.role} (index and shards together)"
+            )
 
     def _weight_files(self) -> list[str]:
         index_path = self.directory / INDEX_NAME
@@ -76,8 +92,17 @@ class Checkpoint:
                 raise FeatCalError(
                     f"{index_path} is not a valid safetensors index ({exc}); re-save the {self.role}"
                 ) from exc
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+            ):
+                raise FeatCalError(
+                    f"{index_path}: weight_map is not a map of tensor names to shard file names; "
+                    f"re-save the {self.role}"
+                )
+            self.weight_map = weight_map
             files = sorted(set(weight_map.values()))
             for name in files:
+                self._check_shard_name(index_path, name)
                 if not (self.directory / name).is_file():
                     raise FeatCalError(
                         f"{self.directory / name} is listed in {index_path} but missing; "
@@ -94,6 +119,35 @@ class Checkpoint:
             "save_pretrained(..., safe_serialization=True) (pickled .bin weights are not read)"
         )
 
+    def _check_shard_name(self, index_path: Path, name: str) -> None:
+        """A shard an index names lies in this folder: a relative name without `..`, no linked
+        folder on the way out, and the file itself in the folder or a link into a
+        content-addressed cache (the Hugging Face cache's blobs/, DVC's cache)."""
+        fix = (
+            f"an index names shard files of its own folder: copy the shard into {self.directory} "
+            f"and list it by its file name, or re-save the {self.role} with save_pretrained"
+        )
+        relative = PurePosixPath(name)
+        if not name or relative.is_absolute() or ".." in relative.parts:
+            raise FeatCalError(
+                f"{index_path} names shard {name!r}, outside {self.directory}; {fix}"
+            )
+        root = self.directory.resolve()
+        path = self.directory / name
+        folder = path.parent.resolve()
+        if folder != root and root not in folder.parents:
+            raise FeatCalError(
+                f"{index_path} names shard {name!r}, whose folder is a link to {folder}, outside "
+                f"{self.directory}; {fix}"
+            )
+        if path.is_symlink():
+            target = path.resolve()
+            if root not in target.parents and not _CACHE_BLOB.fullmatch(target.name):
+                raise FeatCalError(
+                    f"{index_path} names shard {name!r}, a link to {target}, outside "
+                    f"{self.directory}; {fix}"
+                )
+
     def _read_header(self, name: str) -> None:
         path = self.directory / name
         try:
@@ -104,7 +158,18 @@ class Checkpoint:
             ) from exc
         self.entries[name] = entries
         self.file_metadata[name] = metadata
+        listed: dict[str, str] = self.weight_map or {}
         for key, entry in entries.items():
+            if key in self.tensors:
+                raise FeatCalError(
+                    f"tensor {key!r} is stored twice in {self.role} {self.directory}, in "
+                    f"{self.tensors[key].file} and {name}; re-save the {self.role}"
+                )
+            if listed.get(key, name) != name:
+                raise FeatCalError(
+                    f"{path} holds tensor {key!r}, which {self.directory / INDEX_NAME} places "
+                    f"in {listed[key]!r}; re-save the {self.role} (index and shards together)"
+                )
             self.tensors[key] = TensorInfo(name, entry.dtype, entry.shape)
 
     def reader(self, file: str) -> Reader:

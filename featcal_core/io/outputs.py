@@ -23,7 +23,9 @@ Guarantees, each kept here (or in the `featcal_core/io` module named) and nowher
   one whose folder, resolved, leaves that marked folder (a symlinked subfolder pointing at the
   user's files).
 - **Reuse only what verifies**: `verify_output` re-hashes a marked directory against its marker;
-  `verify_file` a record against its folder's marker (both in `markers.py`, with the marker).
+  `verify_file` a record against its folder's marker (both in `markers.py`, with the marker);
+  `record_problems` every marked folder of a results folder (what `featcal lineage` checks). A
+  folder the writer creates below a marked one is marked too, so every file written is listed.
 - **OSError becomes one line**: a failed write (disk full, read-only, permission) raises
   FeatCalError naming the target and what is needed (`write_errors.oserror`).
 """
@@ -39,7 +41,7 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from featcal_core.errors import FeatCalError
@@ -437,13 +439,15 @@ def atomic_file(path: str | Path, flag: str = "output file") -> Iterator[Path]:
     `save_to_disk`, plain bytes); on success it is renamed onto `path`.
 
     When the folder carries a marker, an existing file must be one the marker lists (else
-    FeatCalError: it is the user's), and the marker is updated with the new file's sha256. On any
-    error the temporary file is removed and `path` is left as it was.
+    FeatCalError: it is the user's), and the marker is updated with the new file's sha256. A
+    folder created here below a marked featcal folder (e.g. a results folder's `heads/`) is
+    created marked, so every file written into it is listed too. On any error the temporary file
+    is removed and `path` is left as it was.
     """
     path = Path(path)
     # below a featcal folder: never through a symlink leading out of it (outside one, the path is
     # the library caller's own choice; every command writes below a root it checked and marked)
-    check_within_owner(path, flag)
+    owner = check_within_owner(path, flag)
     marker = read_marker(path.parent) if path.parent.is_dir() else None
     if marker is not None and path.exists() and path.name not in marker["files"]:
         raise FeatCalError(
@@ -451,6 +455,14 @@ def atomic_file(path: str | Path, flag: str = "output file") -> Iterator[Path]:
         )
     tmp = temp_path(path)
     try:
+        if not path.parent.exists() and owner is not None and read_marker(owner) is not None:
+            try:
+                path.parent.mkdir(parents=True)
+            except FileExistsError:
+                pass  # created meanwhile by another writer, which marks it
+            else:
+                _write_marker(path.parent, {})
+            marker = read_marker(path.parent)
         path.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
         if tmp.is_file():
@@ -487,9 +499,80 @@ def write_json(path: str | Path, data: object, flag: str = "output file") -> Pat
     return write_file(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n", flag)
 
 
+def _empty_tree(path: Path) -> bool:
+    """`path` is a folder holding only folders, none of which holds a file or a link (nothing
+    in it can be lost: a folder emptied by its owner is not a folder of the user's)."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return all(_empty_tree(entry) for entry in path.iterdir())
+
+
 def _leftover(name: str) -> bool:
     """A name featcal leaves in a folder it writes: the run lock, a temporary or an old output."""
     return name == LOCK_NAME or (name.startswith(".") and (TEMP_TAG in name or OLD_TAG in name))
+
+
+def _scope(folder: Path) -> tuple[list[Path], list[Path]]:
+    """(the files in `folder`'s scope: in it and in its unmarked subfolders, the marker, the run
+    lock and temporaries left out; the marked subfolders found there, not entered)."""
+    files: list[Path] = []
+    marked: list[Path] = []
+
+    def visit(current: Path) -> None:
+        for entry in sorted(current.iterdir()):
+            if _leftover(entry.name) or (current == folder and entry.name == MARKER):
+                continue
+            if not entry.is_dir() or entry.is_symlink():
+                files.append(entry)
+            elif read_marker(entry) is not None:
+                marked.append(entry)
+            else:
+                visit(entry)
+
+    visit(folder)
+    return files, marked
+
+
+def record_problems(
+    root: str | Path,
+    *,
+    skip: Iterable[str | Path] = (),
+    digest: Callable[[Path], str | None] = sha256_file,
+) -> list[tuple[Path, str, Path, str]]:
+    """Every file the markers of `root` and of the marked folders below it list that is missing
+    or changed, and every file in a marked folder below `root` that its marker does not list:
+    (file, "missing" | "changed" | "unlisted", the marker, one line naming it). The writer lists each file
+    it writes (`atomic_file`, `guarded_directory`), so this covers all a run wrote. Left out: the
+    folders in `skip` (verified otherwise), results folders of their own below `root` (a marker
+    with a kind: the calibration flow's resume cache, whose states verify by their manifests),
+    and files in `root`'s own scope that its marker does not list (the run lock; folders of
+    earlier versions)."""
+    skipped = {os.path.abspath(path) for path in skip}
+    problems: list[tuple[Path, str, Path, str]] = []
+
+    def check(folder: Path, unlisted: bool) -> None:
+        marker = read_marker(folder)
+        if marker is None:
+            return
+        files, marked = _scope(folder)
+        listed, place = marker["files"], folder / MARKER
+        for name, expected in sorted(listed.items()):
+            path = folder / name
+            if not path.is_file():
+                problems.append((path, "missing", place, f"{path} is missing ({place} lists it)"))
+            elif digest(path) != expected:
+                changed = f"{path} changed since featcal wrote it (sha256 differs from {place})"
+                problems.append((path, "changed", place, changed))
+        for path in files if unlisted else ():
+            if path.relative_to(folder).as_posix() not in listed:
+                foreign = f"{path} was not written by featcal ({place} does not list it)"
+                problems.append((path, "unlisted", place, foreign))
+        for sub in marked:
+            if os.path.abspath(sub) not in skipped and not (read_marker(sub) or {}).get("kind"):
+                check(sub, True)
+
+    check(Path(root), False)
+    return problems
 
 
 def check_root(
@@ -523,7 +606,7 @@ def check_root(
             f"{flag} {root} is a folder featcal wrote as {what}, not as {kind}; choose a new or "
             f"empty folder for {flag} (left untouched)"
         )
-    entries = sorted(e for e in path.iterdir() if not _leftover(e.name))
+    entries = sorted(e for e in path.iterdir() if not (_leftover(e.name) or _empty_tree(e)))
     if not entries:
         return None
     if kind == RESULTS:

@@ -57,7 +57,7 @@ def featcal_command(cmd: object) -> bool:
     if not commands or not all(isinstance(c, str) for c in commands):
         return False
     found = False
-    for command in commands:
+    for command in map(str, commands):
         text = command.replace("&&", ";").replace("||", ";")
         for part in text.split(";"):
             try:

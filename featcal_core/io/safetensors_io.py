@@ -76,13 +76,45 @@ def read_header(path: Path) -> tuple[dict[str, Entry], dict[str, str]]:
             raise SafetensorsFormatError(f"bad header entry for {name!r}") from exc
         if dtype not in DTYPES:
             raise SafetensorsFormatError(f"{name!r} has unsupported dtype {dtype}")
-        if end - start != math.prod(shape) * DTYPES[dtype].itemsize or start < 0:
+        if min(shape, default=0) < 0 or start < 0:
+            raise SafetensorsFormatError(f"{name!r} has a negative shape or offset")
+        if end - start != math.prod(shape) * DTYPES[dtype].itemsize:
             raise SafetensorsFormatError(f"{name!r} has inconsistent offsets")
         entries[name] = Entry(dtype, shape, base + start, base + end)
-    needed = max((e.end for e in entries.values()), default=base)
-    if size < needed:
-        raise SafetensorsFormatError(f"truncated: {size} bytes, the header needs {needed}")
+    _check_layout(entries, base, size)
     return entries, dict(metadata)
+
+
+def _check_layout(entries: dict[str, Entry], base: int, size: int) -> None:
+    """The tensors tile the data section end to end, as the safetensors library requires: no
+    two share a byte, none lies beyond the file, and no byte between or after them is unowned."""
+    data = size - base
+    position, previous = 0, None
+    for name, entry in sorted(entries.items(), key=lambda item: (item[1].start, item[1].end)):
+        start, end = entry.start - base, entry.end - base
+        if previous is not None and start < position:
+            first = entries[previous]
+            raise SafetensorsFormatError(
+                f"tensors {previous!r} (data bytes {first.start - base}-{first.end - base}) and "
+                f"{name!r} (data bytes {start}-{end}) overlap"
+            )
+        if start > position:
+            after = f"tensor {previous!r}" if previous is not None else "the header"
+            raise SafetensorsFormatError(
+                f"data bytes {position}-{start} between {after} and tensor {name!r} belong to no "
+                "tensor (the format lays tensors end to end)"
+            )
+        if end > data:
+            raise SafetensorsFormatError(
+                f"truncated or out of bounds: tensor {name!r} ends at data byte {end}, the data "
+                f"section holds {data} ({size} bytes in all)"
+            )
+        position, previous = end, name
+    if position < data:
+        raise SafetensorsFormatError(
+            f"{data - position} data bytes after the last tensor belong to no tensor (the format "
+            "lays tensors end to end)"
+        )
 
 
 def read_tensor(fd: int, entry: Entry) -> torch.Tensor:

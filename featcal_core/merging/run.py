@@ -33,9 +33,11 @@ from tqdm.auto import tqdm
 
 from featcal_core.architectures import detect
 from featcal_core.errors import FeatCalError
+from featcal_core.io.adapters import open_expert
 from featcal_core.io.checkpoint import INDEX_NAME, Checkpoint
 from featcal_core.io.outputs import check_output, guarded_directory
 from featcal_core.io.safetensors_io import DTYPES, Reader, SafetensorsFormatError, write_streaming
+from featcal_core.io.structure import check_same_structure
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.merging import get
 from featcal_core.merging.base import MergeMethod, Place, as_compute
@@ -64,9 +66,11 @@ def merge_checkpoints(
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict:
-    """Merge `experts` (task → save_pretrained dir) of `base` with `method`; write `out`.
+    """Merge `experts` (task → save_pretrained dir, or peft LoRA adapter folder over `base`:
+    featcal_core.io.adapters) of `base` with `method`; write `out`.
 
-    Every expert must hold exactly the base's tensor names with the same shapes. Floating-point
+    Every expert must have the base's structure (featcal_core.io.structure: config and tensor
+    names) and hold the base's tensors with the same shapes. Floating-point
     tensors are merged (computed in float64, stored in the base tensor's dtype); other tensors are
     copied from the base. Returns the record also written to `out`/merge.json. Raises
     FeatCalError on bad input, leaving no partial output and an existing `out` as it was.
@@ -81,7 +85,11 @@ def merge_checkpoints(
     inputs = (base, *experts.values())
     check_output(out, overwrite=overwrite, inputs=inputs)
     base_ckpt = Checkpoint(base, "base model")
-    expert_ckpts = {task: Checkpoint(path, f"expert {task!r}") for task, path in experts.items()}
+    expert_ckpts = {
+        task: open_expert(path, f"expert {task!r}", base_ckpt) for task, path in experts.items()
+    }
+    for expert in expert_ckpts.values():
+        check_same_structure(base_ckpt, expert)
     key_maps = {task: _key_map(base_ckpt, c) for task, c in expert_ckpts.items()}
     log.info(
         "merging %d experts into %s with %s %s (%d tensors)",

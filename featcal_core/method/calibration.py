@@ -226,9 +226,7 @@ class Calibration:
     def record(self, blocks: list[dict], started: float) -> dict:
         settings = asdict(self.settings)
         settings["device"] = str(self.device)
-        settings["precision"] = self.precision  # the passes' and products' dtype that ran
-        settings["precision_requested"] = self.settings.precision
-        settings["precision_reason"] = self.chosen.reason
+        settings.update(self.chosen.record())  # what ran, asked for, why, native or emulated
         settings["products_precision"] = self.products
         settings["pooled_position"] = self.arch.pooled_position
         record = _record(self.models, self.sets, self.params, blocks, settings, started)

@@ -1,7 +1,8 @@
 """The model pool of one calibration: base, merged and one expert per task, checked to agree.
 
-Opening reads only headers and config.json; `check` compares every model's architecture and the
-names and shapes of the tensors FeatCal reads (stem and blocks) against the base.
+Opening reads only headers and config.json; `check` compares every model's architecture, the
+names and shapes of the tensors FeatCal reads (stem and blocks) and its structure
+(featcal_core.io.structure: config fields, tensor names the base lacks) against the base.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ import torch
 
 from featcal_core.architectures import Architecture, detect
 from featcal_core.errors import FeatCalError
+from featcal_core.io.adapters import open_expert
 from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.io.safetensors_io import DTYPES
+from featcal_core.io.structure import check_same_structure
 
 
 @dataclass
@@ -37,7 +40,7 @@ class ModelSet:
         arch = detect(base_ckpt.config, str(base_ckpt.directory / "config.json"), pooling)
         merged_ckpt = Checkpoint(merged, "merged model")
         expert_ckpts = {
-            task: Checkpoint(path, f"expert {task!r}") for task, path in experts.items()
+            task: open_expert(path, f"expert {task!r}", base_ckpt) for task, path in experts.items()
         }
         models = cls(arch, base_ckpt, merged_ckpt, expert_ckpts, {})
         models.check()
@@ -91,6 +94,7 @@ class ModelSet:
                         f"{self.prefix(checkpoint) + name!r} has shape {list(tower[name])}, the base "
                         f"has {list(shape)}; experts and merged model must match the base's shapes"
                     )
+            check_same_structure(self.base, checkpoint)
 
     def key(self, checkpoint: Checkpoint, canonical: str) -> str:
         return self.prefix(checkpoint) + canonical

@@ -1,9 +1,11 @@
-"""Params as YAML (`dump`) and as flat MLflow params (`flatten`)."""
+"""Params as YAML (`dump`), as flat MLflow params (`flatten`), and the model folder the params
+name that holds a path (`model_folder_holding`: an exported file never lands in one)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -82,3 +84,25 @@ def flatten(params: Params) -> dict[str, str | int | float | bool]:
 
     visit("", params)
     return out
+
+
+def model_folder_holding(path: str | Path, params: Params) -> tuple[Path, str] | None:
+    """(folder, how the params name it) of the model folder the params name that holds `path`
+    (its folder resolved, the file itself not followed: a link is replaced, never written
+    through): a local base or expert, a Hub model's snapshot or folder in the Hub cache, or the
+    zoo's folder; None when no such folder holds it."""
+    place = Path(os.path.realpath(Path(path).expanduser().parent)) / Path(path).name
+    folders = []
+    if params.models is not None:
+        folders += [(folder, f"{key} ({ref.ref})") for key, ref, folder in params.models.folders()]
+    zoo = params.zoo_settings
+    if zoo is not None:
+        folders.append((zoo.path.resolve(), f"zoo.dir ({zoo.path})"))
+    for folder, named in folders:
+        if folder in place.parents:
+            snapshots = folder / "snapshots"
+            if snapshots in place.parents and place.parents[0] != snapshots:  # one snapshot
+                inner = place.relative_to(snapshots).parts[0]
+                return snapshots / inner, named
+            return folder, named
+    return None

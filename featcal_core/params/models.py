@@ -206,3 +206,24 @@ class ModelsSpec(_Section):
     def _task_names(cls, experts: dict[str, ModelRef]) -> dict[str, ModelRef]:
         _check_task_names(experts)
         return experts
+
+    def folders(self) -> list[tuple[str, ModelRef, Path]]:
+        """(key, model, folder on this machine) of the base and every expert, resolved: a local
+        model's folder (an open_clip weight file's folder), or a Hub model's folder in the Hub
+        cache (`hub_cache`, else huggingface_hub's), which holds its snapshots."""
+        cache = None
+        found = []
+        roles = [("models.base", self.base)]
+        roles += [(f"models.experts.{task}", ref) for task, ref in self.experts.items()]
+        for key, ref in roles:
+            if ref.path is not None:
+                path = ref.path.expanduser().resolve()
+                found.append((key, ref, path.parent if path.is_file() else path))
+                continue
+            if cache is None:
+                from huggingface_hub import constants
+
+                cache = Path(self.hub_cache or constants.HF_HUB_CACHE).expanduser().resolve()
+            assert ref.repo_id is not None  # a model that is not local is a Hub model
+            found.append((key, ref, cache / f"models--{ref.repo_id.replace('/', '--')}"))
+        return found

@@ -19,8 +19,10 @@ plus the evaluation table (evaluation.json) and the provenance fields of a `prov
 beside the traced path or in the results directory (git commit, MLflow run id, Prefect flow-run
 id, DVC stage). Every recorded input is verified: each weight file must still have its recorded
 sha256, each calibration set its recorded digest, the lock its lock_digest, and records that
-name the same input must agree. Mismatches are collected as problems (one per file); `check`
-turns the first into a one-line FeatCalError.
+name the same input must agree. Every file the run wrote below its results directory (records,
+metrics.json, plots/, caches) is checked against the markers the guarded writer kept
+(`outputs.record_problems`): a changed, missing or unlisted file is named. Mismatches are
+collected as problems (one per file); `check` turns the first into a one-line FeatCalError.
 
 A report directory (featcal_core.report: reports/<run name>/, beside the results) is traced
 through the results directory whose models.lock.json has the lock digest its report.md names (or
@@ -46,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from featcal_core.errors import FeatCalError
-from featcal_core.io.outputs import MARKER, read_marker, verify_file, verify_output
+from featcal_core.io.outputs import MARKER, read_marker, record_problems, verify_output
 from featcal_core.provenance.lineage_checks import (
     _RERUN,
     _check_lock,
@@ -65,7 +67,6 @@ from featcal_core.provenance.records import (
     LOCK,
     MERGE_RECORD,
     PROVENANCE,
-    SELECTION,
     SET_RECORD,
 )
 from featcal_core.provenance.text import as_dict
@@ -303,12 +304,18 @@ def trace(path: str | Path) -> dict[str, Any]:
         if wrong is not None:
             tracer.problem(directory, "changed", f"{wrong}; {_RERUN}", directory / MARKER)
 
-    # the run's own records (and the traced folder itself, e.g. a report) as featcal wrote them:
-    # each against the sha256 its folder's marker holds
-    for record in _run_records(root):
-        wrong = verify_file(record)
-        if wrong is not None:
-            tracer.problem(record, "changed", f"{wrong}; {_RECORD_RERUN}", record.parent / MARKER)
+    # everything the run wrote into its results folder (records, metrics, plot data, caches), as
+    # the markers the writer kept list it: a changed, missing or unlisted file is named; and the
+    # traced folder itself (e.g. a report)
+    if root is not None:
+        verified = [
+            entry["path"]
+            for entry in (chain["calibrated"], chain["merged"], *chain["calibration_sets"].values())
+            if isinstance(entry, dict) and entry.get("path")
+        ]
+        for path, what, marker, wrong in record_problems(root, skip=verified, digest=tracer.digest):
+            kind = "missing" if what == "missing" else "changed"
+            tracer.problem(path, kind, f"{wrong}; {_RECORD_RERUN}", marker)
     if start != target and read_marker(start) is not None:
         wrong = verify_output(start)
         if wrong is not None:
@@ -340,14 +347,6 @@ def trace(path: str | Path) -> dict[str, Any]:
 
 #: what to do when one of the run's own records was edited
 _RECORD_RERUN = "the record no longer says what the run wrote; rerun the step that writes it"
-
-
-def _run_records(root: Path | None) -> list[Path]:
-    """The records a run writes directly in its results folder (those that are there)."""
-    if root is None or read_marker(root) is None:
-        return []
-    names = (LOCK_NAME, EVALUATION_NAME, PROVENANCE_NAME, SELECTION)
-    return [root / name for name in names if (root / name).is_file()]
 
 
 def _classify(start: Path, tracer: _Tracer) -> tuple[Path, str]:

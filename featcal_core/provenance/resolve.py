@@ -34,6 +34,7 @@ from typing import Any
 from huggingface_hub import constants as hf_constants
 
 from featcal_core.errors import FeatCalError
+from featcal_core.io.adapters import open_expert
 from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.open_clip.references import OPEN_CLIP_IMPORT_ROOT, resolve_open_clip
 from featcal_core.provenance.hub import (
@@ -252,7 +253,9 @@ def check_pool(base: ResolvedModel, experts: Mapping[str, ResolvedModel]) -> str
 
     base_ckpt = Checkpoint(base.path, _label(base))
     arch = detect(base_ckpt.config, f"{_label(base)}: {base.path / 'config.json'}")
-    expert_ckpts = {task: Checkpoint(model.path, _label(model)) for task, model in experts.items()}
+    expert_ckpts = {
+        task: open_expert(model.path, _label(model), base_ckpt) for task, model in experts.items()
+    }
     # the base stands in for the merged model, which does not exist yet
     ModelSet(arch, base_ckpt, base_ckpt, expert_ckpts, {}).check()
     log.info("model pool: %s base and %d expert(s) agree", arch.name, len(expert_ckpts))

@@ -78,7 +78,12 @@ def _reference(ref: Any, kind: str, repo_id: str | None, revision: str | None, p
 
 
 def _hash_files(directory: Path, role: str) -> dict[str, str]:
-    """sha256 of config.json, the safetensors index and every weight shard (headers validated)."""
-    checkpoint = Checkpoint(directory, role)
-    paths = [directory / "config.json", *checkpoint.weight_paths()]
+    """sha256 of config.json, the safetensors index and every weight shard (headers validated);
+    of a LoRA adapter folder: adapter_model.safetensors and adapter_config.json."""
+    from featcal_core.io.adapters import expert_weight_paths, is_adapter
+
+    if is_adapter(directory):
+        paths = expert_weight_paths(directory, role)
+    else:
+        paths = [directory / "config.json", *Checkpoint(directory, role).weight_paths()]
     return {p.relative_to(directory).as_posix(): sha256_file(p) for p in paths}

@@ -17,6 +17,7 @@ import torch
 from featcal_core.data.calibration_data import CalibrationSet, load_calibration_set
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.head import Head
+from featcal_core.io.adapters import open_expert
 from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.io.outputs import check_output
 from featcal_core.method.calibration import check_tasks, resolve_device
@@ -118,7 +119,9 @@ def load_trained_inputs(
     check_output(out, overwrite=overwrite, inputs=inputs)
     device = resolve_device(settings.device)
     merged_ckpt = Checkpoint(merged, role="merged model")
-    expert_ckpts = {t: Checkpoint(p, role=f"expert {t!r}") for t, p in experts.items()}
+    expert_ckpts = {
+        t: open_expert(p, f"expert {t!r}", None, reader=method) for t, p in experts.items()
+    }
     found = task_heads(experts, heads, tokenizer_dir, method)
     return TrainedInputs(
         device=device,

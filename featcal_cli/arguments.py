@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import types
 import typing
 from collections.abc import Callable
@@ -30,7 +31,12 @@ class Command:
 
 def params_arguments(parser: argparse.ArgumentParser, default: str | None = "params.yaml") -> None:
     """--params FILE and repeated --set KEY=VALUE: the run configuration and its overrides."""
-    parser.add_argument("--params", default=default, help="the run configuration (params.yaml)")
+    parser.add_argument(
+        "--params",
+        default=default,
+        help="the run configuration: a params file (params.yaml), or the name of one that "
+        "ships with featcal (featcal params list)",
+    )
     parser.add_argument(
         "--set",
         action="append",
@@ -137,10 +143,16 @@ def hub_models(args: argparse.Namespace) -> None:
     def local(text: str, flag: str) -> str:
         if Path(text).expanduser().exists():
             return text
-        from featcal_core.params.base import _HUB_MODEL_RE
+        from featcal_core.params.base import _HUB_MODEL_RE, _LOCAL_PREFIXES
 
         if not _HUB_MODEL_RE.match(text):
-            return text
+            if text.startswith(_LOCAL_PREFIXES) or "/" not in text:
+                return text  # a local path: the command checks it, after its flags
+            raise FeatCalError(
+                f"{flag} {text!r} does not exist (looked in "
+                f"{os.path.join(os.getcwd(), os.path.expanduser(text))}) "
+                "and is not a Hub id owner/name[@revision]; fix the folder's path or the Hub id"
+            )
         from featcal_core.params import ModelRef
         from featcal_core.provenance.resolve import resolve_model
 

@@ -36,7 +36,7 @@ def add_arguments(cal: argparse.ArgumentParser) -> None:
         ["alpha", "rho", "lam", "eps", *RUN_SETTINGS],
         "featcal",
     )
-    setting_flags(cal, RunSettings, ["seed"], "run")
+    setting_flags(cal, RunSettings, ["seed", "max_shard_size"], "run")
     cal.add_argument("--spill-dir", default=None, help="keep hidden-state streams on disk here")
     cal.add_argument(
         "--heads",
@@ -88,7 +88,9 @@ def run(args: argparse.Namespace) -> int:
     featcal = featcal_from_flags(
         {name: getattr(args, name) for name in FeatCalSettings.model_fields if hasattr(args, name)}
     )
-    settings_from_flags(RunSettings, "run", {"seed": args.seed})
+    settings_from_flags(
+        RunSettings, "run", {"seed": args.seed, "max_shard_size": args.max_shard_size}
+    )
     if args.results_dir is not None:
         if args.spill_dir is not None:
             raise FeatCalError(
@@ -118,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
         spill_dir=args.spill_dir,
         overwrite=args.overwrite,
         progress=not args.no_progress,
+        max_shard_size=args.max_shard_size,
     )
     logging.getLogger("featcal").info(
         "calibrated %d blocks in %.1f s, peak RSS %.0f MB -> %s",
@@ -193,6 +196,7 @@ def _flow(args: argparse.Namespace, featcal: FeatCalSettings) -> int:
         args.dask_address,
         args.dask_workers,
         args.memory_budget,
+        args.max_shard_size,
     )
     record = calibration_flow(spec, args.out, args.overwrite)
     computed = sum(not block["restored"] for block in record["blocks"])

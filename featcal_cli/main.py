@@ -148,39 +148,77 @@ def split_verbosity(argv: list[str]) -> tuple[list[str], int]:
     return rest, count
 
 
-#: loggers that still speak at INFO when quiet: the run's steps, blocks and results
-QUIET_INFO = ("featcal", "featcal.tasks", "featcal_core.method.calibration")
+#: featcal's own loggers (and every logger below them); any other logger is a library's
+OWN_LOGGERS = ("featcal", "featcal_core", "featcal_cli")
+
+#: own loggers that still speak at INFO when quiet: the run's steps, blocks and results
+QUIET_INFO = ("featcal", "featcal_cli", "featcal.tasks", "featcal_core.method.calibration")
 
 
-#: libraries whose loggers are quiet unless -v: (logger, the env switch it reads when imported)
-LIBRARY_LOGGERS = (
-    ("httpx", None),
-    ("urllib3", None),
+#: libraries that set their own level (and handler) when imported, from an environment switch:
+#: (logger, the switch it reads); the user's own setting of a switch wins
+#: the logger of MLflow's SQL store (see configure_logging)
+MLFLOW_STORE_LOGGER = "mlflow.store.db.utils"
+LIBRARY_SWITCHES = (
     ("datasets", "DATASETS_VERBOSITY"),
     ("transformers", "TRANSFORMERS_VERBOSITY"),
     ("huggingface_hub", "HF_HUB_VERBOSITY"),
     ("mlflow", "MLFLOW_LOGGING_LEVEL"),
-    ("alembic", None),
 )
 
 
+def own_logger(name: str) -> bool:
+    """Whether the logger `name` is featcal's own (OWN_LOGGERS or below one), not a library's."""
+    return any(name == own or name.startswith(own + ".") for own in OWN_LOGGERS)
+
+
+class LibraryThreshold(logging.Filter):
+    """The filter on featcal's console handler (the root logger's): featcal's own records pass
+    by their loggers' levels; every other logger's (a library's, present or imported later,
+    whatever level it set on its own logger: httpx2's request lines, MLflow's, alembic's) only
+    from `level` up. flows.progress carries it over to the handler that prints above the bar."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= self.level or own_logger(record.name)
+
+
 def configure_logging(verbosity: int) -> None:
-    """Quiet by default: featcal's step, block and result lines at INFO, its other modules from
-    WARNING, the libraries from ERROR (their warnings, e.g. datasets' "using the latest cached
-    version" per offline load, and HTTP logs only with -v), their progress bars off; -v:
-    everything at INFO, libraries from WARNING, with bars; -vv: DEBUG. datasets, transformers
-    and huggingface_hub set their own level when imported: their *_VERBOSITY switches carry it
-    (the user's own setting wins). datasets' records print once (through its own handler)."""
-    level = logging.DEBUG if verbosity > 1 else logging.INFO
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger().setLevel(level)  # also when something configured the root before
-    logging.getLogger("featcal_core").setLevel(logging.NOTSET)
+    """Quiet by default, by level: featcal's step, block and result lines at INFO (QUIET_INFO),
+    its other modules from WARNING, every other logger (any library, present or imported
+    later) from WARNING: the root logger's level and the console's LibraryThreshold, so no
+    library's INFO lines (httpx2's HTTP requests) without -v; the libraries' progress bars off.
+    -v: everything at INFO, with bars; -vv: DEBUG. Libraries that set their own level and
+    handler when imported (LIBRARY_SWITCHES: datasets, transformers, huggingface_hub, MLflow)
+    get it through their switches: ERROR when quiet (e.g. datasets' "using the latest cached
+    version" per offline load), WARNING with -v (the user's own setting wins). datasets' records
+    print once (through its own handler)."""
+    level = {0: logging.WARNING, 1: logging.INFO}.get(verbosity, logging.DEBUG)
+    root = logging.getLogger()
+    if not root.handlers:  # as logging.basicConfig, when nothing configured the root before
+        # (a plain StreamHandler: Prefect keeps a user's root handler when it configures logging)
+        console = logging.StreamHandler()
+        console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        console.addFilter(LibraryThreshold(level))
+        root.addHandler(console)
+    for handler in root.handlers:
+        for threshold in handler.filters:
+            if isinstance(threshold, LibraryThreshold):
+                threshold.level = level
+    root.setLevel(level)  # also when something configured the root before
+    for name in (*OWN_LOGGERS, *QUIET_INFO):
+        logging.getLogger(name).setLevel(logging.NOTSET)  # from the root: -v, -vv
     library = {0: logging.ERROR, 1: logging.WARNING}.get(verbosity, logging.DEBUG)
-    for name, switch in LIBRARY_LOGGERS:
+    for name, switch in LIBRARY_SWITCHES:
         logging.getLogger(name).setLevel(library)
-        if switch is not None:
-            os.environ.setdefault(switch, logging.getLevelName(library).lower())
+        os.environ.setdefault(switch, logging.getLevelName(library).lower())
     logging.getLogger("datasets").propagate = False  # it has its own handler: not twice
+    # MLflow's SQL store logs each failed statement at ERROR with its traceback; featcal
+    # reports the failure in one line (tracking_store_failure): the traceback is -v's
+    logging.getLogger(MLFLOW_STORE_LOGGER).setLevel(logging.CRITICAL if verbosity == 0 else level)
     if verbosity == 0:
         logging.getLogger("featcal_core").setLevel(logging.WARNING)
         for name in QUIET_INFO:
@@ -202,6 +240,20 @@ def _library_bars_off() -> None:
     ):
         if module.split(".")[0] in sys.modules:
             getattr(importlib.import_module(module), function)()
+
+
+def installed_params(args: argparse.Namespace) -> None:
+    """--params NAME (no .yaml, no folder) that is no file: the params file of that name that
+    ships with featcal (`featcal params list`; featcal_core.params.installed), replaced by its
+    path in place, so that every step and flow reads that file from any working directory."""
+    if not isinstance(getattr(args, "params", None), str):
+        return
+    from featcal_core.params.installed import resolve_params
+
+    path = resolve_params(args.params)
+    if str(path) != args.params:
+        logging.getLogger("featcal").info("--params %s: the installed %s", args.params, path)
+        args.params = str(path)
 
 
 @contextlib.contextmanager
@@ -228,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _sigterm_exits():
             hub_models(args)  # Hub ids wherever a model folder is taken
+            installed_params(args)  # --params NAME: a params file that ships with featcal
             return commands()[args.command].run(args)
     except FeatCalError as exc:
         print(f"featcal: error: {exc}", file=sys.stderr)
@@ -240,6 +293,33 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
+    except Exception as exc:
+        failure = tracking_store_failure(exc)
+        if failure is None:
+            raise
+        print(
+            f"featcal: error: the MLflow tracking store failed ({failure}); free space on its "
+            "filesystem, or point tracking.uri (MLFLOW_TRACKING_URI) at another store",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+
+
+def tracking_store_failure(exc: BaseException) -> str | None:
+    """One line of what failed when `exc` (or an exception it came from) was raised by the
+    tracking store's database layer (SQLAlchemy, MLflow's store): the innermost message, e.g.
+    "sqlite3.OperationalError: database or disk is full"; None for any other exception."""
+    chain, seen = [], set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    if not any(type(e).__module__.split(".")[0] in ("sqlalchemy", "mlflow") for e in chain):
+        return None
+    inner = chain[-1]
+    text = " ".join(str(inner).split())[:300]
+    return f"{type(inner).__module__}.{type(inner).__name__}: {text}"
 
 
 if __name__ == "__main__":

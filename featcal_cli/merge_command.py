@@ -1,7 +1,7 @@
 """`featcal merge`: merge fine-tuned experts of one base model into a single checkpoint.
 
 Usage: featcal merge --base DIR --expert TASK=DIR [--expert ...] --method METHOD [--scale S]
-[--top-k K] [--hp KEY=VALUE ...] --out DIR [--overwrite] [--no-progress]
+[--top-k K] [--hp KEY=VALUE ...] --out DIR [--max-shard-size SIZE] [--overwrite] [--no-progress]
        featcal merge --params params.yaml [--set KEY=VALUE ...]   (the pipeline's merge step)
 
 `--hp` takes any hyperparameter the chosen method declares (its `defaults`), so a method added to
@@ -16,7 +16,14 @@ import logging
 
 import yaml
 
-from featcal_cli.arguments import Command, number, pairs, refuse_with_params, task_path
+from featcal_cli.arguments import (
+    Command,
+    number,
+    pairs,
+    refuse_with_params,
+    setting_flags,
+    task_path,
+)
 from featcal_cli.step_runner import run_step
 from featcal_core.errors import FeatCalError
 
@@ -51,6 +58,8 @@ def _hyperparameter(value: str) -> tuple[str, object, str]:
 
 
 def add_arguments(merge: argparse.ArgumentParser) -> None:
+    from featcal_core.params import RunSettings
+
     merge.add_argument("--base", help="base (pre-trained) model directory")
     merge.add_argument(
         "--expert",
@@ -85,6 +94,7 @@ def add_arguments(merge: argparse.ArgumentParser) -> None:
         "--hp top_k=30 (checked by the method; unknown keys are refused)",
     )
     merge.add_argument("--out", help="output directory (save_pretrained layout)")
+    setting_flags(merge, RunSettings, ["max_shard_size"], "run")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     merge.add_argument("--no-progress", action="store_true", help="no progress bar")
     merge.add_argument("--params", help="run the pipeline's merge step from this params.yaml")
@@ -107,7 +117,9 @@ def run(args: argparse.Namespace) -> int:
     if missing:
         raise FeatCalError(f"featcal merge needs {', '.join(missing)} (or --params FILE)")
     from featcal_core.merging.run import merge_checkpoints
+    from featcal_core.params import RunSettings, settings_from_flags
 
+    settings_from_flags(RunSettings, "run", {"max_shard_size": args.max_shard_size})
     hyperparameters = _hyperparameters(args)
     record = merge_checkpoints(
         base=args.base,
@@ -117,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         hyperparameters=hyperparameters,
         overwrite=args.overwrite,
         progress=not args.no_progress,
+        max_shard_size=args.max_shard_size,
     )
     logging.getLogger("featcal").info(
         "merged %d experts with %s %s in %.1f s, peak RSS %.0f MB -> %s",

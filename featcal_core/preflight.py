@@ -207,7 +207,7 @@ def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: l
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     from featcal_core.provenance.hub import _offline
-    from featcal_core.provenance.resolve import _conversion_revision
+    from featcal_core.provenance.resolve import _conversion_revision, conversion_fix
 
     repo_id, revision = ref.repo_id, ref.revision
     where = f"Hub model {ref.ref!r}"
@@ -228,7 +228,18 @@ def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: l
         _hub_failure(exc, role, ref, offline, "the Hub did not answer", problems, notes)
         return None
     if revision is None and not any(name.endswith(".safetensors") for name in files):
-        converted = _conversion_revision(repo_id, cache_dir, offline)
+        failures: list[str] = []
+        converted = _conversion_revision(repo_id, cache_dir, offline, failures)
+        if converted is None and failures:  # the Hub did not list its pull requests
+            problems.append(
+                (
+                    role,
+                    f"{where} has no safetensors weights on its default branch and the look-up "
+                    f"of its safetensors conversion failed ({failures[0]}); "
+                    f"{conversion_fix(repo_id)}",
+                )
+            )
+            return None
         if converted is not None:
             revision = converted[0]
             notes.append(

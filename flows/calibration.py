@@ -28,6 +28,7 @@ from featcal_core.errors import FeatCalError
 from featcal_core.io.outputs import check_output, guarded_directory, prepare_root, sweep_tree
 from featcal_core.io.run_lock import run_lock
 from featcal_core.io.safetensors_io import read_header
+from featcal_core.io.shard_size import parse_shard_size
 from featcal_core.method.calibration import RECORD_NAME, calibration_inputs, check_tasks
 from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.settings import Settings
@@ -48,12 +49,15 @@ def make_spec(
     dask_address: str | None = None,
     dask_workers: int = 2,
     memory_budget: float | None = None,
+    max_shard_size: int | str | None = None,
 ) -> dict:
     """A JSON-able description of one calibration (what the tasks receive). The runner settings
     change only where the per-task statistics run, and the memory budget (GiB; None: half the
     available RAM) only whether they are folded in memory or through files: never the result
-    (neither is in any cache key)."""
+    (neither is in any cache key); `max_shard_size` only how the calibrated model's weights are
+    split into files (featcal_core.io.shards; None: its default)."""
     check_tasks(experts, calib)
+    parse_shard_size(max_shard_size)
     if runner not in RUNNERS:
         raise FeatCalError(f"runner {runner!r} is not one of {', '.join(RUNNERS)}")
     if dask_address is not None and runner != "dask":
@@ -70,6 +74,7 @@ def make_spec(
         "settings": asdict(settings),
         "runner": {"kind": runner, "address": dask_address, "workers": dask_workers},
         "memory_budget_gib": memory_budget,
+        "max_shard_size": max_shard_size,
     }
 
 
@@ -209,7 +214,7 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
             replaced.update(dict.fromkeys(read_header(block_file)[0], block_file))
             previous = path
         with guarded_directory(out_path, overwrite=overwrite, inputs=inputs) as tmp:
-            cal.export(replaced, tmp)
+            cal.export(replaced, tmp, spec.get("max_shard_size"))
             record = cal.record(blocks, started)
             record["results_dir"] = str(results_dir)
             record["inputs_digest"] = digest

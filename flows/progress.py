@@ -12,6 +12,7 @@ pipe, a log file or CI); log lines print above it (`logging_redirect_tqdm`).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator, Sequence
 from typing import IO
 
@@ -63,11 +64,27 @@ def run_progress(
     display = RunProgress(steps, file=file, enabled=enabled)
     previous, _current = _current, display
     try:
-        with logging_redirect_tqdm():
+        with _log_above_the_bar():
             yield display
     finally:
         _current = previous
         display.close()
+
+
+@contextlib.contextmanager
+def _log_above_the_bar() -> Iterator[None]:
+    """tqdm's `logging_redirect_tqdm`, whose handler takes the root's console handler's place,
+    with that handler's filters (the CLI's LibraryThreshold: libraries' INFO lines stay out)."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    with logging_redirect_tqdm():
+        replaced = [handler for handler in before if handler not in root.handlers]
+        for handler in root.handlers:
+            if handler not in before:
+                for source in replaced:
+                    for kept in source.filters:
+                        handler.addFilter(kept)
+        yield
 
 
 def block_done(index: int, total: int) -> None:

@@ -261,6 +261,7 @@ class Steps:
             str(self.paths["merged"]),
             merge.method,
             dict(merge.hyperparameters),
+            self.params.run.max_shard_size,
         )
 
     def check_heads(self) -> None:
@@ -299,6 +300,7 @@ class Steps:
             featcal.dask_address,
             featcal.dask_workers,
             featcal.memory_budget,
+            self.params.run.max_shard_size,
         )
 
     @property
@@ -476,15 +478,21 @@ class Steps:
         return found
 
     def evaluate(self) -> dict:
-        """evaluation.json and metrics.json (its average row); then the calibrated checkpoint's model card again, now with the
-        results (model-index, results table) and its refit heads. The guarded writer records the
-        card's new sha256 in the folder's marker, so the checkpoint still verifies. Not as a DVC
-        stage (DVC_STAGE set): the calibrated folder is the calibrate stage's output, and
-        rewriting it there would make every `dvc repro` run again."""
+        """evaluation.json, metrics.json (the headline figures) and metrics_per_task.json (their
+        per-task values), both from featcal_core.report.figures; then the calibrated checkpoint's
+        model card again, now with the results (model-index, results table, headline) and its
+        refit heads. The guarded writer records the card's new sha256 in the folder's marker, so
+        the checkpoint still verifies. Not as a DVC stage (DVC_STAGE set): the calibrated folder
+        is the calibrate stage's output, and rewriting it there would make every `dvc repro` run
+        again."""
         from featcal.tasks.evaluate import evaluate_models
         from featcal_core.provenance.lineage import trace
         from featcal_core.provenance.model_card import model_card_fields, write_model_card
-        from featcal_core.report.tables import headline
+        from featcal_core.report.figures import (
+            headline_metrics,
+            per_task_metrics,
+            summary_figures,
+        )
 
         self._require_selection()
         base, experts = self.models()
@@ -500,7 +508,9 @@ class Steps:
             self.surgeries(),
         )
         write_json(self.paths["evaluation"], table)
-        write_json(self.paths["metrics"], headline(table))  # the headline of `dvc metrics`
+        figures = summary_figures(table)  # what `dvc metrics show` lists
+        write_json(self.paths["metrics"], headline_metrics(figures))
+        write_json(self.paths["metrics_per_task"], per_task_metrics(figures))
         calibrated = self.paths["calibrated"]
         if self.repair.blockwise and (calibrated / FEATCAL_RECORD).is_file():
             if in_dvc_stage():

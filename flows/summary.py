@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from featcal_core.report import gap_closed
+from featcal_core.report.figures import Figure, headline_lines, summary_figures
 from featcal_core.report.tables import cut_rows, evaluated_rows
 
 #: columns in display order: (evaluation row name, header)
@@ -23,31 +23,48 @@ def _pct(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.1f}"
 
 
+def _gap(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f} %"
+
+
 def accuracy_table(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
     """Accuracy (%) per task of the expert, merged and calibrated models (and the calibrated model
     with refit heads when present), normalized accuracy (÷ expert) of the calibrated ones, and
-    the share of the merged→expert gap closed; then the average over tasks."""
-    present = [
-        (key, head) for key, head in COLUMNS if any(key in row for row in evaluation.values())
-    ]
+    the share of the merged→expert gap closed; then the average over tasks; then the headline
+    (`headline_lines`, the lines the report, the model card, metrics.json and MLflow share)."""
+    figures = summary_figures(evaluation)
+    present = [(key, head) for key, head in COLUMNS if key in figures.rows]
     normalized = [key for key, _ in present if key not in ("expert", "merged")]
     headers = (
         ["task"] + [h for _, h in present] + [f"norm {h}" for k, h in present if k in normalized]
     )
     headers += [f"gap closed {h}" for k, h in present if k in normalized]
-    rows, sums = [], {key: [] for key, _ in present}
-    for task, models in evaluation.items():
-        acc = {key: (models.get(key) or {}).get("accuracy") for key, _ in present}
-        for key in acc:
-            sums[key].append(acc[key])
-        rows.append(_cells(task, acc, present, normalized))
+    rows = []
+    for task in figures.tasks:
+        values = figures.per_task.get(task, {})
+        rows.append(
+            [task]
+            + [_pct((values.get(key) or {}).get("accuracy")) for key, _ in present]
+            + [_pct((values.get(key) or {}).get("normalized")) for key in normalized]
+            + [_gap((values.get(key) or {}).get("gap_closed")) for key in normalized]
+        )
     if rows:
-        mean = {k: (sum(v) / len(v) if v and None not in v else None) for k, v in sums.items()}
-        rows.append(_cells("average", mean, present, normalized))
+        rows.append(
+            ["average"]
+            + [_pct(_value(figures.accuracy, key)) for key, _ in present]
+            + [_pct(_value(figures.normalized, key)) for key in normalized]
+            + [_gap(_value(figures.gap_closed, key)) for key in normalized]
+        )
     counted = evaluated_rows(evaluation)  # the rows behind the numbers (max_examples_per_task)
     where = f"the evaluation split ({counted})" if counted else "the evaluation split"
     where = cut_rows(evaluation) or where
-    return f"accuracy (%) on {where}\n" + plain_table(headers, rows)
+    text = f"accuracy (%) on {where}\n" + plain_table(headers, rows)
+    headline = headline_lines(figures)
+    return text + ("\n\n" + "\n".join(headline) if headline else "")
+
+
+def _value(found: Mapping[str, Figure], key: str) -> float | None:
+    return found[key].value if key in found else None
 
 
 def plain_table(headers: list[str], rows: list[list[str]], left: int = 1) -> str:
@@ -70,18 +87,6 @@ def selection_summary(record: Mapping[str, Any]) -> str:
     headers, rows = selection_table(record)
     text = "\n".join(selection_lines(record))
     return text + ("\n" + plain_table(headers, rows, left=4) if rows else "")
-
-
-def _cells(label, acc, present, normalized) -> list[str]:
-    expert, merged = acc.get("expert"), acc.get("merged")
-    cells = [str(label)] + [_pct(acc[key]) for key, _ in present]
-    for key in normalized:
-        value = acc[key] / expert if acc[key] is not None and expert else None
-        cells.append(_pct(value))
-    for key in normalized:
-        gap = gap_closed(merged, acc[key], expert)
-        cells.append("—" if gap is None else f"{gap:.0f} %")
-    return cells
 
 
 def run_summary(summary: Mapping[str, Any]) -> str:

@@ -31,7 +31,7 @@ from prefect.cache_policies import NO_CACHE
 from featcal_core.data.source import as_data_source
 from featcal_core.data.source_rows import dataset_commit, open_source
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation.accuracy import evaluate_linears, normalized_accuracy
+from featcal_core.evaluation.accuracy import evaluate_linears
 from featcal_core.evaluation.expert_head import ExpertHead
 from featcal_core.evaluation.input_batches import InputBatches
 from featcal_core.evaluation.language_model import (
@@ -46,6 +46,7 @@ from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.io.outputs import guarded_directory, verify_output
 from featcal_core.precision import Precision, resolve_forwards
 from featcal_core.provenance.records import LOCK
+from featcal_core.report.figures import task_normalized
 
 log = logging.getLogger(__name__)
 
@@ -277,14 +278,12 @@ def evaluate_models(
 
 
 def _normalize(task_name: str, row: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-    """Add normalized accuracy (÷ the expert's) to every model's result; log the row."""
+    """Add normalized accuracy (÷ the expert's; featcal_core.report.figures.task_normalized) to
+    every model's result, null where the expert scores 0 (no reference: the summary figures leave
+    the task out of the normalized average); log the row."""
     expert_accuracy = row["expert"]["accuracy"]
     for result in row.values():
-        result["normalized"] = (
-            normalized_accuracy(result["accuracy"], expert_accuracy)
-            if expert_accuracy > 0
-            else float("nan")
-        )
+        result["normalized"] = task_normalized(result["accuracy"], expert_accuracy)
     log.info(
         "evaluate %s: %s",
         task_name,

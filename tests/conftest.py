@@ -122,10 +122,11 @@ def pytest_unconfigure(config):
         shutil.rmtree(home, ignore_errors=True)
 
 
-#: files whose tests share no module fixture and each run long: pytest-xdist may send their tests
-#: to different workers. Every other file's tests stay together on one worker (`--dist loadgroup`),
-#: so its module fixtures are built once.
-SPREAD = {"test_pipeline.py", "test_serve.py", "test_demo.py"}
+#: files whose tests share no costly module fixture and each run long: pytest-xdist may send their
+#: tests to different workers (test_zoo's three zoo builds, say; its toy images, made in about a
+#: second, are then made once on each worker that runs one of its tests). Every other file's tests
+#: stay together on one worker (`--dist loadgroup`), so its module fixtures are built once.
+SPREAD = {"test_pipeline.py", "test_serve.py", "test_demo.py", "test_zoo.py"}
 
 #: the longest subprocess tests (whole `featcal` flows, `dvc repro`), split by hand into two lanes
 #: of similar length (test_resume's tests share their module fixture):

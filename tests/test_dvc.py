@@ -15,6 +15,7 @@ import pytest
 import yaml
 from test_pipeline import write_params
 
+from featcal_cli.main import main
 from featcal_core.params import load_params
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,7 +45,7 @@ def _sh(args: list[str], cwd: Path, env: dict[str, str], stdout_only: bool = Fal
     return proc.stdout if stdout_only else proc.stdout + proc.stderr
 
 
-def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api):
+def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api, monkeypatch):
     repo = tmp_path / "repo"
     repo.mkdir()
     env = _env(tmp_path, prefect_api)
@@ -53,8 +54,10 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api):
     params["run"].update(name="dvc-test", results_dir="data/results")
     params["tracking"] = {"enabled": False}
     draft.write_text(yaml.safe_dump(params))
-    # every section, defaults filled: what dvc.yaml's stages read
-    _sh(["featcal", "params", "export", "--params", str(draft)], repo, env)
+    # every section, defaults filled: what dvc.yaml's stages read (`featcal params export` in
+    # the repository, run in this process: the stages below start `featcal` many times)
+    monkeypatch.chdir(repo)
+    assert main(["params", "export", "--params", str(draft)]) == 0
     assert load_params(repo / "params.yaml") == load_params(draft)
     shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
     _sh(["git", "init", "-q"], repo, env)
@@ -148,13 +151,16 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api):
     assert found, shown
     data = found[0]["data"]
     assert data["params"]["params.yaml"]["data"]["featcal"]["alpha"] == 0.5
-    metrics = data["metrics"]["data/results/evaluation.json"]["data"]
+    metrics = data["metrics"]["data/results/metrics_per_task.json"]["data"]
     assert 0.0 <= metrics["alpha"]["calibrated"]["accuracy"] <= 1.0
-    headline = data["metrics"]["data/results/metrics.json"]["data"]  # the report's average row
+    headline = data["metrics"]["data/results/metrics.json"]["data"]  # the headline figures
     tasks = metrics.values()
     mean = sum(row["calibrated"]["accuracy"] for row in tasks) / len(tasks)
     assert headline["accuracy_mean/calibrated"] == pytest.approx(mean)
-    assert headline["tasks"] == 2
+    normalized = sum(row["calibrated"]["normalized"] for row in tasks) / len(tasks)
+    assert headline["normalized_mean/calibrated"] == pytest.approx(normalized)
+    assert headline["tasks"] == 2 and headline["normalized_mean_tasks/calibrated"] == 2
+    assert "data/results/evaluation.json" not in data["metrics"]  # an out, not a metric
 
 
 STAGES = (

@@ -1,8 +1,8 @@
-"""Fault injection: the guarantees of docs/reliability.md, one test (or more) per case of the
-reliability issue (the solver fallbacks of case 8 are in test_fallbacks.py, the served API's token
-of case 11 in test_serve.py, the row-level hygiene checks in test_calibration_hygiene.py). Whole `featcal run`s use the tests' shared Prefect server; the kills are real
-SIGKILLs at named places (featcal_core.io.failpoints), the runs real Prefect flows, MLflow stores and
-safetensors checkpoints."""
+"""Fault injection: the guarantees of docs/reliability.md, each proved by one test or more (the
+solver fallbacks are proved in test_fallbacks.py, the served API's token in test_serve.py, the
+row-level hygiene checks in test_calibration_hygiene.py). Whole `featcal run`s use the tests'
+shared Prefect server; the kills are real SIGKILLs at named places (featcal_core.io.failpoints),
+the runs real Prefect flows, MLflow stores and safetensors checkpoints."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def _fresh(project, tmp_path: Path, **changes) -> Path:
     return path
 
 
-# ------------------------------------------------ SIGKILL at each step, then a clean rerun (9)
+# --------------------------------------------------- SIGKILL at each step, then a clean rerun
 
 
 def test_sigkill_at_every_step_then_rerun_is_bitwise_identical(
@@ -158,7 +158,7 @@ def test_sigkill_at_every_step_then_rerun_is_bitwise_identical(
     assert (reports / "e2e" / "report.md").is_file()
 
 
-# ------------------------------------------------------------- two runs on one folder (5)
+# --------------------------------------------------------------------- two runs on one folder
 
 
 def test_second_run_stops_before_writing_and_the_first_is_unchanged(
@@ -173,12 +173,13 @@ def test_second_run_stops_before_writing_and_the_first_is_unchanged(
     )
     lock = tmp_path / "results" / ".featcal.lock"
     deadline = time.monotonic() + 300
-    while not (tmp_path / "results" / "calibration_sets" / "beta").is_dir():
-        assert first.poll() is None, first.communicate()[1][-3000:]
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
-    time.sleep(2)  # the first run is now paused before renaming merged/ into place
     try:
+        # the failpoint creates release.waiting once the first run is paused there, before
+        # renaming merged/ into place
+        while not release.with_name(f"{release.name}.waiting").exists():
+            assert first.poll() is None, first.communicate()[1][-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         before = _stat_tree(tmp_path / "results")
         for second_params in (params, other):
             proc = _run(tmp_path, second_params, prefect_api)
@@ -240,7 +241,7 @@ def test_sigterm_stops_the_run_removes_its_temporaries_and_prefects_server(proje
         while not any(TEMP_TAG in p.name and "merged" in p.name for p in results.glob(".*")):
             assert run.poll() is None, run.communicate()[1][-3000:]
             assert time.monotonic() < deadline, "the run never reached the merge"
-            time.sleep(0.5)
+            time.sleep(0.05)
         servers = [p for p, cmdline in _children(run.pid).items() if "uvicorn" in cmdline]
         assert servers, "no temporary Prefect server under the run"
         run.terminate()
@@ -255,7 +256,7 @@ def test_sigterm_stops_the_run_removes_its_temporaries_and_prefects_server(proje
         pass
     deadline = time.monotonic() + 30
     while any(_alive(pid) for pid in servers) and time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(0.1)
     assert not [pid for pid in servers if _alive(pid)], "the Prefect server was left running"
 
 
@@ -279,7 +280,7 @@ def test_run_lock_names_its_holder_and_a_dead_holder_is_taken_over(tmp_path):
             assert json.loads((tmp_path / ".featcal.lock").read_text())["pid"] == os.getpid()
 
 
-# ------------------------------------------------------- corrupted and deleted artifacts (4)
+# ------------------------------------------------------------ corrupted and deleted artifacts
 
 
 def test_corrupt_or_deleted_merged_checkpoint_is_merged_again(
@@ -287,7 +288,10 @@ def test_corrupt_or_deleted_merged_checkpoint_is_merged_again(
 ):
     params = _fresh(project, tmp_path)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'mlflow.db'}")  # in-process
-    assert _run(tmp_path, params, prefect_api).returncode == 0
+    # a complete run's results and report: the reference run's, copied (a run of these params)
+    root, _ = project
+    shutil.copytree(root / "results", tmp_path / "results", symlinks=True)
+    shutil.copytree(root / "reports", tmp_path / "reports", symlinks=True)
     weights = tmp_path / "results" / "merged" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-100] ^= 0xFF  # a flipped byte in a tensor
@@ -327,7 +331,7 @@ def test_corrupt_or_deleted_merged_checkpoint_is_merged_again(
         damaged.write_bytes(original)
 
 
-# ---------------------------------------------------------------------- dangerous paths (1-3)
+# ---------------------------------------------------------------------------- dangerous paths
 
 
 @pytest.fixture
@@ -463,7 +467,7 @@ def test_a_swap_cut_between_its_renames_restores_the_old_output(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["calibrated"]
 
 
-# ------------------------------------------------------------------------- bad values (6)
+# --------------------------------------------------------------------------------- bad values
 
 
 @pytest.mark.parametrize(
@@ -528,7 +532,7 @@ def test_calibrating_on_a_copy_of_the_test_split_is_refused(project, tmp_path, c
     assert not (tmp_path / "results" / "calibration_sets" / "alpha").exists()
 
 
-# -------------------------------------------------------------- failures are one line (10)
+# ---------------------------------------------------------------------- failures are one line
 
 
 def _mount_tmpfs(path: Path, options: str) -> bool:
@@ -655,9 +659,9 @@ _refused = factories.cli_fails
 
 
 def test_a_users_folder_with_the_layouts_names_is_refused_whole(project, zoo, tmp_path, capsys):
-    """Case 1 and 3c: a folder holding only entries named like the results layout (plots/,
-    calibration/work/, work/) is the user's: every command refuses it before writing a byte (no
-    marker, no lock added); the calibration flow's --results-dir too, before Prefect starts."""
+    """A folder holding only entries named like the results layout (plots/, calibration/work/,
+    work/) is the user's: every command refuses it before writing a byte (no marker, no lock
+    added); the calibration flow's --results-dir too, before Prefect starts."""
     mine = tmp_path / "mine"
     for name, text in (
         ("plots/accuracy.csv", "task,mine\n"),
@@ -691,8 +695,8 @@ def test_a_users_folder_with_the_layouts_names_is_refused_whole(project, zoo, tm
 def test_symlinks_in_a_results_folder_are_never_written_through(
     project, reference, tmp_path, capsys, monkeypatch
 ):
-    """Cases 2 and 3: results/plots replaced by a link to the user's folder, and the run lock by
-    a link to a user's file: the rerun refuses in one line and the user's files are unchanged."""
+    """results/plots replaced by a link to the user's folder, and the run lock by a link to a
+    user's file: the rerun refuses in one line and the user's files are unchanged."""
     params = _copy_run(project, reference, tmp_path, monkeypatch)
     results, user = tmp_path / "results", tmp_path / "user"
     (user / "plots").mkdir(parents=True)
@@ -718,8 +722,8 @@ def test_symlinks_in_a_results_folder_are_never_written_through(
 def test_edited_records_are_named_by_lineage_and_refused_by_report(
     project, reference, tmp_path, capsys, monkeypatch
 ):
-    """Case 4: an accuracy edited in evaluation.json, or a number in report.md: `featcal lineage`
-    names the file that changed (exit 2); `featcal report` refuses the edited evaluation."""
+    """An accuracy edited in evaluation.json, or a number in report.md: `featcal lineage` names
+    the file that changed (exit 2); `featcal report` refuses the edited evaluation."""
     params = _copy_run(project, reference, tmp_path, monkeypatch)
     results, report = tmp_path / "results", tmp_path / "reports" / "e2e"
     capsys.readouterr()
@@ -741,9 +745,9 @@ def test_edited_records_are_named_by_lineage_and_refused_by_report(
 
 
 def test_code_digests_out_is_checked(zoo, tmp_path, capsys, monkeypatch):
-    """Case 3b: `featcal code-digests --out` never writes into /, the home folder, a model folder
-    featcal wrote (an input) or a user's folder (its merge.sha256 kept); a new folder works,
-    and again."""
+    """`featcal code-digests --out` never writes into /, the home folder, a model folder featcal
+    wrote (an input) or a user's folder (its merge.sha256 kept); a new folder works, and
+    again."""
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     (tmp_path / "home").mkdir()
     user = tmp_path / "user"
@@ -769,7 +773,7 @@ def test_code_digests_out_is_checked(zoo, tmp_path, capsys, monkeypatch):
 
 
 def test_spill_dir_inside_an_input_is_refused(zoo, tmp_path, capsys):
-    """Case 3c: `calibrate --spill-dir` inside an expert folder is refused before any work."""
+    """`calibrate --spill-dir` inside an expert folder is refused before any work."""
     expert = zoo.experts["alpha"]
     before = _tree(expert)
     args = zoo.cli_args(tmp_path / "calibrated") + ["--spill-dir", str(expert / "spill")]
@@ -778,7 +782,7 @@ def test_spill_dir_inside_an_input_is_refused(zoo, tmp_path, capsys):
 
 
 def test_a_full_disk_at_the_run_lock_is_one_line(project, tmp_path, capsys):
-    """Case 7c: the lock file cannot be written (disk full): one line naming it, no traceback."""
+    """The lock file cannot be written (disk full): one line naming it, no traceback."""
     from featcal_core.io.outputs import prepare_root
 
     mount = tmp_path / "disk"

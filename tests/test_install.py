@@ -32,6 +32,7 @@ SOURCES = [
     "flows",
     "tasks",
     "tracking",
+    "params",
 ]
 
 
@@ -121,6 +122,10 @@ def test_installed_featcal_runs_from_a_user_folder(tmp_path):
     assert (site / "featcal" / "flows" / "pipeline.py").is_file()
     assert (site / "featcal" / "flows" / "params_example.yaml").is_file()
     assert (site / "featcal_core" / "evaluation" / "prompt_sets.yaml").is_file()
+    shipped = site / "featcal_core" / "params" / "files"  # the repository's params/ folder
+    assert sorted(p.name for p in shipped.glob("*.yaml")) == sorted(
+        p.name for p in (ROOT / "params").glob("*.yaml")
+    )
     assert not any((site / top).exists() for top in ("flows", "tasks", "tracking"))
     installed = {top: f"featcal/{top}" for top in ("flows", "tasks", "tracking")}
     for init in [p for name in SOURCES[2:] for p in (ROOT / name).rglob("__init__.py")]:
@@ -163,3 +168,43 @@ def test_installed_featcal_runs_from_a_user_folder(tmp_path):
     installed_after = sorted(p.relative_to(site) for p in site.rglob("*") if p.is_file())
     new = {p for p in set(installed_after) - set(installed_before) if p.suffix != ".pyc"}
     assert not new, new  # nothing written into the installed package
+
+    # the shipped params files, named from an empty folder (offline: the Hub models of the
+    # paper's setting are not cached, so check reports them; the file itself is found)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    offline = {**env, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hf")}
+    listed = subprocess.run(
+        ["featcal", "params", "list"], env=offline, cwd=empty, capture_output=True, text=True
+    )
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    assert "paper-clip-vit-b32    featcal run --params paper-clip-vit-b32" in listed.stdout
+    shown = subprocess.run(
+        ["featcal", "params", "show", "paper-clip-vit-b32"],
+        env=offline,
+        cwd=empty,
+        capture_output=True,
+        text=True,
+    )
+    assert shown.stdout == (shipped / "paper-clip-vit-b32.yaml").read_text()
+    checked = subprocess.run(
+        ["featcal", "check", "--params", "paper-clip-vit-b32"],
+        env=offline,
+        cwd=empty,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert str(shipped / "paper-clip-vit-b32.yaml") in checked.stderr, checked.stderr[-3000:]
+    assert "file not found" not in checked.stderr
+    assert "models.base: Hub model 'openai/clip-vit-base-patch32'" in checked.stderr
+    missing = subprocess.run(
+        ["featcal", "check", "--params", "mine"],
+        env=offline,
+        cwd=empty,
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 2 and "featcal params list" in missing.stderr, missing.stderr
+    assert "flows/params_example.yaml" not in missing.stderr
+    assert sorted(p.name for p in empty.iterdir()) == []  # nothing written into the folder

@@ -19,6 +19,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import factories
+from featcal_cli.main import main
 from featcal_core.data.synthetic import WORDS
 
 
@@ -62,7 +63,7 @@ def write_params(tmp_path):
     return params_path
 
 
-def test_featcal_run_end_to_end(tmp_path, prefect_api):
+def test_featcal_run_end_to_end(tmp_path, prefect_api, capsys):
     params_path = write_params(tmp_path)
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     env = {
@@ -126,22 +127,9 @@ def test_featcal_run_end_to_end(tmp_path, prefect_api):
     assert "featcal" in card and "0.3" in card
     provenance = json.loads((results / "provenance.json").read_text())
     assert provenance["mlflow_run_id"] == summary["mlflow_run_id"]
-    lineage = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "featcal_cli.main",
-            "lineage",
-            str(results / "calibrated"),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-    )
-    assert lineage.returncode == 0, lineage.stderr[-2000:]
-    assert json.loads(lineage.stdout)["problems"] == []
+    capsys.readouterr()
+    assert main(["lineage", str(results / "calibrated"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["problems"] == []
 
     # an evaluation-only change recomputes no block
     again = subprocess.run(

@@ -191,7 +191,7 @@ def _released(results: Path) -> None:
         pass
 
 
-# ------------------------------------------------------------------ case 6: SIGKILL, no orphan
+# ----------------------------------------------------------- SIGKILL leaves no Prefect server
 
 
 def test_sigkilled_calibrate_leaves_no_prefect_server(tmp_path, project, record_property):
@@ -206,7 +206,7 @@ def test_sigkilled_calibrate_leaves_no_prefect_server(tmp_path, project, record_
         _paused(proc, barrier, "a block state's commit")
         servers = _marked(proc.pid)
         assert servers, "no local Prefect server under featcal calibrate --results-dir"
-        assert _status(_api(proc), None) == 401  # its API takes the token too (case 7b)
+        assert _status(_api(proc), None) == 401  # its API takes the project's token too
     finally:
         killed = time.monotonic()
         proc.kill()
@@ -218,7 +218,7 @@ def test_sigkilled_calibrate_leaves_no_prefect_server(tmp_path, project, record_
     )
 
 
-# -------------------------------------------------- case 7b and 7: the token, SIGTERM mid-block
+# ----------------------------------------------- the API's token, then SIGTERM during a block
 
 
 def test_run_api_takes_the_token_and_sigterm_mid_block_stops_it_all(
@@ -255,7 +255,7 @@ def test_run_api_takes_the_token_and_sigterm_mid_block_stops_it_all(
     assert _gone(proc.pid, timeout_s=5) == [], "the Prefect server outlived the stopped run"
 
 
-# --------------------------------------------------------------- case 7: SIGTERM in other phases
+# -------------------------------------------------------------------- SIGTERM in other phases
 
 
 def test_sigterm_at_the_run_lock(tmp_path, project, record_property):

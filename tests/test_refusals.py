@@ -203,8 +203,8 @@ def test_a_pulled_results_folder_without_its_dvc_lock_says_how_to_adopt_it(tmp_p
 def test_a_compare_checks_every_variant_folder_first_and_takes_emptied_ones(tmp_path):
     from test_pipeline import write_params
 
-    from featcal_core.io.outputs import check_root, prepare_root
     from featcal.flows.compare import run_compare
+    from featcal_core.io.outputs import check_root, prepare_root
 
     params_path = write_params(tmp_path)
     params = yaml.safe_load(params_path.read_text())
@@ -226,3 +226,111 @@ def test_a_compare_checks_every_variant_folder_first_and_takes_emptied_ones(tmp_
     assert mine.read_text() == "the user's own\n"
     mine.unlink()  # the user removes the file and leaves its folder: nothing there to lose
     assert check_root(results / "variants" / "second") is None
+
+
+def test_a_model_reference_that_is_no_folder_and_no_hub_id_is_named_as_typed(tmp_path, capsys):
+    from featcal_cli.main import main
+
+    code = main(
+        ["merge", "--base", "org//name", "--expert", "a=org//x", "--out", str(tmp_path / "out")]
+        + ["--method", "task_arithmetic"]
+    )
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1
+    assert "--base 'org//name' does not exist" in err[0] and "not a Hub id" in err[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_results_folder_of_the_users_is_refused_as_such_before_what_it_holds(tmp_path):
+    from featcal_core.io.outputs import check_root
+
+    folder = tmp_path / "shared"
+    (folder / "experts" / "a").mkdir(parents=True)
+    (folder / "notes.txt").write_text("mine\n")
+    with pytest.raises(FeatCalError, match=r"folder featcal did not create"):
+        check_root(folder, inputs=[folder / "experts" / "a"])
+    results = tmp_path / "results"  # featcal's own, holding an input: refused for that
+    results.mkdir()
+    with pytest.raises(FeatCalError, match=r"holds the input"):
+        check_root(results, inputs=[tmp_path / "results" / "in"])
+
+
+def test_an_offline_hub_dataset_says_it_is_not_cached(monkeypatch):
+    from featcal_core.data.source_rows import open_source
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(
+        FeatCalError, match=r"tasks\.a\.calibration: Hub dataset .*owner/ds.* not in"
+    ):
+        open_source({"hub": "owner/ds", "split": "train"}, key="tasks.a.calibration")
+
+
+def _tmpfs(path: Path, size: str) -> bool:
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)])
+    return done.returncode == 0
+
+
+def _fill(folder: Path) -> None:
+    with open(folder / "filler", "wb") as handle:
+        try:
+            while True:
+                handle.write(b"x" * (1 << 16))
+        except OSError:
+            pass
+
+
+def test_a_results_folder_on_a_full_disk_leaves_nothing_behind(tmp_path):
+    import subprocess
+
+    from featcal_core.io.outputs import prepare_root
+
+    mount = tmp_path / "disk"
+    if not _tmpfs(mount, "64k"):
+        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
+    try:
+        _fill(mount)
+        with pytest.raises(FeatCalError, match=r"results"):
+            prepare_root(mount / "runs" / "results")
+        assert sorted(p.name for p in mount.iterdir()) == ["filler"]
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_tracking_store_is_one_line(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    import featcal_cli.main as cli
+    from featcal.tracking.store import ensure_experiment
+
+    mount = tmp_path / "disk"
+    if not _tmpfs(mount, "16m"):
+        pytest.skip("cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN)")
+    try:
+        uri = f"sqlite:///{mount / 'mlflow.db'}"
+        ensure_experiment("featcal", uri, str(tmp_path / "artifacts"))  # the store, migrated
+        _fill(mount)
+        capsys.readouterr()  # the store's own start-up lines
+
+        def tracks(args):  # the command's tracking store is full
+            import mlflow
+
+            client = mlflow.MlflowClient(uri)
+            experiment = client.get_experiment_by_name("featcal")
+            for number in range(2000):
+                client.set_experiment_tag(experiment.experiment_id, f"k{number}", "x" * 5000)
+            return 0
+
+        import dataclasses
+
+        table = {**cli.commands()}
+        table["lineage"] = dataclasses.replace(table["lineage"], run=tracks)
+        monkeypatch.setattr(cli, "commands", lambda: table)
+        assert cli.main(["lineage", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "MLflow tracking store failed" in err[0], err
+        assert "full" in err[0]
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -172,8 +172,17 @@ def test_table_numbers(tmp_path):
         f"{norm_c * 100:.1f}",
         f"{gap:.1f}",
     ]
-    assert "base: averaged over the 1 of 3 tasks that have it" in markdown
-    assert f"Calibration closed {gap:.1f} % of the merged→expert gap" in markdown
+    assert "base: averaged over 1 of 3 tasks; left out: svhn, \\<b>x\\</b>, not evaluated" in (
+        markdown
+    )
+    assert f"Calibration closed {gap:.1f} % of the merged→expert gap (over 3 tasks)" in markdown
+    # the headline, as every surface shows it (featcal_core.report.figures.headline_lines)
+    assert (
+        "- normalized accuracy, average: base 33.3 % (over 1 of 3 tasks; left out: svhn, "
+        f"\\<b>x\\</b>, not evaluated), merged {norm_m * 100:.1f} % (over 3 tasks), "
+        f"calibrated {norm_c * 100:.1f} % (over 3 tasks)" in markdown
+    )
+    assert f"- gap closed, average (over 3 tasks): calibrated {gap:.1f} %" in markdown
     assert "# FeatCal report: demo run" in markdown
 
 
@@ -190,26 +199,33 @@ def test_headline_is_the_average_row():
     )
     assert set(found) == {
         "tasks",
-        "accuracy_mean/base",
-        "accuracy_mean/expert",
-        "accuracy_mean/merged",
-        "accuracy_mean/calibrated",
-        "normalized_mean/merged",
-        "normalized_mean/calibrated",
-        "gap_closed_mean",
+        *(f"accuracy_mean{s}/{m}" for s in ("", "_tasks") for m in report.MODEL_ORDER),
+        *(
+            f"normalized_mean{s}/{m}"
+            for s in ("", "_tasks")
+            for m in ("base", "merged", "calibrated")
+        ),
+        "gap_closed_mean/calibrated",
+        "gap_closed_mean_tasks/calibrated",
         "examples_min",
     }
     assert found["tasks"] == 3 and found["examples_min"] == 40
     assert found["accuracy_mean/base"] == pytest.approx(0.3)  # over the tasks that have it
+    assert found["accuracy_mean_tasks/base"] == 1 and found["accuracy_mean_tasks/expert"] == 3
     assert found["accuracy_mean/calibrated"] == pytest.approx(calibrated)
     assert found["normalized_mean/merged"] == pytest.approx((0.5 / 0.9 + 0.6 / 0.8 + 1.0) / 3)
-    assert found["gap_closed_mean"] == pytest.approx(
+    assert found["gap_closed_mean/calibrated"] == pytest.approx(
         (calibrated - merged) / (expert - merged) * 100
     )
     # no calibrated model, merged at the expert: no such keys, no gap
     plain = headline({"a": _task(0.7, 0.7)})
-    assert "accuracy_mean/calibrated" not in plain and plain["gap_closed_mean"] is None
+    assert "accuracy_mean/calibrated" not in plain and not any("gap_closed" in k for k in plain)
     assert headline({}) == {"tasks": 0}
+    # merged at the expert with a calibrated model: no gap, the count and no value (never NaN)
+    flat = headline({"a": _task(0.7, 0.7, 0.75)})
+    assert (
+        "gap_closed_mean/calibrated" not in flat and flat["gap_closed_mean_tasks/calibrated"] == 1
+    )
 
 
 def test_cut_evaluation_and_normalized_above_100_are_stated(tmp_path):

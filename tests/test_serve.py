@@ -57,6 +57,9 @@ def test_serve_runs_on_a_schedule(tmp_path):
         PREFECT_HOME=str(tmp_path / "prefect"),
         PYTHONUNBUFFERED="1",
         MLFLOW_TRACKING_URI=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        # the runner asks the server for due runs every second (Prefect's default: every 10 s,
+        # waited out before each run, as runs wait their turn: limit 1)
+        PREFECT_RUNNER_POLL_FREQUENCY="1",
     )
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
@@ -104,7 +107,7 @@ def test_serve_runs_on_a_schedule(tmp_path):
                 )
             elif (completed := _completed_runs(api_url, auth)) >= 2:
                 break
-            time.sleep(2)
+            time.sleep(0.5)
     finally:
         proc.send_signal(signal.SIGINT)  # serving stops; the supervised server is stopped too
         try:

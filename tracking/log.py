@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -22,7 +23,7 @@ from featcal.tracking.batches import (
 )
 from featcal.tracking.runs import run_target
 from featcal_core.provenance.records import FEATCAL_RECORD
-from featcal_core.report import gap_closed
+from featcal_core.report.figures import headline_metrics, summary_figures
 
 __all__ = [
     "RECORD_ARTIFACT",
@@ -155,34 +156,33 @@ def log_metrics(metrics: Mapping[str, float], *, run_id: str | None = None) -> N
     batch_metrics(MlflowClient(session.uri), run, {k: float(v) for k, v in metrics.items()})
 
 
-def log_evaluation(table: Mapping[str, Mapping[str, Mapping[str, float]]], *, run_id=None) -> None:
-    """Metrics `accuracy/<task>/<model>`, `loss/…`, `normalized/…` (accuracy ÷ the expert's),
-    `gap_closed/<task>/<model>` (percent of the merged→expert accuracy gap closed, for every model
-    other than the expert, the merged model and the base) and, per model, the means over tasks
-    `accuracy_mean/<model>`, `normalized_mean/<model>` and `gap_closed_mean/<model>`."""
+def log_evaluation(table: Mapping[str, Mapping[str, Mapping[str, Any]]], *, run_id=None) -> None:
+    """Metrics per task and model: `accuracy/<task>/<model>`, `loss/…`, `normalized/…` (accuracy
+    ÷ the expert's; absent where the expert scores 0) and `gap_closed/<task>/<model>` (percent of
+    the merged→expert accuracy gap closed, for every model other than the expert, the merged
+    model and the base; absent where there is no gap). Then the headline, the same numbers as
+    metrics.json (featcal_core.report.figures.headline_metrics): `tasks`, per model
+    `accuracy_mean/<model>`, `normalized_mean/<model>`, `gap_closed_mean/<model>`, each with
+    `<name>_tasks/<model>` (the tasks it is over), and `examples_min`. Never NaN: an undefined
+    value is not logged."""
     target = run_target(run_id)
     if target is None:
         return
     from mlflow import MlflowClient
 
     session, run = target
+    figures = summary_figures(table)
     metrics: dict[str, float] = {}
-    per_model: dict[str, dict[str, list[float]]] = {}
     for task_name, row in table.items():
-        merged, expert = (row.get(k, {}).get("accuracy") for k in ("merged", "expert"))
+        defined = figures.per_task.get(str(task_name), {})
         for model, result in row.items():
-            values = {name: float(result[name]) for name in ("accuracy", "loss", "normalized")}
-            gap = gap_closed(merged, result["accuracy"], expert)
-            if model not in ("expert", "merged", "base") and gap is not None:
-                values["gap_closed"] = gap
+            values = dict(defined.get(str(model), {}))
+            loss = result.get("loss") if isinstance(result, Mapping) else None
+            if isinstance(loss, int | float) and math.isfinite(loss):
+                values["loss"] = float(loss)
             for name, value in values.items():
                 metrics[f"{name}/{task_name}/{model}"] = value
-                per_model.setdefault(model, {}).setdefault(name, []).append(value)
-    for model, series in per_model.items():
-        for name in ("accuracy", "normalized", "gap_closed"):
-            values = series.get(name, [])
-            if values and len(values) == len(table):  # a model with a value on every task
-                metrics[f"{name}_mean/{model}"] = sum(values) / len(values)
+    metrics.update({key: float(value) for key, value in headline_metrics(figures).items()})
     batch_metrics(MlflowClient(session.uri), run, metrics)
 
 

@@ -105,6 +105,13 @@ def _open_hub(source: DataSource, key: str, trust_remote_code: bool) -> datasets
             trust_remote_code=trust_remote_code,
         )
     except Exception as exc:
+        if _datasets_offline():
+            raise FeatCalError(
+                f"{key}: Hub dataset {source.describe()} is not in the datasets cache and "
+                "offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE); unset it to download "
+                f"the dataset, or load it once online with the same HF_HOME ({type(exc).__name__}:"
+                f" {_one_line(exc)})"
+            ) from exc
         raise FeatCalError(
             f"{key}: cannot load Hub dataset {source.describe()} ({type(exc).__name__}: "
             f"{_one_line(exc)}); check {key}.hub, .config and .split, and the network or the "

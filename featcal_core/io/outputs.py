@@ -293,8 +293,12 @@ def _write_marker(directory: Path, files: dict[str, str], kind: str | None = Non
         marker["kind"] = kind
     marker["files"] = dict(sorted(files.items()))
     tmp = temp_path(directory / MARKER)
-    tmp.write_text(json.dumps(marker, indent=1) + "\n")
-    os.replace(tmp, directory / MARKER)
+    try:
+        tmp.write_text(json.dumps(marker, indent=1) + "\n")
+        os.replace(tmp, directory / MARKER)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written marker behind
+        raise
 
 
 def mark_directory(directory: Path) -> None:
@@ -502,9 +506,12 @@ def write_json(path: str | Path, data: object, flag: str = "output file") -> Pat
 def _empty_tree(path: Path) -> bool:
     """`path` is a folder holding only folders, none of which holds a file or a link (nothing
     in it can be lost: a folder emptied by its owner is not a folder of the user's)."""
-    if path.is_symlink() or not path.is_dir():
+    try:
+        if path.is_symlink() or not path.is_dir():
+            return False
+        return all(_empty_tree(entry) for entry in path.iterdir())
+    except OSError:  # unreadable: not known to be empty
         return False
-    return all(_empty_tree(entry) for entry in path.iterdir())
 
 
 def _leftover(name: str) -> bool:
@@ -590,7 +597,15 @@ def check_root(
     refused whole, whatever its entries are called. Returns the files to list when adopting a
     restored folder ({name: sha256}), else None.
     """
-    path = check_target(root, inputs=inputs, flag=flag)
+    path = check_target(root, flag=flag)  # never the filesystem root, never the home folder
+    adopted = _owned_root(path, root, kind, flag)  # whose folder it is, before what it holds
+    check_target(root, inputs=inputs, flag=flag)
+    return adopted
+
+
+def _owned_root(path: Path, root: str | Path, kind: str, flag: str) -> dict[str, str] | None:
+    """`check_root`'s ownership check of the resolved `path`: None when it is missing, empty or
+    featcal's own `kind`; the files to list for a restored folder; else FeatCalError."""
     if path.exists() and not path.is_dir():
         raise FeatCalError(f"{flag} {root} is a file, not a folder; choose another {flag}")
     if not path.is_dir():
@@ -627,6 +642,7 @@ def prepare_root(
     """Create or adopt an output root after `check_root` and mark it as `kind`. Returns it."""
     adopted = check_root(root, inputs=inputs, kind=kind, flag=flag)
     path = Path(root).expanduser().resolve()
+    created = [p for p in (path, *path.parents) if not p.exists()]  # the deepest first
     try:
         path.mkdir(parents=True, exist_ok=True)
         marker = read_marker(path)
@@ -642,6 +658,9 @@ def prepare_root(
         elif marker.get("kind") is None:
             _upgrade_root(path, marker, kind)
     except OSError as exc:
+        for folder in created:  # what this call created goes again (a full disk, say)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         raise oserror(exc, path, flag) from exc
     return path
 

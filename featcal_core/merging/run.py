@@ -1,8 +1,12 @@
 """`merge_checkpoints`: merge expert checkpoints into one, streaming tensor by tensor.
 
-The output has the base's layout: the same shard files holding the same tensor names with the same
-dtypes (and the base's index file, when it has one), plus the base's other files (config.json,
-processor and tokenizer files) and a `merge.json` record. Tensors are merged one name at a time,
+The output holds the base's tensor names with the same dtypes, in the base's files (and its index,
+when it has one) where they fit `max_shard_size`, else split anew into shards with an index
+(featcal_core.io.shards), plus the files a model carries, copied from the base (an allow-list,
+featcal_core.io.export.carry_files: config.json, generation config, tokenizer, chat template and
+processor files; not its README.md or .gitattributes), and a `merge.json` record. Experts are
+checked against the base first: structure (featcal_core.io.structure) and vocabulary
+(featcal_core.io.vocabulary). Tensors are merged one name at a time,
 and a tensor larger than CHUNK_ENTRIES entries in row chunks: the method's `prepare` streams over
 each expert's task vector chunk by chunk (TIES: its trim thresholds, which hold the magnitudes of
 one task vector in float64), then each chunk of rows of the base and of every expert is read,
@@ -21,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack
@@ -35,14 +38,18 @@ from featcal_core.architectures import detect
 from featcal_core.errors import FeatCalError
 from featcal_core.io.adapters import open_expert
 from featcal_core.io.checkpoint import INDEX_NAME, Checkpoint
+from featcal_core.io.export import carry_files
 from featcal_core.io.outputs import check_output, guarded_directory
-from featcal_core.io.safetensors_io import DTYPES, Reader, SafetensorsFormatError, write_streaming
+from featcal_core.io.safetensors_io import DTYPES, Reader, SafetensorsFormatError
+from featcal_core.io.shard_size import parse_shard_size
+from featcal_core.io.shards import Layout, plan_layout, write_layout
 from featcal_core.io.structure import check_same_structure
+from featcal_core.io.vocabulary import check_same_vocabulary
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.merging import get
 from featcal_core.merging.base import MergeMethod, Place, as_compute
 from featcal_core.names import check_names
-from featcal_core.provenance.records import FEATCAL_RECORD, MERGE_RECORD
+from featcal_core.provenance.records import MERGE_RECORD
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +57,6 @@ RECORD_NAME = MERGE_RECORD
 RECORD_VERSION = 1
 #: tensors with more entries are merged in row chunks of about this many entries (32 MiB float64)
 CHUNK_ENTRIES = 1 << 22
-#: provenance records of earlier runs: never copied from the base into a new output
-_RECORDS = (MERGE_RECORD, FEATCAL_RECORD)
-#: weight files of other formats: never copied from the base (a loader might pick them up and
-#: silently load the base's weights instead of the merged ones)
-_OTHER_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 
 
 def merge_checkpoints(
@@ -65,12 +67,15 @@ def merge_checkpoints(
     hyperparameters: dict[str, Any] | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    max_shard_size: int | str | None = None,
 ) -> dict:
     """Merge `experts` (task → save_pretrained dir, or peft LoRA adapter folder over `base`:
-    featcal_core.io.adapters) of `base` with `method`; write `out`.
+    featcal_core.io.adapters) of `base` with `method`; write `out`, in weight files of at most
+    `max_shard_size` (bytes, or "5GB"-style; None: transformers' default, featcal_core.io.shards).
 
     Every expert must have the base's structure (featcal_core.io.structure: config and tensor
-    names) and hold the base's tensors with the same shapes. Floating-point
+    names) and vocabulary (featcal_core.io.vocabulary: vocab size, tokenizer, added tokens) and
+    hold the base's tensors with the same shapes. Floating-point
     tensors are merged (computed in float64, stored in the base tensor's dtype); other tensors are
     copied from the base. Returns the record also written to `out`/merge.json. Raises
     FeatCalError on bad input, leaving no partial output and an existing `out` as it was.
@@ -79,6 +84,7 @@ def merge_checkpoints(
     out = Path(out)
     merger = get(method)
     hp = merger.check(hyperparameters)
+    shard_bytes = parse_shard_size(max_shard_size)
     if not experts:
         raise FeatCalError("no experts to merge: pass at least one --expert TASK=DIR")
     check_names(experts, "--expert")
@@ -90,6 +96,7 @@ def merge_checkpoints(
     }
     for expert in expert_ckpts.values():
         check_same_structure(base_ckpt, expert)
+        check_same_vocabulary(base_ckpt, expert)
     key_maps = {task: _key_map(base_ckpt, c) for task, c in expert_ckpts.items()}
     log.info(
         "merging %d experts into %s with %s %s (%d tensors)",
@@ -101,12 +108,16 @@ def merge_checkpoints(
     )
 
     with guarded_directory(out, overwrite=overwrite, inputs=inputs) as tmp:
-        counts = _write_weights(merger, hp, base_ckpt, expert_ckpts, key_maps, tmp, progress)
+        layout = plan_layout(base_ckpt, shard_bytes)
+        counts = _write_weights(
+            merger, hp, base_ckpt, expert_ckpts, key_maps, tmp, progress, layout
+        )
         _copy_other_files(base_ckpt, tmp)
         record = {
             "merge_record_version": RECORD_VERSION,
             "method": merger.name,
             "hyperparameters": hp,
+            "max_shard_size": shard_bytes,
             "inputs": {
                 "base": base_ckpt.describe(),
                 "experts": {task: c.describe() for task, c in expert_ckpts.items()},
@@ -280,8 +291,10 @@ def _write_weights(
     key_maps: dict[str, dict[str, str | None]],
     out_dir: Path,
     progress: bool,
+    layout: Layout,
 ) -> dict[str, int]:
-    """Write every shard of the base's layout into `out_dir`; returns merged/copied counts."""
+    """Write the files of `layout` (the base's tensors) into `out_dir`; returns merged/copied
+    counts."""
     counts = {"merged": 0, "copied": 0}
     bar = tqdm(total=len(base.tensors), desc="merge", unit="tensor", disable=not progress)
     with ExitStack() as stack:
@@ -377,29 +390,19 @@ def _write_weights(
 
             return chunks()
 
-        for shard in base.files:
-            entries = [(name, e.dtype, e.shape) for name, e in base.entries[shard].items()]
-            write_streaming(out_dir / shard, entries, fetch, base.file_metadata.get(shard))
+        write_layout(layout, out_dir, fetch)
     return counts
 
 
 def _copy_other_files(base: Checkpoint, out_dir: Path) -> None:
-    """Copy the base's index and every other plain file but weights and old run records."""
-    weight_names = set(base.files) | {INDEX_NAME}
-    if (base.directory / INDEX_NAME).is_file():
-        shutil.copy2(base.directory / INDEX_NAME, out_dir / INDEX_NAME)
-    skipped = []
-    for path in sorted(base.directory.iterdir()):
-        if not path.is_file() or path.name in weight_names:
-            continue
-        if path.name in _RECORDS or path.suffix in _OTHER_WEIGHT_SUFFIXES:
-            skipped.append(path.name)
-            continue
-        shutil.copy2(path, out_dir / path.name)
-    if skipped:  # a Hub download's other weight formats, an earlier run's records: expected
+    """Copy the files a model carries from the base (`carry_files`' allow-list); name the rest."""
+    left_out = carry_files(base.directory, out_dir)
+    weights = set(base.files) | {INDEX_NAME}
+    left_out = [name for name in left_out if name not in weights]
+    if left_out:  # a Hub snapshot's card and repository files, other weight formats, records
         log.info(
-            "not copied from the base %s into the merged model: %s (weights in other "
-            "formats, or records of an earlier run)",
+            "not copied from the base %s into the merged model: %s (a merged model carries its "
+            "config, generation config, tokenizer, chat template and processor files only)",
             base.directory,
-            ", ".join(skipped),
+            ", ".join(left_out),
         )

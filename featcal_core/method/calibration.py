@@ -28,6 +28,7 @@ from featcal_core.io.outputs import (
     scratch_directory,
 )
 from featcal_core.io.safetensors_io import save_tensors
+from featcal_core.io.shard_size import parse_shard_size
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.method.block import BlockResult, BlockRunner
 from featcal_core.method.hyperparameters import FeatCalParams
@@ -217,10 +218,18 @@ class Calibration:
             for name, tensor in result.tensors.items()
         }
 
-    def export(self, replaced: dict[str, Path], out_dir: Path) -> None:
-        """Write the calibrated checkpoint: merged layout, `replaced` keys read from their files."""
+    def export(
+        self, replaced: dict[str, Path], out_dir: Path, max_shard_size: int | str | None = None
+    ) -> None:
+        """Write the calibrated checkpoint: the merged model's tensors, `replaced` keys read from
+        their files, in files of at most `max_shard_size` (featcal_core.io.shards; None: its
+        default), with the merged model's (else the base's) tokenizer and config files."""
         export_checkpoint(
-            self.models.merged, replaced, out_dir, extra_sources=(self.models.base.directory,)
+            self.models.merged,
+            replaced,
+            out_dir,
+            extra_sources=(self.models.base.directory,),
+            max_shard_size=max_shard_size,
         )
 
     def record(self, blocks: list[dict], started: float) -> dict:
@@ -296,12 +305,15 @@ def calibrate(
     spill_dir: str | Path | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    max_shard_size: int | str | None = None,
 ) -> dict:
     """Calibrate `merged` against `experts` on the calibration sets; write a save_pretrained
-    directory at `out` (plus featcal.json) and return the record. Raises FeatCalError on bad input,
-    leaving `out` as it was."""
+    directory at `out` (plus featcal.json), in weight files of at most `max_shard_size` (bytes,
+    or "5GB"-style; None: transformers' default, featcal_core.io.shards), and return the record.
+    Raises FeatCalError on bad input, leaving `out` as it was."""
     started = time.perf_counter()
     out = Path(out)
+    parse_shard_size(max_shard_size)
     check_names([*experts, *calib], "task name")
     inputs = calibration_inputs(base, merged, experts, calib)
     check_output(out, overwrite=overwrite, inputs=inputs)
@@ -341,7 +353,7 @@ def calibrate(
                 replaced.update(dict.fromkeys(tensors, path))
                 log_block(result, run.num_blocks)
                 blocks.append(block_summary(result))
-            run.export(replaced, tmp)
+            run.export(replaced, tmp, max_shard_size)
         finally:
             shutil.rmtree(work, ignore_errors=True)
         record = run.record(blocks, started)

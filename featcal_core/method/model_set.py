@@ -1,6 +1,7 @@
 """The model pool of one calibration: base, merged and one expert per task, checked to agree.
 
-Opening reads only headers and config.json; `check` compares every model's architecture, the
+Opening reads only headers, config.json and tokenizer files; `check` compares every model's
+architecture, vocabulary (featcal_core.io.vocabulary: vocab size, tokenizer, added tokens), the
 names and shapes of the tensors FeatCal reads (stem and blocks) and its structure
 (featcal_core.io.structure: config fields, tensor names the base lacks) against the base.
 """
@@ -18,6 +19,7 @@ from featcal_core.io.adapters import open_expert
 from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.io.safetensors_io import DTYPES
 from featcal_core.io.structure import check_same_structure
+from featcal_core.io.vocabulary import check_same_vocabulary
 
 
 @dataclass
@@ -79,6 +81,7 @@ class ModelSet:
                 f"base model {self.base.directory} holds no {self.arch.name} tensors"
             )
         for checkpoint in self.all()[1:]:
+            check_same_vocabulary(self.base, checkpoint)
             tower = self.tower(checkpoint)
             missing = sorted(set(reference) - set(tower))
             if missing:

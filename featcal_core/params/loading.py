@@ -14,6 +14,7 @@ from pydantic import (
 )
 
 from featcal_core.params.base import KEY_SUFFIX, _fail, load_yaml
+from featcal_core.params.installed import installed_hint, resolve_params
 from featcal_core.params.overrides import _overridden, _short, _yaml_problem
 from featcal_core.params.overrides import apply_overrides as apply_overrides
 from featcal_core.params.schema import Params
@@ -53,13 +54,17 @@ def settings_from_flags(model: type[_M], section: str, values: Mapping[str, Any]
 
 
 def load_params(path: str | Path, overrides: Iterable[str] = ()) -> Params:
-    """Read, override and validate a params file; any problem is one FeatCalError line."""
-    path = Path(path)
+    """Read, override and validate a params file; any problem is one FeatCalError line. A bare
+    name without .yaml that is no file names a params file that ships with featcal
+    (featcal_core.params.installed: `load_params("paper-clip-vit-b32")`)."""
+    path = resolve_params(path)
     name = str(path)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        _fail(f"{name}: file not found; create it (see flows/params_example.yaml) or pass its path")
+        _fail(
+            f"{name}: file not found; pass its path, or start from an example: {installed_hint()}"
+        )
     except IsADirectoryError:
         _fail(f"{name}: is a directory, not a params file; pass the YAML file")
     except (OSError, UnicodeDecodeError) as exc:

@@ -14,6 +14,7 @@ from pydantic import (
 
 from featcal_core.errors import FeatCalError
 from featcal_core.io.outputs import check_target
+from featcal_core.io.shard_size import DEFAULT_MAX_SHARD_SIZE, shard_size_problem
 from featcal_core.method.hyperparameters import BOUNDS, DEFAULTS, FeatCalParams
 from featcal_core.method.settings import RUN_SETTINGS, SETTING_DEFAULTS, Settings
 from featcal_core.names import name_problem
@@ -41,6 +42,24 @@ class RunSettings(_Section):
     seed: StrictInt = Field(
         default=0, ge=0, description="seed of the calibration sample and other randomness"
     )
+    max_shard_size: StrictStr = Field(
+        default=DEFAULT_MAX_SHARD_SIZE,
+        description="largest weight file (bytes of tensors) of the merged and calibrated "
+        "models, as transformers writes sizes (500MB, 5GB, 2GiB; a number: bytes): a model above "
+        "it is written as model-00001-of-0000N.safetensors shards with "
+        "model.safetensors.index.json, and an input whose files all fit keeps its own; the "
+        "default is transformers 5's save_pretrained default",
+    )
+
+    @field_validator("max_shard_size", mode="before")
+    @classmethod
+    def _shard_size(cls, value: object) -> object:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # a number of bytes
+        problem = shard_size_problem(value)
+        if problem is not None:
+            raise _error(f"{problem}, e.g. 5GB, 500MB or 2GiB")
+        return value
 
     @field_validator("name")
     @classmethod

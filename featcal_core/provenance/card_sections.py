@@ -9,6 +9,7 @@ from typing import Any
 
 from featcal_core.provenance.card_metadata import index_rows, license_fields, row_label
 from featcal_core.provenance.text import DASH, as_dict, metric_text, value_text
+from featcal_core.report.figures import headline_lines, summary_figures
 
 _METRIC_ORDER = ("accuracy", "normalized", "loss", "examples")
 
@@ -84,13 +85,23 @@ def _results_section(
         "head refit by head calibration (`featcal heads`).",
         "",
     ]
+    figures = summary_figures(evaluation)  # the averages every surface shows
     rows = [[_cell(task)] + [_pct(row.get(n)) for n in names] for task, row in table.items()]
     average = []
     for name in names:
-        values = [value for row in table.values() if (value := row.get(name)) is not None]
-        average.append(f"**{_pct(sum(values) / len(values))}**" if values else DASH)
+        found = figures.accuracy.get(name)
+        value = None if found is None else found.value
+        average.append(DASH if value is None else f"**{_pct(value)}**")
     rows.append(["**average**", *average])
     lines += _table(["task", *(_cell(row_label(n)) for n in names)], rows)
+    headline = headline_lines(figures)
+    if headline:
+        lines += [
+            "Summary over the tasks (the figures the run's report, metrics.json and MLflow run "
+            "show; docs/pipeline.md, the summary figures):",
+            "",
+        ]
+        lines += [f"- {_cell(line)}" for line in headline] + [""]
     lines += ["### All metrics", ""]
     lines += _metrics_table(evaluation)
     return lines

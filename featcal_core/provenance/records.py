@@ -8,7 +8,8 @@
     <results>/refit_heads/<model>/      head calibration (+ FITTED_ON)
     <results>/heads/, evaluation_data/  zero-shot class-embedding caches, saved Hub evaluation data
     <results>/evaluation.json           EVALUATION: per task and model, accuracy and loss
-    <results>/metrics.json              METRICS: the report's average row (a DVC metric)
+    <results>/metrics.json              METRICS: the headline figures (a DVC metric)
+    <results>/metrics_per_task.json     METRICS_PER_TASK: their per-task values (a DVC metric)
     <results>/provenance.json           PROVENANCE: git commit, MLflow and Prefect run ids
     reports/<run name>/                 the report (REPORTS_ROOT)
 
@@ -25,6 +26,7 @@ SET_RECORD = "calibration_set.json"
 LOCK = "models.lock.json"
 EVALUATION = "evaluation.json"
 METRICS = "metrics.json"
+METRICS_PER_TASK = "metrics_per_task.json"
 PROVENANCE = "provenance.json"
 FITTED_ON = "fitted_on.json"
 ZOO_MANIFEST = "zoo.json"
@@ -45,6 +47,7 @@ RESULTS_LAYOUT = {
     "evaluation_data": "evaluation_data",
     "evaluation": EVALUATION,
     "metrics": METRICS,
+    "metrics_per_task": METRICS_PER_TASK,
     "provenance": PROVENANCE,
     "plots": "plots",
     "merges": "merges",  # featcal compare: one folder per distinct merge

@@ -27,6 +27,7 @@ same Hub download) and imports it into a featcal checkpoint.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,7 +43,7 @@ from featcal_core.provenance.hub import (
     IGNORE_PATTERNS,
     _commit_of,
     _download,
-    _one_line,
+    _status,
 )
 from featcal_core.provenance.resolved import ResolvedModel, _field, _hash_files, _reference
 
@@ -65,12 +66,15 @@ CONVERSION_BOT = "SFconvertbot"
 
 
 def _conversion_revision(
-    repo_id: str, cache_dir: str | Path | None, offline: bool
+    repo_id: str,
+    cache_dir: str | Path | None,
+    offline: bool,
+    failures: list[str] | None = None,
 ) -> tuple[str, str] | None:
     """("refs/pr/N", how it was found) of a safetensors conversion of `repo_id`, or None.
     Online: the Hub's open pull request by CONVERSION_BOT (the newest, when several). Offline,
     or when the Hub does not answer: a cached refs/pr/N whose snapshot holds *.safetensors (the
-    highest N)."""
+    highest N). A failed look-up on the Hub is appended to `failures` (why, in a few words)."""
     if not offline:
         try:
             from huggingface_hub import HfApi
@@ -91,7 +95,10 @@ def _conversion_revision(
                     f"open pull request #{max(numbers)} by {CONVERSION_BOT}",
                 )
         except Exception as exc:  # the look-up is a convenience; the cache may still have one
-            log.warning("could not list the pull requests of %s: %s", repo_id, _one_line(exc))
+            why = _failure(exc)
+            log.warning("could not list the pull requests of %s on the Hub (%s)", repo_id, why)
+            if failures is not None:
+                failures.append(why)
     storage = Path(cache_dir or hf_constants.HF_HUB_CACHE) / f"models--{repo_id.replace('/', '--')}"
     cached = []
     for ref in (storage / "refs" / "refs" / "pr").glob("*"):  # revision refs/pr/N's ref file
@@ -101,6 +108,33 @@ def _conversion_revision(
     if cached:
         return f"refs/pr/{max(cached)}", "a pull request cached with safetensors weights"
     return None
+
+
+_URL_RE = re.compile(r"\s*(for url:?)?\s*<?https?://\S+", re.IGNORECASE)
+
+
+def _failure(exc: BaseException) -> str:
+    """Why a Hub request failed, in a few words and whole: the HTTP status and its reason, else
+    the error's first line without URLs (a cut URL helps no one)."""
+    status = _status(exc)
+    if status is not None:
+        reason = getattr(getattr(exc, "response", None), "reason_phrase", "") or ""
+        return f"HTTP {status}{' ' + reason if reason else ''}"
+    lines = str(exc).strip().splitlines()
+    text = " ".join(_URL_RE.sub("", lines[0] if lines else "").split()).strip(" :,;")
+    if len(text) > 160:
+        text = text[:157] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def conversion_fix(repo_id: str) -> str:
+    """What to give when `repo_id` holds pickled weights only on its default branch and its
+    safetensors conversion is not found by itself: the conversion pull request's revision."""
+    return (
+        f"give the revision of its safetensors conversion pull request: {repo_id}@refs/pr/N, "
+        f"N the number of the pull request by {CONVERSION_BOT} that adds model.safetensors "
+        f"(listed on {hf_constants.ENDPOINT}/{repo_id}/discussions)"
+    )
 
 
 def resolve_model(
@@ -183,10 +217,11 @@ def resolve_model(
         trust_remote_code=trust_remote_code,
         offline=offline,
     )
+    failures: list[str] = []
     if snapshot.is_dir() and not any(snapshot.glob("*.safetensors")) and revision is None:
         # as transformers does: the default branch holds pickled weights only; the Hub's
         # safetensors conversion bot's pull request holds the same weights as safetensors
-        converted = _conversion_revision(repo_id, cache_dir, offline)
+        converted = _conversion_revision(repo_id, cache_dir, offline, failures)
         if converted is not None:
             revision, found = converted
             log.warning(
@@ -208,13 +243,26 @@ def resolve_model(
                 trust_remote_code=trust_remote_code,
                 offline=offline,
             )
-    if snapshot.is_dir() and not any(snapshot.glob("*.safetensors")):
-        at = f" at {revision}" if revision else ""
+    if snapshot.is_dir() and not any(snapshot.glob("*.safetensors")) and revision is None:
+        if failures:  # the Hub did not list its pull requests: the user names the conversion
+            raise FeatCalError(
+                f"{role}: Hub model {reference!r} has no safetensors weights on its default "
+                f"branch and the look-up of its safetensors conversion failed ({failures[0]}); "
+                f"{conversion_fix(repo_id)}"
+            )
         raise FeatCalError(
-            f"{role}: Hub model {reference!r} has no safetensors weights in its top folder{at} "
-            f"({snapshot}), and no safetensors conversion (a pull request by {CONVERSION_BOT}) "
-            "was found; pickled weights are not used: pick a repository or revision with "
-            "model.safetensors, e.g. owner/name@refs/pr/N where pull request N converts it"
+            f"{role}: Hub model {reference!r} has no safetensors weights in its top folder "
+            f"({snapshot}), and no safetensors conversion (an open pull request by "
+            f"{CONVERSION_BOT}) was found{' in the cache (offline)' if offline else ''}; pickled "
+            f"weights are not used: if it has one, {conversion_fix(repo_id)}; else pick another "
+            "repository"
+        )
+    if snapshot.is_dir() and not any(snapshot.glob("*.safetensors")):  # at a given revision
+        raise FeatCalError(
+            f"{role}: Hub model {reference!r} has no safetensors weights in its top folder at "
+            f"{revision} ({snapshot}); pickled weights are not used: pick a revision with "
+            "model.safetensors (owner/name@refs/pr/N, where pull request N converts it) or "
+            "another repository"
         )
     commit = _commit_of(snapshot, repo_id, revision, offline)
     files = _hash_files(snapshot, role)

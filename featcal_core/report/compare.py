@@ -22,7 +22,7 @@ from typing import Any
 
 from featcal_core.evaluation.selection import LABEL_FREE
 from featcal_core.io.outputs import guarded_directory
-from featcal_core.report.tables import gap_closed
+from featcal_core.report.figures import LABELS, Figure, summary_figures
 
 __all__ = [
     "COMPARE_FILES",
@@ -35,9 +35,12 @@ __all__ = [
 COMPARE_FILES = ("compare.md", "compare.json", "accuracy_vs_cost.png")
 
 
-def _mean(values: Sequence[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return None if not values or len(present) < len(values) else sum(present) / len(values)
+def _percent(value: float | None) -> float | None:
+    return None if value is None else 100.0 * value
+
+
+def _value(figure: Figure | None) -> float | None:
+    return None if figure is None else figure.value
 
 
 def comparison_rows(
@@ -46,34 +49,35 @@ def comparison_rows(
     reference: str,
 ) -> list[dict[str, Any]]:
     """One row per variant: {"name", "merge", "repair", "set", "tasks": {task: {"accuracy",
-    "normalized", "gap_closed"}}, "mean": {same keys; gap closed of the mean accuracies},
-    "cost": {"merge_seconds", "repair_seconds", "total_seconds", "peak_rss_mb"}} (percent,
-    seconds, MiB).
+    "normalized", "gap_closed"}}, "mean": {same keys: the summary figures of
+    featcal_core.report.figures, gap closed of the mean accuracies}, "mean_over": {same keys: the
+    tasks each mean is over, "over 2 tasks"}, "cost": {"merge_seconds", "repair_seconds",
+    "total_seconds", "peak_rss_mb"}} (percent, seconds, MiB).
 
     Each variant mapping has "name", "row" (its evaluation row), "merge", "repair", "set" and
     "cost" ({"merge_seconds", "repair_seconds", "peak_rss_mb"}); `reference` is the evaluation
     row of the reference merge."""
+    figures = summary_figures(
+        evaluation, reference=reference, gap_rows=[str(v["row"]) for v in variants]
+    )
     rows = []
     for variant in variants:
+        name = str(variant["row"])
         tasks: dict[str, dict[str, float | None]] = {}
-        for task, models in evaluation.items():
-            result = models.get(variant["row"]) or {}
-            accuracy = result.get("accuracy")
-            expert = (models.get("expert") or {}).get("accuracy")
-            merged = (models.get(reference) or {}).get("accuracy")
+        for task in figures.tasks:
+            values = figures.per_task.get(task, {}).get(name, {})
             tasks[task] = {
-                "accuracy": None if accuracy is None else 100.0 * accuracy,
-                "normalized": None if accuracy is None or not expert else 100.0 * accuracy / expert,
-                "gap_closed": gap_closed(merged, accuracy, expert),
+                "accuracy": _percent(values.get("accuracy")),
+                "normalized": _percent(values.get("normalized")),
+                "gap_closed": values.get("gap_closed"),
             }
-        mean = {key: _mean([t[key] for t in tasks.values()]) for key in ("accuracy", "normalized")}
-        # gap closed of the means (as the accuracy table's average row): a task whose gap is
-        # tiny would otherwise swing a mean of per-task percentages
-        means = [
-            _mean([(models.get(row) or {}).get("accuracy") for models in evaluation.values()])
-            for row in (reference, variant["row"], "expert")
-        ]
-        mean["gap_closed"] = gap_closed(*means)
+        found = {key: figures.of(key).get(name) for key in ("accuracy", "normalized", "gap_closed")}
+        mean = {
+            "accuracy": _percent(_value(found["accuracy"])),
+            "normalized": _percent(_value(found["normalized"])),
+            "gap_closed": _value(found["gap_closed"]),
+        }
+        over = {key: figure.over() for key, figure in found.items() if figure is not None}
         cost = dict(variant["cost"])
         cost["total_seconds"] = cost.get("merge_seconds", 0.0) + cost.get("repair_seconds", 0.0)
         row = {
@@ -83,6 +87,7 @@ def comparison_rows(
             "set": list(variant.get("set", [])),
             "tasks": tasks,
             "mean": mean,
+            "mean_over": over,
             "cost": cost,
         }
         if variant.get("label_free"):  # {task: {"agreement", "drift", ...}} on held-out inputs
@@ -182,6 +187,14 @@ def comparison_markdown(
                 *("—" if scores.get(k) is None else f"{scores[k]:.4f}" for k in ("drift", "kl")),
             ]
         lines.append("| " + " | ".join(cells) + " |")
+    partial = [
+        f"- `{row['name']}`: {LABELS[key]} {over}"
+        for row in rows
+        for key, over in (row.get("mean_over") or {}).items()
+        if " of " in over
+    ]
+    if partial:
+        lines += ["", "Means over fewer than every task:", "", *partial]
     summary = label_free_summary(rows)
     if summary is not None:
         best = summary["best_on_test"]

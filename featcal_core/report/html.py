@@ -61,9 +61,13 @@ def _html_section(section: _Section) -> str:
     return "\n".join(parts)
 
 
-def _html(run_name, summary, rows, notes, plots, sections, caption) -> str:
+def _html(run_name, summary, headline, rows, notes, plots, sections, caption) -> str:
     title = f"FeatCal report: {run_name}"
     body = [f"<h1>{_h(title)}</h1>", f'<p class="summary">{_h(summary)}</p>']
+    if headline:
+        body.append(
+            '<ul class="summary">' + "".join(f"<li>{_h(x)}</li>" for x in headline) + "</ul>"
+        )
     body.append("<h2>Accuracy per task</h2>")
     body.append(f'<p class="note">{_h(caption)}</p>')
     if rows:

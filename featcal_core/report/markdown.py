@@ -43,8 +43,11 @@ def _md_section(section: _Section) -> str:
     return "\n\n".join(parts)
 
 
-def _markdown(run_name, summary, rows, notes, plots, sections, caption) -> str:
-    parts = [f"# FeatCal report: {_md(run_name)}", _md(summary), "## Accuracy per task"]
+def _markdown(run_name, summary, headline, rows, notes, plots, sections, caption) -> str:
+    parts = [f"# FeatCal report: {_md(run_name)}", _md(summary)]
+    if headline:
+        parts.append("\n".join(f"- {_md(line)}" for line in headline))
+    parts.append("## Accuracy per task")
     parts.append(_md(caption))
     if rows:
         parts.append(_md_table(_COLUMNS, [_cells(r) for r in rows], bold_last=True, numeric=True))

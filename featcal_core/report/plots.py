@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from featcal_core.report.figures import summary_figures
 from featcal_core.report.tables import MODEL_ORDER, _mean, _number
 
 __all__ = ["accuracy_series", "drift_series", "plot_accuracy", "plot_drift"]
@@ -67,6 +68,7 @@ def accuracy_series(
         names += [str(m) for m in (models or {}) if str(m) not in names]
     names = [m for m in PLOT_ORDER if m in names] + [m for m in names if m not in PLOT_ORDER]
     groups = [str(task) for task in evaluation]
+    averages = summary_figures(evaluation).accuracy  # the headline's "accuracy, average"
     series: dict[str, list[float | None]] = {}
     for name in names:
         values = [
@@ -74,7 +76,7 @@ def accuracy_series(
             for models in evaluation.values()
         ]
         if any(v is not None for v in values):
-            series[name] = values + [_mean(values)[0]]
+            series[name] = values + [averages[name].value]
     return (groups + ["average"] if groups else groups), series
 
 

@@ -1,5 +1,5 @@
-"""The report's figures: the accuracy table's rows (one per task, then the average), the share
-of the merged→expert gap closed, per-block mean drift, and how numbers are shown (percent with one
+"""The report's accuracy table: its rows (one per task, then the average, every number from
+`figures.summary_figures`), per-block mean drift, and how numbers are shown (percent with one
 decimal; a missing value as DASH, left out of averages)."""
 
 from __future__ import annotations
@@ -7,8 +7,16 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from featcal_core.report.figures import (
+    Figure,
+    Figures,
+    gap_closed,
+    headline_metrics,
+    summary_figures,
+)
 
 __all__ = [
     "DASH",
@@ -29,8 +37,6 @@ MODEL_ORDER = ("base", "expert", "merged", "calibrated")
 
 #: shown for a missing value
 DASH = "—"
-#: |expert − merged| at or below this is "no gap" (guards against a float-noise denominator)
-_GAP_EPS = 1e-12
 
 
 _COLUMNS = (
@@ -43,26 +49,6 @@ _COLUMNS = (
     "normalized (calibrated)",
     "gap closed",
 )
-
-
-def gap_closed(
-    merged: float | None, calibrated: float | None, expert: float | None
-) -> float | None:
-    """Share of the merged→expert accuracy gap that calibration closed, in percent.
-
-    (calibrated − merged) / (expert − merged) × 100: 0 when calibration changed nothing, 100 when
-    it reached the expert, negative when it made things worse, above 100 when it beat the expert.
-    None (shown "—") when a value is missing or non-finite, or when the merged model already
-    matches or beats the expert (no gap to close: a ratio there would read as "600 %").
-    """
-    if merged is None or calibrated is None or expert is None:
-        return None
-    if not all(math.isfinite(v) for v in (merged, calibrated, expert)):
-        return None
-    gap = expert - merged
-    if gap <= _GAP_EPS:
-        return None
-    return (calibrated - merged) / gap * 100.0
 
 
 def _number(value: Any) -> float | None:
@@ -84,57 +70,42 @@ class _Row:
     accuracy: dict[str, float | None]  # model → accuracy (fraction)
     normalized: dict[str, float | None]  # "merged" / "calibrated" → normalized (fraction)
     gap: float | None  # percent
-    counts: dict[str, int] = field(default_factory=dict)  # average row: tasks behind each column
 
 
-def _rows(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[_Row]:
-    """One row per task, then the average row (absent when there are no tasks)."""
+def _rows(
+    evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]], figures: Figures | None = None
+) -> list[_Row]:
+    """One row per task, then the average row (absent when there are no tasks): every number
+    from `summary_figures` (the per-task ratios and the averages)."""
+    figures = figures if figures is not None else summary_figures(evaluation)
     rows = []
-    for task, models in evaluation.items():
-        models = models or {}
-        accuracy = {m: _number((models.get(m) or {}).get("accuracy")) for m in MODEL_ORDER}
-        normalized = {
-            m: _number((models.get(m) or {}).get("normalized")) for m in ("merged", "calibrated")
-        }
-        gap = gap_closed(accuracy["merged"], accuracy["calibrated"], accuracy["expert"])
-        rows.append(_Row(str(task), accuracy, normalized, gap))
+    for task in figures.tasks:
+        values = figures.per_task.get(task, {})
+        accuracy = {m: (values.get(m) or {}).get("accuracy") for m in MODEL_ORDER}
+        normalized = {m: (values.get(m) or {}).get("normalized") for m in ("merged", "calibrated")}
+        rows.append(
+            _Row(task, accuracy, normalized, (values.get("calibrated") or {}).get("gap_closed"))
+        )
     if not rows:
         return rows
-    accuracy, normalized, counts = {}, {}, {}
-    for m in MODEL_ORDER:
-        accuracy[m], counts[m] = _mean([r.accuracy[m] for r in rows])
-    for m in ("merged", "calibrated"):
-        normalized[m], counts[f"normalized ({m})"] = _mean([r.normalized[m] for r in rows])
-    gap = gap_closed(accuracy["merged"], accuracy["calibrated"], accuracy["expert"])
-    rows.append(_Row("average", accuracy, normalized, gap, counts))
+
+    def value(found: Mapping[str, Figure], m: str) -> float | None:
+        return found[m].value if m in found else None
+
+    rows.append(
+        _Row(
+            "average",
+            {m: value(figures.accuracy, m) for m in MODEL_ORDER},
+            {m: value(figures.normalized, m) for m in ("merged", "calibrated")},
+            value(figures.gap_closed, "calibrated"),
+        )
+    )
     return rows
 
 
 def headline(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
-    """The report's average row as flat numbers (metrics.json, a DVC metric): `tasks` (count),
-    `accuracy_mean/<model>` and `normalized_mean/<merged|calibrated>` (fractions, means over the
-    tasks that have the value), `gap_closed_mean` (percent of the average merged→expert gap,
-    null where there is none) and `examples_min` (the fewest rows any task was evaluated on:
-    fewer than a split holds when evaluation.max_examples_per_task cut it). Keys of models not
-    evaluated are left out."""
-    rows = _rows(evaluation)
-    out: dict[str, Any] = {"tasks": max(len(rows) - 1, 0)}
-    if rows:
-        average = rows[-1]
-        out.update({f"accuracy_mean/{m}": v for m, v in average.accuracy.items() if v is not None})
-        out.update(
-            {f"normalized_mean/{m}": v for m, v in average.normalized.items() if v is not None}
-        )
-        out["gap_closed_mean"] = average.gap
-    examples = [
-        r["examples"]
-        for models in evaluation.values()
-        for r in (models or {}).values()
-        if isinstance(r, Mapping) and isinstance(r.get("examples"), int)
-    ]
-    if examples:
-        out["examples_min"] = min(examples)
-    return out
+    """metrics.json (a DVC metric): `headline_metrics` of the table's `summary_figures`."""
+    return headline_metrics(summary_figures(evaluation))
 
 
 def _pct(value: float | None) -> str:
@@ -220,9 +191,9 @@ def above_expert(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> l
     """ "task (model) 108.3 %" for each normalized accuracy above 100 % (a model beating the task's
     expert), which lifts the normalized average where raw accuracy may not move."""
     found = []
-    for task, models in evaluation.items():
-        for model, r in (models or {}).items():
-            value = _number(r.get("normalized")) if isinstance(r, Mapping) else None
+    for task, models in summary_figures(evaluation).per_task.items():
+        for model, values in models.items():
+            value = values.get("normalized")
             if value is not None and value > 1.0 and model != "expert":
                 found.append(f"{task} ({model}) {_pct(value)} %")
     return found
@@ -242,39 +213,57 @@ def evaluated_precision(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]
     return "/".join(found) or None
 
 
-def _average_notes(rows: list[_Row]) -> list[str]:
-    """Columns whose average covers only some of the tasks (those that have the value)."""
-    if not rows:
-        return []
-    average, tasks = rows[-1], len(rows) - 1
+def _table_figures(figures: Figures) -> dict[str, Figure]:
+    """The accuracy table's average row as figures: {column: figure}."""
+    found = {m: figures.accuracy[m] for m in MODEL_ORDER if m in figures.accuracy}
+    found.update(
+        {
+            f"normalized ({m})": figures.normalized[m]
+            for m in ("merged", "calibrated")
+            if m in figures.normalized
+        }
+    )
+    if "calibrated" in figures.gap_closed:
+        found["gap closed"] = figures.gap_closed["calibrated"]
+    return found
+
+
+def _average_notes(figures: Figures) -> list[str]:
+    """Columns whose average covers only some of the tasks: which, and why the others are left
+    out ("base: averaged over 1 of 3 tasks; left out: svhn, x, not evaluated")."""
     return [
-        f"{column}: averaged over the {count} of {tasks} tasks that have it"
-        for column, count in average.counts.items()
-        if 0 < count < tasks
+        f"{column}: averaged {figure.over()}"
+        for column, figure in _table_figures(figures).items()
+        if 0 < figure.used < figure.of
     ]
 
 
-def _summary(rows: list[_Row], calibration_present: bool) -> str:
-    if not rows:
+def _summary(figures: Figures, calibration_present: bool) -> str:
+    if not figures.tasks:
         return "The evaluation table is empty: no task was evaluated."
-    average, tasks = rows[-1], len(rows) - 1
+    tasks = len(figures.tasks)
+    mean = {m: f.value for m, f in figures.accuracy.items()}
     parts = [
-        f"{m} {_pct(average.accuracy[m])} %"
+        f"{m} {_pct(mean[m])} %"
         for m in ("expert", "merged", "calibrated")
-        if average.accuracy[m] is not None
+        if mean.get(m) is not None
     ]
     text = f"Average accuracy over {tasks} task{'s' if tasks != 1 else ''}: " + ", ".join(parts)
-    if average.accuracy["base"] is not None:
-        text += f" (base {_pct(average.accuracy['base'])} %)"
+    if mean.get("base") is not None:
+        text += f" (base {_pct(mean['base'])} %)"
     text += ". "
-    if average.accuracy["calibrated"] is None:
+    gap = figures.gap_closed.get("calibrated")
+    if mean.get("calibrated") is None:
         text += "No calibrated model was evaluated" + (
             "." if calibration_present else " (FeatCal was not run)."
         )
-    elif average.gap is None:
-        text += "On average the merged model matches the expert: there is no gap to close."
+    elif gap is None or gap.value is None:
+        why = gap.undefined if gap is not None else "no expert or merged model was evaluated"
+        text += f"There is no gap to close ({why})."
     else:
-        text += f"Calibration closed {_gap_text(average.gap)} % of the merged→expert gap."
+        text += (
+            f"Calibration closed {_gap_text(gap.value)} % of the merged→expert gap ({gap.over()})."
+        )
     return text
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from featcal_core.io.outputs import check_output, guarded_directory
 from featcal_core.report import plots as plotting  # looked up at call time (tests patch it)
+from featcal_core.report.figures import headline_lines, summary_figures
 from featcal_core.report.html import _html
 from featcal_core.report.markdown import _markdown
 from featcal_core.report.paper_reference import paper_section
@@ -59,8 +60,10 @@ def write_report(
     """
     out = Path(out_dir)
     check_output(out, overwrite=True, flag="report directory")  # before any work
-    rows = _rows(evaluation)
-    notes = _average_notes(rows)
+    figures = summary_figures(evaluation)  # every average and ratio the report shows
+    rows = _rows(evaluation, figures)
+    headline = headline_lines(figures)
+    notes = _average_notes(figures)
     if (counted := evaluated_rows(evaluation)) is not None:  # e.g. evaluation.max_examples_per_task
         notes.insert(0, f"evaluated on {counted} of the evaluation split")
     if (cut := evaluation_cut(evaluation)) is not None:
@@ -76,7 +79,7 @@ def write_report(
         )
     if (dtype := evaluated_precision(evaluation)) is not None:  # evaluation.precision
         notes.append(f"evaluation forwards in {dtype}")
-    summary = _summary(rows, calibration is not None)
+    summary = _summary(figures, calibration is not None)
     caption = table_caption(evaluation)
     if cut is not None:
         summary += " Evaluation was cut short (evaluation.max_examples_per_task; see the notes)."
@@ -99,10 +102,12 @@ def write_report(
         if has_drift and calibration is not None:  # (has_drift implies a calibration)
             plotting.plot_drift(tmp / "drift.png", calibration)
         (tmp / "report.md").write_text(
-            _markdown(run_name, summary, rows, notes, plots, sections, caption), encoding="utf-8"
+            _markdown(run_name, summary, headline, rows, notes, plots, sections, caption),
+            encoding="utf-8",
         )
         (tmp / "report.html").write_text(
-            _html(run_name, summary, rows, notes, plots, sections, caption), encoding="utf-8"
+            _html(run_name, summary, headline, rows, notes, plots, sections, caption),
+            encoding="utf-8",
         )
         names = sorted(p.name for p in tmp.iterdir())
     return {name: out / name for name in names}

@@ -21,6 +21,14 @@ TINY_CLIP = dict(
     image_size=32,
     patch_size=8,
 )
+TINY_LLAMA = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 TINY_BERT = dict(
     hidden_size=32,
     intermediate_size=64,

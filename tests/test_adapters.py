@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import factories
+from factories import TINY_BERT, TINY_LLAMA
 from featcal_cli.main import main
 from featcal_core.data.synthetic import build_pool
 from featcal_core.errors import FeatCalError
@@ -28,21 +29,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Adapter 'default'.*invalid shape"),
 ]
 
-TINY_LLAMA = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
-TINY_BERT = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    max_position_embeddings=64,
-)
 #: the Llama adapters of the tests: plain LoRA (with an embedding and modules_to_save), rsLoRA,
 #: rank_pattern / alpha_pattern
 LLAMA_LORAS = {

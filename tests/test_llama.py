@@ -25,20 +25,13 @@ from transformers import (
 )
 
 import factories
+from factories import TINY_LLAMA
 from featcal_cli.main import main
 from featcal_core.architectures import detect
 from featcal_core.data.synthetic import build_pool, word_tokenizer
 from featcal_core.errors import FeatCalError
 from reference import Family, reference_featcal
 
-TINY_LLAMA = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
 TINY_QWEN2 = dict(TINY_LLAMA, model_type="qwen2")
 
 

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import factories
+from factories import TINY_LLAMA
 from featcal_cli import merge_command
 from featcal_cli.main import build_parser
 from featcal_core import merging
@@ -27,15 +28,6 @@ from featcal_core.io.safetensors_io import Reader
 from featcal_core.merging.base import MergeMethod
 from featcal_core.merging.run import merge_checkpoints
 from featcal_core.merging.ties import Ties, kept_count
-
-TINY_LLAMA = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
 
 TASKS = ("alpha", "beta", "gamma")
 

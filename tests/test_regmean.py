@@ -19,6 +19,7 @@ from transformers import (
 )
 
 import factories
+from factories import TINY_LLAMA
 from featcal_cli.main import main
 from featcal_core.data.synthetic import build_pool
 from featcal_core.errors import FeatCalError
@@ -29,14 +30,6 @@ from featcal_core.repair.closed_form import reduce_off_diagonal_, regmean_weight
 from featcal_core.repair.grams import GramSum
 
 F64 = torch.float64
-TINY_LLAMA = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
 TINY_T5 = dict(
     d_model=16,
     d_ff=32,

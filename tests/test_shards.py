@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import factories
+from factories import TINY_LLAMA
 from featcal_cli.main import main
 from featcal_core.data.synthetic import WORDS, build_pool
 from featcal_core.errors import FeatCalError
@@ -27,14 +28,6 @@ from featcal_core.io.shards import plan_layout
 from featcal_core.merging.run import merge_checkpoints
 from featcal_core.method.calibration import calibrate
 
-TINY_LLAMA = dict(
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-)
 TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
 #: small enough that the tiny Llama (about 80 kB of float32) is written in several shards
 SMALL = "20KB"

@@ -144,10 +144,10 @@ def restored_files(root: Path, entries: list[Path], flag: str) -> dict[str, str]
     lock_file = find_dvc_lock(root.parent)
     if lock_file is None and any(e.name in RECORD_NAMES for e in entries):
         raise FeatCalError(
-            f"{flag} {root} looks like a results folder restored by `dvc pull`, but no dvc.lock "
-            "lies above it to prove its files are featcal's; use it inside the DVC project that "
-            "restored it (where its dvc.lock is), restore it there again (`git clone` + `dvc "
-            f"pull`), or choose a new or empty folder for {flag} (left untouched)"
+            f"{flag} {root} is a folder featcal did not create: no dvc.lock lies above it to "
+            "prove its files are featcal's; if `dvc pull` restored it, use it inside the DVC "
+            "project that restored it (where its dvc.lock is) or restore it there again (`git "
+            f"clone` + `dvc pull`); else choose a new or empty folder for {flag} (left untouched)"
         )
     outs = recorded_outs(lock_file) if lock_file is not None else {}
     where = (

@@ -144,7 +144,7 @@ PRESETS: dict[str, ZooSpec] = {
 }
 
 
-# the paper's regime (issue 27): the vision preset's tasks and base, its experts fine-tuned gently
+# the paper's regime: the vision preset's tasks and base, its experts fine-tuned gently
 # with a head fitted on the base's features and kept frozen (task arithmetic's CLIP recipe, where
 # the zero-shot head stays fixed), so that each task vector is small next to the base (≈ 2 %)
 PRESETS["vision-paper"] = dataclasses.replace(

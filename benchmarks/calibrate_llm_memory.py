@@ -29,6 +29,15 @@ that.
 Target: peak RSS of `featcal calibrate` below the size of one expert checkpoint (≈ 2.2 GB at the
 default geometry), i.e. memory bounded by about one block, not the model.
 
+Beside each plain calibrate run it prints the memory model's prediction
+(featcal_core/method/memory_model.py, via memory_prediction.py): peak RSS with the terms live at
+the predicted peak, the time per block at GEMM rates measured on the spot, the bytes written and
+read through files. --geometry takes a published geometry (e.g. llama-3.1-8b: hidden 4096,
+intermediate 14336, 32 heads, 8 kv heads; the vocabulary stays --vocab), --dtype float32 stores
+float32 weights (the block passes run in the checkpoints' dtype: on a CPU without native bfloat16
+matmuls bfloat16 is several times slower), --modes spill memory runs each precision both with
+`--spill-dir` and in memory.
+
 --flow-traffic 0 default runs the resumable flow (`--results-dir`) once per memory budget and
 prints each run's bytes written and read, to show what holding a block's statistics in memory
 saves (budget 0: every task's statistics go to a file and are read back).
@@ -42,6 +51,8 @@ per-block restored/computed flags from featcal.json.
     .venv/bin/python benchmarks/calibrate_llm_memory.py [--work DIR] [--keep] [--resume-check]
     .venv/bin/python benchmarks/calibrate_llm_memory.py --hidden 128 --intermediate 256 \\
         --layers 2 --heads 4 --kv-heads 2 --vocab 512 --shard-mb 0.2    # a small smoke run
+    .venv/bin/python benchmarks/calibrate_llm_memory.py --geometry llama-3.1-8b --layers 2 \\
+        --vocab 1024 --dtype float32 --rows 8 --precision float32 --modes spill memory
 
 The default geometry needs about 16 GB of disk (base and 4 experts 5 × 2.2 GB, merged and
 calibrated 2 × 2.2 GB; about 23 GB with --resume-check: two more outputs and the per-block states)
@@ -61,7 +72,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llm_pool import INDEX, POOL_OPTIONS, add_pool_arguments, build
+import memory_prediction
+from llm_pool import INDEX, POOL_OPTIONS, add_pool_arguments, build, resolve_geometry
 from measure import MIB, Step, evict, measure
 
 log = logging.getLogger("calibrate_llm_memory")
@@ -210,36 +222,60 @@ def resume_check(args, pool, tasks, merged, work, env, plain_out) -> tuple[list[
 
 
 def plain_calibrate(args, pool, tasks, merged, out, work, env, logs, steps) -> list[str]:
-    """`featcal calibrate --spill-dir` (no flow) once per --precision: the memory figure and the
-    time per block of each; appends their Steps (`out` is the first precision's output)."""
+    """`featcal calibrate` (no flow) once per --precision and --modes (spill: `--spill-dir`,
+    memory: streams and statistics in memory): the memory figure and the time per block of each,
+    beside the memory model's prediction; appends their Steps (`out` is the first run's
+    output)."""
     lines, per_block = [], {}
+    built = json.loads((pool / "build.json").read_text())
+    measured = memory_prediction.baseline(env)
+    baseline = measured["rss"]
+    lines.append(
+        f"process baseline (imports, measured): {baseline / MIB:.0f} MiB resident, "
+        f"{measured['read'] / 1e6:.0f} MB read"
+    )
+    rates = None
+    first = (args.precision[0], args.modes[0])
     for precision in args.precision:
-        target = out if precision == args.precision[0] else out.with_name(f"{out.name}_{precision}")
-        if not args.warm_cache:
-            evict([pool, merged])
-        cmd = _calibrate_args(pool, tasks, merged, target, args, precision)
-        cmd += ["--spill-dir", str(work / "spill")]
-        step = measure(f"calibrate {precision}", _featcal(*cmd), env, logs, args.poll)
-        step.vmhwm = _record_peak(target / "featcal.json")
-        steps.append(step)
-        record = json.loads((target / "featcal.json").read_text())
-        block_s = [b["seconds"] for b in record["blocks"]]
-        per_block[precision] = sum(block_s) / len(block_s)
-        ran = record["hyperparameters"]
-        lines.append(
-            f"calibrate {precision}: {len(block_s)} blocks, {sum(block_s):.1f} s in blocks "
-            f"(mean {per_block[precision]:.2f} s), record wall {record['wall_seconds']} s; ran "
-            f"{ran.get('precision')} ({ran.get('precision_reason')}), products "
-            f"{ran.get('products_precision')}"
-        )
-        spill_left = _dir_bytes(work / "spill") if (work / "spill").exists() else 0
-        lines.append(f"spill directory after the run: {spill_left} bytes")
-        if target != out:
-            shutil.rmtree(target, ignore_errors=True)
-    first = args.precision[0]
+        for mode in args.modes:
+            name = f"{precision}" + ("" if mode == "spill" else " in memory")
+            target = out if (precision, mode) == first else out.with_name(f"{out.name}_{mode}")
+            if not args.warm_cache:
+                evict([pool, merged])
+            cmd = _calibrate_args(pool, tasks, merged, target, args, precision)
+            if mode == "spill":
+                cmd += ["--spill-dir", str(work / "spill")]
+            step = measure(f"calibrate {name}", _featcal(*cmd), env, logs, args.poll)
+            step.vmhwm = _record_peak(target / "featcal.json")
+            steps.append(step)
+            record = json.loads((target / "featcal.json").read_text())
+            block_s = [b["seconds"] for b in record["blocks"]]
+            per_block[(precision, mode)] = sum(block_s) / len(block_s)
+            ran = record["hyperparameters"]
+            lines.append(
+                f"calibrate {name}: {len(block_s)} blocks, {sum(block_s):.1f} s in blocks "
+                f"(mean {per_block[(precision, mode)]:.2f} s), record wall "
+                f"{record['wall_seconds']} s; ran {ran.get('precision')} "
+                f"({ran.get('precision_reason')}), products {ran.get('products_precision')}"
+            )
+            spill_left = _dir_bytes(work / "spill") if (work / "spill").exists() else 0
+            lines.append(f"spill directory after the run: {spill_left} bytes")
+            geometry, workload = memory_prediction.workload(
+                built, args, record, mode == "spill", baseline
+            )
+            if rates is None:
+                names = [memory_prediction.passes_dtype(workload), workload.products, "float64"]
+                rates = memory_prediction.gemm_rates(env, names)
+            lines += memory_prediction.compare(
+                f"calibrate {name}", step, record, geometry, workload, rates, measured["read"]
+            )
+            if target != out:
+                shutil.rmtree(target, ignore_errors=True)
     for precision in args.precision[1:]:
+        mode = args.modes[0]
         lines.append(
-            f"time per block, {precision} / {first}: {per_block[precision] / per_block[first]:.2f}"
+            f"time per block, {precision} / {first[0]}: "
+            f"{per_block[(precision, mode)] / per_block[first]:.2f}"
         )
     return lines
 
@@ -286,7 +322,8 @@ def report(info: dict, steps: list[Step], extra_lines: list[str]) -> None:
     print()
     print(
         f"model: Llama {info['geometry']}, {info['parameters']:,} parameters "
-        f"({info['parameters'] / 1e9:.3f} B), bf16, {info['shards']} shards per checkpoint"
+        f"({info['parameters'] / 1e9:.3f} B), {info['dtype']}, {info['shards']} shards per "
+        "checkpoint"
     )
     print(
         f"one expert checkpoint: {_gb(expert)}; {info['experts']} experts: "
@@ -366,6 +403,14 @@ def main() -> None:
         "the first); the resume check and the flow-traffic runs use the first",
     )
     parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["spill"],
+        choices=["spill", "memory"],
+        help="plain `featcal calibrate` runs per precision: spill (--spill-dir: streams and "
+        "per-task statistics on disk) and/or memory (both held in memory)",
+    )
+    parser.add_argument(
         "--skip-plain",
         action="store_true",
         help="with --resume-check: skip the plain `featcal calibrate --spill-dir` run",
@@ -384,6 +429,7 @@ def main() -> None:
         help="only build the pool under --work/pool (what the build step runs)",
     )
     args = parser.parse_args()
+    resolve_geometry(args)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -476,7 +522,8 @@ def main() -> None:
 
         geometry = (
             f"hidden {args.hidden}, intermediate {args.intermediate}, {args.layers} layers, "
-            f"{args.heads} heads, {args.kv_heads} kv heads, vocab {args.vocab}"
+            f"{args.heads} heads, {args.kv_heads} kv heads, vocab {args.vocab}, "
+            f"{args.rows} texts of <= {args.tokens} tokens per task"
         )
         info = {
             "geometry": geometry,
@@ -486,6 +533,7 @@ def main() -> None:
             "expert_bytes": _weight_bytes(experts[0]),
             "merged_bytes": _weight_bytes(merged),
             "warm": args.warm_cache,
+            "dtype": args.dtype,
         }
         report(info, steps, lines)
     finally:

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import library_calibrate
-from llm_pool import add_pool_arguments, build
+from llm_pool import add_pool_arguments, build, resolve_geometry
 
 PHASES = ("read", "forward", "statistics", "solve")
 MIB = 2**20
@@ -94,6 +94,7 @@ def main() -> None:
     parser.add_argument("--precision", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--work", type=Path, default=None, help="scratch directory")
     args = parser.parse_args()
+    resolve_geometry(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
     work = args.work or Path(tempfile.mkdtemp(prefix="featcal-llm-blocks-"))

@@ -1,10 +1,11 @@
 """Building the synthetic Llama pool of `calibrate_llm_memory.py` (in its --build-only process).
 
 A Llama-layout causal LM (layout from a `LlamaForCausalLM` on the `meta` device) with random bf16
-weights, experts = base + seeded low-rank deltas, every tensor generated row chunk by row chunk and
-streamed into sharded safetensors, plus per-task `save_to_disk` calibration sets. torch, transformers
-and featcal_core are imported lazily, so the measuring parent can import this module for its
-constants without importing them.
+(or float32: --dtype) weights, experts = base + seeded low-rank deltas, every tensor generated row
+chunk by row chunk and streamed into sharded safetensors, plus per-task `save_to_disk` calibration
+sets. torch, transformers and featcal_core's heavy parts are imported lazily, so the measuring
+parent can import this module for its constants without importing them (the geometries come from
+featcal_core.method.memory_model, pure arithmetic).
 """
 
 from __future__ import annotations
@@ -37,21 +38,47 @@ POOL_OPTIONS = (
     "rows",
     "tokens",
     "seed",
+    "dtype",
 )
+#: the geometry options and their defaults without --geometry (TinyLlama 1.1 B)
+GEOMETRY_DEFAULTS = {
+    "hidden": 2048,
+    "intermediate": 5632,
+    "heads": 32,
+    "kv_heads": 4,
+    "vocab": 32000,
+}
+#: safetensors names of the weight dtypes --dtype offers
+DTYPES = {"bfloat16": "BF16", "float32": "F32"}
 
 
 def add_pool_arguments(parser, layers: int) -> None:
     """The options of POOL_OPTIONS (and Task Arithmetic's --scale) on `parser`: TinyLlama's
-    geometry by default, with `layers` blocks."""
+    geometry by default, or a published one (--geometry), with `layers` blocks; call
+    `resolve_geometry` on the parsed arguments."""
+    from featcal_core.method.memory_model import GEOMETRIES  # pure arithmetic: no torch
+
     geometry = parser.add_argument_group(
         f"model geometry (default: TinyLlama 1.1 B, {layers} layers)"
     )
-    geometry.add_argument("--hidden", type=int, default=2048)
-    geometry.add_argument("--intermediate", type=int, default=5632)
+    geometry.add_argument(
+        "--geometry",
+        choices=sorted(GEOMETRIES),
+        default=None,
+        help="a published geometry: its hidden, intermediate, heads and kv heads (not its "
+        "vocabulary: the embedding is not calibrated; --vocab, default 32000, sets it); the "
+        "single options below override it",
+    )
+    for name in GEOMETRY_DEFAULTS:
+        geometry.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
     geometry.add_argument("--layers", type=int, default=layers)
-    geometry.add_argument("--heads", type=int, default=32)
-    geometry.add_argument("--kv-heads", type=int, default=4)
-    geometry.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="bfloat16",
+        help="the checkpoints' weight dtype (float32: the block passes run in float32, for a "
+        "CPU without native bfloat16 matmuls)",
+    )
     parser.add_argument("--rank", type=int, default=16, help="rank of the expert deltas")
     parser.add_argument("--delta", type=float, default=0.002, help="std of the delta entries")
     parser.add_argument("--norm-delta", type=float, default=0.01, help="std of the norm noise")
@@ -61,6 +88,19 @@ def add_pool_arguments(parser, layers: int) -> None:
     parser.add_argument("--tokens", type=int, default=128, help="tokens per sequence (max)")
     parser.add_argument("--scale", type=float, default=0.3, help="Task Arithmetic scale")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def resolve_geometry(args) -> None:
+    """Fill the geometry options left out: from --geometry, else TinyLlama's."""
+    from featcal_core.method.memory_model import GEOMETRIES
+
+    named = GEOMETRIES[args.geometry] if args.geometry else None
+    for name, default in GEOMETRY_DEFAULTS.items():
+        if getattr(args, name) is None:
+            value = default
+            if named is not None and name != "vocab":
+                value = getattr(named, name)
+            setattr(args, name, value)
 
 
 def _seed(*parts: object) -> int:
@@ -91,7 +131,7 @@ def _layout(args) -> tuple[object, list[tuple[str, tuple[int, ...]]], object]:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        dtype="bfloat16",
+        dtype=args.dtype,
     )
     config.architectures = ["LlamaForCausalLM"]
     with torch.device("meta"):
@@ -101,17 +141,20 @@ def _layout(args) -> tuple[object, list[tuple[str, tuple[int, ...]]], object]:
     return config, tensors, tokenizer
 
 
-def _shards(tensors, max_bytes: int) -> list[list[tuple[str, str, tuple[int, ...]]]]:
-    """Consecutive tensors grouped into shards of at most max_bytes (bf16) each (a larger tensor
-    gets a shard of its own)."""
+def _shards(
+    tensors, max_bytes: int, dtype: str = "bfloat16"
+) -> list[list[tuple[str, str, tuple[int, ...]]]]:
+    """Consecutive tensors grouped into shards of at most max_bytes (in `dtype`) each (a larger
+    tensor gets a shard of its own)."""
     shards: list[list[tuple[str, str, tuple[int, ...]]]] = [[]]
     size = 0
+    itemsize = 4 if dtype == "float32" else 2
     for name, shape in tensors:
-        nbytes = math.prod(shape) * 2
+        nbytes = math.prod(shape) * itemsize
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0
-        shards[-1].append((name, "BF16", shape))
+        shards[-1].append((name, DTYPES[dtype], shape))
         size += nbytes
     return shards
 
@@ -132,12 +175,14 @@ def _base_chunks(name: str, shape: tuple[int, ...], seed: int):
 
 
 def _fetcher(shapes: dict[str, tuple[int, ...]], args, task: str | None) -> Callable:
-    """fetch(name) → the bf16 tensor of the base (task None) or of expert `task`."""
+    """fetch(name) → the tensor (in args.dtype) of the base (task None) or of expert `task`."""
     import torch
+
+    dtype = getattr(torch, args.dtype)
 
     def fetch(name: str):
         shape = shapes[name]
-        out = torch.empty(shape, dtype=torch.bfloat16)
+        out = torch.empty(shape, dtype=dtype)
         if task is None:
             for start, stop, chunk in _base_chunks(name, shape, args.seed):
                 out[start:stop] = chunk
@@ -145,7 +190,7 @@ def _fetcher(shapes: dict[str, tuple[int, ...]], args, task: str | None) -> Call
         gen = torch.Generator().manual_seed(_seed(args.seed, "delta", task, name))
         if len(shape) == 1:
             noise = torch.randn(shape, generator=gen).mul_(args.norm_delta)
-            return (torch.ones(shape) + noise).to(torch.bfloat16)
+            return (torch.ones(shape) + noise).to(dtype)
         rank = min(args.rank, *shape)
         a = torch.randn((shape[0], rank), generator=gen)
         b = torch.randn((rank, shape[1]), generator=gen)
@@ -158,6 +203,7 @@ def _fetcher(shapes: dict[str, tuple[int, ...]], args, task: str | None) -> Call
 
 
 def _write_checkpoint(directory: Path, config, shards, shapes, fetch, desc: str) -> None:
+    """config.json, the shards (tensors fetched one at a time) and the index."""
     from tqdm.auto import tqdm
 
     from featcal_core.io.safetensors_io import write_streaming
@@ -168,7 +214,8 @@ def _write_checkpoint(directory: Path, config, shards, shapes, fetch, desc: str)
     weight_map = {
         entry[0]: file for file, shard in zip(names, shards, strict=True) for entry in shard
     }
-    total = sum(math.prod(shape) * 2 for shape in shapes.values())
+    itemsize = 4 if shards[0][0][1] == "F32" else 2
+    total = sum(math.prod(shape) * itemsize for shape in shapes.values())
     bar = tqdm(total=len(shapes), desc=desc, unit="tensor", leave=False)
 
     def counted(name: str):
@@ -185,8 +232,10 @@ def _write_checkpoint(directory: Path, config, shards, shapes, fetch, desc: str)
     (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _calibration_set(path: Path, words: list[str], args, index: int) -> None:
-    """`args.rows` sequences of tokens-16 … tokens-1 random words (+ bos: up to `tokens` tokens)."""
+def _calibration_set(path: Path, words: list[str], args, index: int) -> dict[str, int]:
+    """`args.rows` sequences of tokens-16 … tokens-1 random words (+ bos: up to `tokens` tokens;
+    the word tokenizer gives one token per word); returns {"padded": the longest in tokens,
+    "tokens": all of them}."""
     import datasets
     import numpy as np
 
@@ -197,6 +246,8 @@ def _calibration_set(path: Path, words: list[str], args, index: int) -> None:
         for _ in range(args.rows)
     ]
     datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(path))
+    lengths = [len(text.split()) + 1 for text in texts]
+    return {"padded": max(lengths), "tokens": sum(lengths)}
 
 
 def build(args, pool: Path) -> None:
@@ -204,7 +255,7 @@ def build(args, pool: Path) -> None:
     with build.json is complete)."""
     config, tensors, tokenizer = _layout(args)
     shapes = dict(tensors)
-    shards = _shards(tensors, int(args.shard_mb * 10**6))
+    shards = _shards(tensors, int(args.shard_mb * 10**6), args.dtype)
     params = sum(math.prod(shape) for shape in shapes.values())
     log.info(
         "%d tensors, %d parameters (%.2f B), %d shards of <= %g MB per checkpoint",
@@ -224,8 +275,10 @@ def build(args, pool: Path) -> None:
         log.info("wrote expert %s", task)
     special = set(tokenizer.all_special_tokens)
     words = sorted(w for w in tokenizer.get_vocab() if w not in special)
-    for i, task in enumerate(tasks):
-        _calibration_set(pool / f"calib_{task}", words, args, i)
+    calibration = {
+        task: _calibration_set(pool / f"calib_{task}", words, args, i)
+        for i, task in enumerate(tasks)
+    }
     from featcal_core.memory import peak_rss_bytes
 
     spec = {k: getattr(args, k) for k in POOL_OPTIONS}
@@ -234,6 +287,7 @@ def build(args, pool: Path) -> None:
         "tasks": tasks,
         "parameters": params,
         "shards": len(shards),
+        "calibration": calibration,
         "peak_rss_bytes": peak_rss_bytes(),
     }
     (pool / "build.json").write_text(json.dumps(record, indent=2) + "\n")

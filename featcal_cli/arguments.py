@@ -136,9 +136,13 @@ def hub_models(args: argparse.Namespace) -> None:
     """Hub ids wherever a model folder is taken (`--base`, each `--expert TASK=...`): a value that
     is no local folder but reads as `owner/name[@revision]` is fetched (configs, tokenizer files
     and safetensors weights, through the Hugging Face cache, as the pipeline's download step
-    does: featcal_core.provenance.resolve) and replaced by its local snapshot folder, in place.
-    Anything else is left for the command to check."""
+    does: featcal_core.provenance.resolve) and replaced by its local snapshot folder, in place;
+    where each came from (`ResolvedModel.source()`: Hub id, revision, commit) is kept in
+    `args.model_sources` ({"base": ..., "experts": {task: ...}}) for the records. Anything else
+    is left for the command to check."""
     from pathlib import Path
+
+    sources: dict[str, dict] = {}
 
     def local(text: str, flag: str) -> str:
         if Path(text).expanduser().exists():
@@ -156,12 +160,22 @@ def hub_models(args: argparse.Namespace) -> None:
         from featcal_core.params import ModelRef
         from featcal_core.provenance.resolve import resolve_model
 
-        return str(resolve_model(ModelRef.model_validate(text), flag).path)
+        model = resolve_model(ModelRef.model_validate(text), flag)
+        sources[flag] = model.source()
+        return str(model.path)
 
+    found: dict = {"base": None, "experts": {}}
     if isinstance(getattr(args, "base", None), str):
         args.base = local(args.base, "--base")
+        found["base"] = sources.get("--base")
     if isinstance(getattr(args, "expert", None), list):
         args.expert = [(task, local(path, f"--expert {task}")) for task, path in args.expert]
+        found["experts"] = {
+            task: sources[f"--expert {task}"]
+            for task, _ in args.expert
+            if f"--expert {task}" in sources
+        }
+    args.model_sources = found
 
 
 def pairs(flag: str, values: list[tuple[str, str]] | None) -> dict[str, str]:

@@ -25,9 +25,19 @@ if TYPE_CHECKING:
 def add_arguments(cal: argparse.ArgumentParser) -> None:
     from featcal_core.params import FeatCalSettings, RunSettings
 
-    cal.add_argument("--base", help="base model directory (with its preprocessor)")
+    cal.add_argument(
+        "--base",
+        metavar="MODEL",
+        help="the base model (with its preprocessor): a folder or Hub id owner/name[@revision]",
+    )
     cal.add_argument("--merged", help="merged model directory")
-    cal.add_argument("--expert", action="append", type=task_path("--expert"), metavar="TASK=DIR")
+    cal.add_argument(
+        "--expert",
+        action="append",
+        type=task_path("--expert"),
+        metavar="TASK=MODEL",
+        help="a fine-tuned expert: a folder or Hub id owner/name[@revision] (repeat per task)",
+    )
     cal.add_argument("--calib", action="append", type=task_path("--calib"), metavar="TASK=DIR")
     cal.add_argument("--out", help="output directory (save_pretrained layout)")
     setting_flags(

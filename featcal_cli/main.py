@@ -32,6 +32,7 @@ from featcal_cli import (
 from featcal_cli.arguments import Command, hub_models
 from featcal_cli.sigterm import sigterm_stops
 from featcal_core.errors import FeatCalError
+from featcal_core.log_detail import is_detail
 
 EXIT_BAD_INPUT = 2
 
@@ -151,8 +152,10 @@ def split_verbosity(argv: list[str]) -> tuple[list[str], int]:
 #: featcal's own loggers (and every logger below them); any other logger is a library's
 OWN_LOGGERS = ("featcal", "featcal_core", "featcal_cli")
 
-#: own loggers that still speak at INFO when quiet: the run's steps, blocks and results
-QUIET_INFO = ("featcal", "featcal_cli", "featcal.tasks", "featcal_core.method.calibration")
+#: own loggers whose INFO lines the console shows when quiet (but their detail lines,
+#: featcal_core.log_detail): the run's steps and results, and a stage's progress off a terminal
+#: (featcal_core.progress: a line per 10 %)
+QUIET_INFO = ("featcal", "featcal_cli", "featcal_core.progress")
 
 
 #: libraries that set their own level (and handler) when imported, from an environment switch:
@@ -167,31 +170,45 @@ LIBRARY_SWITCHES = (
 )
 
 
+def _below(name: str, loggers: tuple[str, ...]) -> bool:
+    return any(name == top or name.startswith(top + ".") for top in loggers)
+
+
 def own_logger(name: str) -> bool:
     """Whether the logger `name` is featcal's own (OWN_LOGGERS or below one), not a library's."""
-    return any(name == own or name.startswith(own + ".") for own in OWN_LOGGERS)
+    return _below(name, OWN_LOGGERS)
 
 
-class LibraryThreshold(logging.Filter):
-    """The filter on featcal's console handler (the root logger's): featcal's own records pass
-    by their loggers' levels; every other logger's (a library's, present or imported later,
-    whatever level it set on its own logger: httpx2's request lines, MLflow's, alembic's) only
-    from `level` up. flows.progress carries it over to the handler that prints above the bar."""
+class ConsoleThreshold(logging.Filter):
+    """The filter on featcal's console handler (the root logger's): a record shows from `level`
+    up, whatever its logger (a library's, present or imported later, whatever level it set on
+    itself: httpx2's request lines, MLflow's, alembic's); below it, an INFO record of featcal's
+    QUIET_INFO loggers shows unless it is a detail line (featcal_core.log_detail: per block,
+    per candidate, per task). flows.progress carries it over to the handler that prints above
+    the bar."""
 
     def __init__(self, level: int) -> None:
         super().__init__()
         self.level = level
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= self.level or own_logger(record.name)
+        if record.levelno >= self.level:
+            return True
+        return (
+            record.levelno >= logging.INFO
+            and _below(record.name, QUIET_INFO)
+            and not is_detail(record)
+        )
 
 
 def configure_logging(verbosity: int) -> None:
-    """Quiet by default, by level: featcal's step, block and result lines at INFO (QUIET_INFO),
-    its other modules from WARNING, every other logger (any library, present or imported
-    later) from WARNING: the root logger's level and the console's LibraryThreshold, so no
-    library's INFO lines (httpx2's HTTP requests) without -v; the libraries' progress bars off.
-    -v: everything at INFO, with bars; -vv: DEBUG. Libraries that set their own level and
+    """Quiet by default, on the console: featcal's step and result lines at INFO (QUIET_INFO,
+    but their detail lines), its other modules' and every other logger's (any library, present
+    or imported later) from WARNING: the console's ConsoleThreshold and the root logger's level,
+    so no library's INFO lines (httpx2's HTTP requests) without -v; the libraries' progress bars
+    off. -v: everything at INFO, with bars; -vv: DEBUG. featcal's own loggers record from INFO
+    at every verbosity (DEBUG with -vv): what the console leaves out still reaches the Prefect
+    UI beside a flow run (flows.environment). Libraries that set their own level and
     handler when imported (LIBRARY_SWITCHES: datasets, transformers, huggingface_hub, MLflow)
     get it through their switches: ERROR when quiet (e.g. datasets' "using the latest cached
     version" per offline load), WARNING with -v (the user's own setting wins). datasets' records
@@ -202,15 +219,17 @@ def configure_logging(verbosity: int) -> None:
         # (a plain StreamHandler: Prefect keeps a user's root handler when it configures logging)
         console = logging.StreamHandler()
         console.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        console.addFilter(LibraryThreshold(level))
+        console.addFilter(ConsoleThreshold(level))
         root.addHandler(console)
     for handler in root.handlers:
         for threshold in handler.filters:
-            if isinstance(threshold, LibraryThreshold):
+            if isinstance(threshold, ConsoleThreshold):
                 threshold.level = level
     root.setLevel(level)  # also when something configured the root before
     for name in (*OWN_LOGGERS, *QUIET_INFO):
-        logging.getLogger(name).setLevel(logging.NOTSET)  # from the root: -v, -vv
+        logging.getLogger(name).setLevel(logging.NOTSET)
+    for name in OWN_LOGGERS:
+        logging.getLogger(name).setLevel(min(level, logging.INFO))
     library = {0: logging.ERROR, 1: logging.WARNING}.get(verbosity, logging.DEBUG)
     for name, switch in LIBRARY_SWITCHES:
         logging.getLogger(name).setLevel(library)
@@ -220,9 +239,6 @@ def configure_logging(verbosity: int) -> None:
     # reports the failure in one line (tracking_store_failure): the traceback is -v's
     logging.getLogger(MLFLOW_STORE_LOGGER).setLevel(logging.CRITICAL if verbosity == 0 else level)
     if verbosity == 0:
-        logging.getLogger("featcal_core").setLevel(logging.WARNING)
-        for name in QUIET_INFO:
-            logging.getLogger(name).setLevel(logging.INFO)
         _library_bars_off()
 
 

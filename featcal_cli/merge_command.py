@@ -1,8 +1,14 @@
 """`featcal merge`: merge fine-tuned experts of one base model into a single checkpoint.
 
-Usage: featcal merge --base DIR --expert TASK=DIR [--expert ...] --method METHOD [--scale S]
+Usage: featcal merge --base MODEL --expert TASK=MODEL [--expert ...] --method METHOD [--scale S]
 [--top-k K] [--hp KEY=VALUE ...] --out DIR [--max-shard-size SIZE] [--overwrite] [--no-progress]
        featcal merge --params params.yaml [--set KEY=VALUE ...]   (the pipeline's merge step)
+
+MODEL is a folder or a Hub id owner/name[@revision] (fetched through the Hugging Face cache). The
+output is a model of its own: the merged weights, the files a model carries (config, tokenizer,
+processor, generation config, chat template) and never the base repository's README.md or
+.gitattributes, `merge.json` (the recipe, and each input's Hub id, revision and commit, or its
+folder) and its own model card, README.md.
 
 `--hp` takes any hyperparameter the chosen method declares (its `defaults`), so a method added to
 featcal_core/merging/ needs no flag here; `--scale` and `--top-k` are short for `--hp scale=...`
@@ -60,14 +66,18 @@ def _hyperparameter(value: str) -> tuple[str, object, str]:
 def add_arguments(merge: argparse.ArgumentParser) -> None:
     from featcal_core.params import RunSettings
 
-    merge.add_argument("--base", help="base (pre-trained) model directory")
+    merge.add_argument(
+        "--base",
+        metavar="MODEL",
+        help="the base (pre-trained) model: a folder or Hub id owner/name[@revision]",
+    )
     merge.add_argument(
         "--expert",
         action="append",
         type=task_path("--expert"),
-        metavar="TASK=DIR",
-        help="a fine-tuned expert: a save_pretrained directory or a peft LoRA adapter folder "
-        "(repeat per task)",
+        metavar="TASK=MODEL",
+        help="a fine-tuned expert: a folder or Hub id owner/name[@revision] (save_pretrained "
+        "layout), or a peft LoRA adapter folder (repeat per task)",
     )
     merge.add_argument(
         "--method", choices=_MethodNames(), metavar="METHOD", help="merge method: %(choices)s"
@@ -93,7 +103,11 @@ def add_arguments(merge: argparse.ArgumentParser) -> None:
         help="any hyperparameter of the method, e.g. "
         "--hp top_k=30 (checked by the method; unknown keys are refused)",
     )
-    merge.add_argument("--out", help="output directory (save_pretrained layout)")
+    merge.add_argument(
+        "--out",
+        help="output folder: the merged model (save_pretrained layout), merge.json and its "
+        "model card README.md",
+    )
     setting_flags(merge, RunSettings, ["max_shard_size"], "run")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     merge.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -121,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings_from_flags(RunSettings, "run", {"max_shard_size": args.max_shard_size})
     hyperparameters = _hyperparameters(args)
+    sources = getattr(args, "model_sources", None) or {}  # Hub ids: featcal_cli.arguments
     record = merge_checkpoints(
         base=args.base,
         experts=pairs("--expert", args.expert),
@@ -130,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         progress=not args.no_progress,
         max_shard_size=args.max_shard_size,
+        base_source=sources.get("base"),
+        expert_sources=sources.get("experts"),
     )
     logging.getLogger("featcal").info(
         "merged %d experts with %s %s in %.1f s, peak RSS %.0f MB -> %s",
@@ -173,7 +190,8 @@ def _hyperparameters(args: argparse.Namespace) -> dict[str, object]:
 COMMANDS = (
     Command(
         "merge",
-        "merge fine-tuned experts into one model, tensor by tensor (streaming)",
+        "merge fine-tuned experts (folders or Hub ids) into one model with its own card and "
+        "merge.json, tensor by tensor (streaming)",
         add_arguments,
         run,
     ),

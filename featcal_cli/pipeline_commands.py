@@ -5,7 +5,9 @@ all driven by params.yaml."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 
 from featcal_cli.arguments import Command, number, params_arguments
 from featcal_cli.step_runner import run_step
@@ -67,9 +69,15 @@ def _serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from featcal.flows.serve import serve
+    """Serve until stopped. Stopped while no scheduled run is in progress (SIGTERM or Ctrl-C)
+    is a normal end: one INFO line `stopped`, exit status 0 (featcal_cli.sigterm.stop_when_idle);
+    SIGTERM during a run ends it as any command (143)."""
+    from featcal.flows.serve import idle, serve
+    from featcal_cli.sigterm import IDLE_LOGGER, IDLE_STOPPED, stop_when_idle
 
-    serve(args.params, args.set, cron=args.cron, interval_s=args.interval, ui=args.ui)
+    with stop_when_idle(idle), contextlib.suppress(KeyboardInterrupt):
+        serve(args.params, args.set, cron=args.cron, interval_s=args.interval, ui=args.ui)
+    logging.getLogger(IDLE_LOGGER).info(IDLE_STOPPED)
     return 0
 
 

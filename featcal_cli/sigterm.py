@@ -23,6 +23,11 @@ and a main thread busy in a long native call runs no handler at all. Instead:
 A child forked without exec (multiprocessing's fork) gets SIGTERM's default back and no wakeup
 fd, so that its own SIGTERM never reaches this process's watcher.
 
+A command that waits for work (`featcal serve` between runs: `stop_when_idle`) stopped while it
+waits ends normally instead: its helper processes stopped as above, one INFO line (`IDLE_STOPPED`,
+formatted as the console formats featcal's log lines) and exit status 0. Stopped while it works (a
+scheduled run in progress), it ends as any command does (143 and `STOPPED`).
+
 What is skipped: Python's exit handlers (Prefect and MLflow mark nothing: the MLflow run stays
 RUNNING and the Prefect flow run Running; a SIGKILL leaves the same), unflushed stdout.
 Finished outputs are never touched, and the next run reuses every step that finished.
@@ -31,6 +36,7 @@ Finished outputs are never touched, and the next run reuses every step that fini
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -44,12 +50,17 @@ STOPPED = (
     "featcal: error: stopped by SIGTERM; its unfinished outputs were removed (run the same "
     "command again to resume)"
 )
+#: the INFO line of a waiting command stopped (`stop_when_idle`), and its logger
+IDLE_STOPPED = "stopped"
+IDLE_LOGGER = "featcal_cli.serve"
 #: how long the watcher waits for the main thread to park before stopping anyway
 REST_S = 0.5
 #: how long the processes this one started have to exit after SIGTERM before SIGKILL
 CHILDREN_S = 1.0
 
 _current: _Stopper | None = None
+#: while a command waits for work (`stop_when_idle`): whether it waits now
+_idle: Callable[[], bool] | None = None
 
 
 def _stop(signum: int, frame) -> None:
@@ -66,7 +77,8 @@ def _stop(signum: int, frame) -> None:
 class _Stopper:
     """The watcher thread of one command and the pipe it hears signals on."""
 
-    def __init__(self, remove_temporaries: Callable[[], object]):
+    def __init__(self, remove_temporaries: Callable[[], object], marker: str):
+        self.marker = marker  # the attribute of a handler that calls `_stop` (it parks)
         self.remove_temporaries = remove_temporaries
         self.resting = threading.Event()
         self.closed = False
@@ -100,7 +112,9 @@ class _Stopper:
                 break
             if self.closed or not data:
                 return
-        if signal.getsignal(signal.SIGTERM) is _stop:  # else nothing parks the main thread
+        idle = _waiting()  # before its helpers are stopped
+        handler = signal.getsignal(signal.SIGTERM)
+        if handler is _stop or getattr(handler, self.marker, False):  # else nothing parks it
             self.resting.wait(REST_S)
         children = descendants(os.getpid())
         _signal(children, signal.SIGTERM)
@@ -112,14 +126,48 @@ class _Stopper:
         _signal(alive, signal.SIGKILL)
         with contextlib.suppress(Exception):  # once the children are gone; the process ends now
             self.remove_temporaries()
-        line = STOPPED.encode() + b"\n"
+        line = (_console_line(IDLE_LOGGER, IDLE_STOPPED) if idle else STOPPED).encode() + b"\n"
         if os.isatty(2):  # over a progress bar's partial line
             line = b"\r\x1b[K" + line
         elif _bars_open():  # below it
             line = b"\n" + line
         with contextlib.suppress(OSError):
             os.write(2, line)
-        os._exit(EXIT_STATUS)
+        os._exit(0 if idle else EXIT_STATUS)
+
+
+def _waiting() -> bool:
+    """Whether the command waits for work now (`stop_when_idle`); False when it cannot tell."""
+    try:
+        return _idle is not None and bool(_idle())
+    except Exception:
+        return False
+
+
+def _console_line(name: str, message: str) -> str:
+    """`message` as the console prints an INFO record of logger `name` (the root's first
+    handler's formatter), formatted without the logging module's locks (a parked main thread
+    may hold one)."""
+    record = logging.LogRecord(name, logging.INFO, __file__, 0, message, None, None)
+    formatter = next((h.formatter for h in logging.getLogger().handlers if h.formatter), None)
+    try:
+        return formatter.format(record) if formatter is not None else message
+    except Exception:
+        return message
+
+
+@contextlib.contextmanager
+def stop_when_idle(idle: Callable[[], bool]) -> Iterator[None]:
+    """For the `with` body of a command that waits for work (`featcal serve`): a SIGTERM while
+    `idle()` is true (nothing in progress) ends the command as a normal stop: its helper
+    processes stopped, one INFO line `IDLE_STOPPED`, exit status 0. `idle` runs on the watcher
+    thread, before anything is stopped."""
+    global _idle
+    previous, _idle = _idle, idle
+    try:
+        yield
+    finally:
+        _idle = previous
 
 
 def _forked_child() -> None:
@@ -200,7 +248,7 @@ def sigterm_stops() -> Iterator[None]:
     from featcal_core.io.outputs import remove_own_temporaries
 
     setattr(_stop, STOPS_THE_PROCESS, True)  # Prefect's flow engine keeps it (command_api)
-    stopper = _Stopper(remove_own_temporaries)
+    stopper = _Stopper(remove_own_temporaries, STOPS_THE_PROCESS)
     _current = stopper
     previous = signal.signal(signal.SIGTERM, _stop)
     previous_fd = signal.set_wakeup_fd(stopper.write_fd, warn_on_full_buffer=False)

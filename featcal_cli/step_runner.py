@@ -25,6 +25,10 @@ def run_step(step: str, args: argparse.Namespace):
     from featcal_core.params import load_params
 
     params = load_params(args.params, [*experiment_set(args.params), *args.set])
+    if params.evaluation.harness is not None:  # every step of such a run needs lm-eval
+        from featcal_core.evaluation.harness import require_lm_eval
+
+        require_lm_eval()
     from featcal.flows.single_step import run_single_step
 
     return run_single_step(params, step, f"featcal {args.command}")

@@ -14,8 +14,8 @@ from featcal_core.errors import FeatCalError
 def add_arguments(zoo: argparse.ArgumentParser) -> None:
     zoo.add_argument(
         "--preset",
-        choices=["vision", "vision-paper", "text"],
-        help="a built-in zoo (vision-paper: the paper's regime, docs/zoo.md)",
+        choices=["vision", "vision-paper", "text", "text-paper"],
+        help="a built-in zoo (vision-paper, text-paper: the paper's regime, docs/zoo.md)",
     )
     zoo.add_argument(
         "--dataset",
@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
         spec = PRESETS[args.preset]
     else:
         raise FeatCalError(
-            "featcal zoo needs --preset vision|vision-paper|text, --dataset TASK=DIR or --params"
+            "featcal zoo needs --preset vision|vision-paper|text|text-paper, --dataset TASK=DIR or "
+            "--params"
         )
     changes = {
         "seed": args.seed,

@@ -8,6 +8,9 @@ local base's structure (featcal_core.io.structure); a Hub model must exist at it
 Hub's file listing; offline: the cache) with safetensors weights, or a safetensors conversion pull
 request to use (a note), and a supported config (config.json is the only file fetched); every
 expert must be of the base's family.
+`evaluation.harness`: lm-eval must be installed (else one line, before anything else), its
+include_path a folder, its tasks known to lm-eval, and the base a causal LM; the tasks'
+evaluation sources, which the run then never reads, are not checked (a note each).
 Datasets: a local save_to_disk folder must open (memory-mapped: no rows are read) with its split,
 its input column and, for evaluation, its label column; where the head is zero-shot, class names
 must be given or come from the label feature or a prompt set, one per class. A Hub dataset must
@@ -39,6 +42,13 @@ def check(
     """(problems, notes) of the models and datasets of `params` (featcal_core.params.Params)."""
     problems: list[Finding] = []
     notes: list[Finding] = []
+    harness = params.evaluation.harness
+    if harness is not None:  # lm-eval installed (else one line, now), its tasks known
+        from featcal_core.evaluation.harness import check_settings, require_lm_eval
+
+        require_lm_eval()
+        experts = list(params.models.experts) if params.models is not None else None
+        problems += check_settings(harness, experts)
     if params.zoo is not None:
         notes.append(("zoo", "models and tasks come from the zoo, which the run builds first"))
         return problems, notes
@@ -60,9 +70,27 @@ def check(
                 )
             )
     _check_structure(roles, families, problems)
+    if harness is not None and base is not None and base is not _ADAPTER and not base.causal:
+        problems.append(
+            (
+                "evaluation.harness",
+                f"lm-evaluation-harness scores causal LMs; models.base is a {base.name} model; "
+                "remove evaluation.harness",
+            )
+        )
     hub: dict = {}  # one Hub lookup per dataset and config, however many roles read it
     for task, spec in params.tasks.items():
-        sources = {"calibration": spec.calibration, "evaluation": spec.evaluation}
+        sources = {"calibration": spec.calibration}
+        if harness is None:
+            sources["evaluation"] = spec.evaluation
+        else:  # the run never reads them: lm-eval scores the models on its own tasks' data
+            notes.append(
+                (
+                    f"tasks.{task}.evaluation",
+                    f"{spec.evaluation.describe()}: not read (lm-evaluation-harness scores the "
+                    "models on evaluation.harness.tasks)",
+                )
+            )
         if spec.validation is not None:
             sources["validation"] = spec.validation
         for role, source in sources.items():

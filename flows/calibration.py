@@ -29,6 +29,7 @@ from featcal_core.io.outputs import check_output, guarded_directory, prepare_roo
 from featcal_core.io.run_lock import run_lock
 from featcal_core.io.safetensors_io import read_header
 from featcal_core.io.shard_size import parse_shard_size
+from featcal_core.log_detail import DETAIL
 from featcal_core.method.calibration import RECORD_NAME, calibration_inputs, check_tasks
 from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.settings import Settings
@@ -207,7 +208,12 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
             blocks.append(summary)
             if restored:
                 log.info(
-                    "block %d (%d of %d): restored from %s", index, index + 1, cal.num_blocks, path
+                    "block %d (%d of %d): restored from %s",
+                    index,
+                    index + 1,
+                    cal.num_blocks,
+                    path,
+                    extra=DETAIL,
                 )
             block_done(index, cal.num_blocks)
             block_file = path / BLOCK

@@ -6,10 +6,15 @@ at its first flow (`command_api`: the API alone, backed by SQLite in PREFECT_HOM
 `.prefect/` in the project, git-ignored; stopped when the command ends, `command_scope`), in
 place of the temporary server Prefect would start: this one requires the project's API token
 (`prefect_server.api_auth_string`, as `featcal serve`'s server does) and dies with the command
-however the command dies (`prefect_server.start_server`). Values already set are kept. featcal's own loggers (`featcal`, `featcal_core`) also send their records to the Prefect API
-while a flow or task run is active, so the steps' and blocks' lines show in the Prefect UI beside
-the run (at the level the CLI set: INFO for the step and block lines by default, everything with
--v).
+however the command dies (`prefect_server.start_server`). Values already set are kept.
+
+featcal's own loggers (RUN_LOGGERS) also send their records from INFO up to the Prefect API while
+a flow or task run is active (PREFECT_LOGGING_EXTRA_LOGGERS), so every featcal line of the run
+(its steps, stages, blocks, candidates and scores, at every console verbosity) shows in the
+Prefect UI beside the run. They record from INFO in the featcal CLI (featcal_cli.main) and, from
+`configure`, in any process nobody set their level in: a scheduled run's own process under
+`featcal serve`, a script. Where Prefect's console handler is the console (such a process),
+it prints from WARNING, as the CLI's quiet console does.
 """
 
 from __future__ import annotations
@@ -32,18 +37,24 @@ def project_root() -> Path:
     return Path.cwd().resolve()
 
 
+#: featcal's loggers whose records (from INFO) reach the Prefect API beside a flow run
+RUN_LOGGERS = ("featcal", "featcal_core")
+
 DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "PREFECT_LOGGING_LEVEL": "WARNING",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
     "DO_NOT_TRACK": "1",
-    "PREFECT_LOGGING_EXTRA_LOGGERS": "featcal,featcal_core",
+    "PREFECT_LOGGING_EXTRA_LOGGERS": ",".join(RUN_LOGGERS),
     "PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW": "ignore",
+    # Prefect's console handler (the console of a process Prefect configured: a scheduled run's)
+    "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING",
 }
 
 
 def configure(prefect_home: str | Path | None = None) -> None:
-    """Set Prefect's environment defaults (not overriding what the user set)."""
+    """Set Prefect's environment defaults (not overriding what the user set) and RUN_LOGGERS'
+    level, where none is set, to INFO."""
     for name in ("prefect.flow_runs", "prefect.task_runs"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _NoTracebackForBadInput) for f in logger.filters):
@@ -52,6 +63,10 @@ def configure(prefect_home: str | Path | None = None) -> None:
     os.environ.setdefault("PREFECT_HOME", str(home))
     for key, value in DEFAULTS.items():
         os.environ.setdefault(key, value)
+    for name in RUN_LOGGERS:  # unset (no CLI here): INFO, so that the run's lines reach the API
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)
 
 
 class _NoTracebackForBadInput(logging.Filter):

@@ -74,7 +74,7 @@ def run_progress(
 @contextlib.contextmanager
 def _log_above_the_bar() -> Iterator[None]:
     """tqdm's `logging_redirect_tqdm`, whose handler takes the root's console handler's place,
-    with that handler's filters (the CLI's LibraryThreshold: libraries' INFO lines stay out)."""
+    with that handler's filters (the CLI's ConsoleThreshold: libraries' INFO lines stay out)."""
     root = logging.getLogger()
     before = list(root.handlers)
     with logging_redirect_tqdm():

@@ -28,6 +28,7 @@ from featcal_core.params import Params
 from featcal_core.provenance.records import (
     FEATCAL_RECORD,
     MERGE_RECORD,
+    REPORT_CARD,
     REPORTS_ROOT,
     results_layout,
 )
@@ -250,9 +251,11 @@ class Steps:
 
     def merge(self) -> dict:
         from featcal.tasks.merge import merge_task
+        from featcal_core.provenance.lock import models_from_lock
 
         self._require_selection()
         base, experts = self.models()
+        locked_base, locked_experts = models_from_lock(self.lock())  # where they came from
         merge = self.params.merge
         return self.call(
             merge_task,
@@ -262,6 +265,8 @@ class Steps:
             merge.method,
             dict(merge.hyperparameters),
             self.params.run.max_shard_size,
+            base_source=locked_base.source(),
+            expert_sources={task: locked_experts[task].source() for task in experts},
         )
 
     def check_heads(self) -> None:
@@ -484,10 +489,8 @@ class Steps:
         refit heads. The guarded writer records the card's new sha256 in the folder's marker, so
         the checkpoint still verifies. Not as a DVC stage (DVC_STAGE set): the calibrated folder
         is the calibrate stage's output, and rewriting it there would make every `dvc repro` run
-        again."""
+        again; the report stage writes the card with its results into the report instead."""
         from featcal.tasks.evaluate import evaluate_models
-        from featcal_core.provenance.lineage import trace
-        from featcal_core.provenance.model_card import model_card_fields, write_model_card
         from featcal_core.report.figures import (
             headline_metrics,
             per_task_metrics,
@@ -512,22 +515,40 @@ class Steps:
         write_json(self.paths["metrics"], headline_metrics(figures))
         write_json(self.paths["metrics_per_task"], per_task_metrics(figures))
         calibrated = self.paths["calibrated"]
-        if self.repair.blockwise and (calibrated / FEATCAL_RECORD).is_file():
+        if self._has_card():
             if in_dvc_stage():
                 logging.getLogger(__name__).info(
                     "model card of %s left as the calibrate stage wrote it (a DVC stage writes "
-                    "only its own outputs)",
+                    "only its own outputs); the report stage writes it with the results to %s",
                     calibrated,
+                    self.paths["report"] / REPORT_CARD,
                 )
             else:
-                fields = model_card_fields(trace(calibrated))
-                fields.update(evaluation=table, heads=(heads or {}).get("calibrated"))
-                write_model_card(calibrated, **fields)
+                self._write_card(table, heads)
         return table
 
+    def _has_card(self) -> bool:
+        """Whether the calibrated checkpoint has a model card: a blockwise repair's (FeatCal)."""
+        return self.repair.blockwise and (self.paths["calibrated"] / FEATCAL_RECORD).is_file()
+
+    def _write_card(self, evaluation: dict, heads: dict | None, path: Path | None = None) -> Path:
+        """The calibrated checkpoint's model card with the evaluation table and its refit heads,
+        into the checkpoint (README.md) or to `path`."""
+        from featcal_core.provenance.card_metadata import evaluation_datasets
+        from featcal_core.provenance.lineage import trace
+        from featcal_core.provenance.model_card import model_card_fields, write_model_card
+
+        calibrated = self.paths["calibrated"]
+        fields = model_card_fields(trace(calibrated))
+        fields.update(evaluation=evaluation, heads=(heads or {}).get("calibrated"))
+        fields["datasets"] = evaluation_datasets(self.params.tasks, self.paths["evaluation_data"])
+        return write_model_card(calibrated, **fields, path=path)
+
     def report(self) -> dict[str, Path]:
-        """reports/<run name>/: report.md, report.html, accuracy.png, drift.png; and the plots'
-        data, results_dir/plots/accuracy.csv and drift.csv."""
+        """reports/<run name>/: report.md, report.html, accuracy.png, drift.png, and as a DVC
+        stage the calibrated checkpoint's model card with its results (model_card.md: the card in
+        calibrated/ is the calibrate stage's output); and the plots' data,
+        results_dir/plots/accuracy.csv and drift.csv."""
         from featcal_core.report import write_report
         from featcal_core.report.plot_data import write_plot_data
 
@@ -551,7 +572,7 @@ class Steps:
         calibration = load(self.paths["calibrated"] / FEATCAL_RECORD)
         # the figures' data for `dvc plots` (dvc.yaml): results_dir/plots/*.csv
         write_plot_data(self.paths["plots"], evaluation, calibration)
-        return write_report(
+        written = write_report(
             self.paths["report"],
             run_name=self.params.run.name,
             evaluation=evaluation,
@@ -560,3 +581,7 @@ class Steps:
             lock=load(self.paths["lock"]),
             selection=self.selection,
         )
+        if in_dvc_stage() and self._has_card():
+            path = self.paths["report"] / REPORT_CARD
+            written[REPORT_CARD] = self._write_card(evaluation, self.refit_heads(), path)
+        return written

@@ -99,12 +99,23 @@ def run_summary(summary: Mapping[str, Any]) -> str:
     if summary.get("report"):
         lines.append(f"report:      {shown(summary['report'])}")
     if summary.get("mlflow_run_id"):
-        lines.append(
-            f"MLflow run:  {summary['mlflow_run_id']} ({summary.get('mlflow_uri')}; "
-            "browse with `mlflow ui --backend-store-uri <uri>`)"
-        )
+        lines.append(f"MLflow run:  {summary['mlflow_run_id']} ({_browse(summary)})")
     lines.append(f"results:     {shown(summary['paths']['root'])}")
     return "\n".join(lines)
+
+
+def _browse(summary: Mapping[str, Any], code: str = "") -> str:
+    """Where to look at the run: `browse: <command>` (featcal.tracking.store.browse_command, each
+    of its words as printed, `code` around it), `on <server>`, or the store's URI."""
+    from featcal.tracking.store import browse_command
+
+    uri = str(summary.get("mlflow_uri"))
+    command = browse_command(uri)
+    if command is None:
+        return f"{code}{uri}{code}"
+    if command == uri:
+        return f"on {code}{uri}{code}"
+    return f"browse: {code}{command}{code}"
 
 
 def shown(path: str | Path) -> str:
@@ -137,6 +148,6 @@ def markdown_summary(summary: Mapping[str, Any]) -> str:
         report = Path(summary["report"])
         lines.append(f"- report: [{report.name}]({report.as_uri()}) ({report})")
     if summary.get("mlflow_run_id"):
-        lines.append(f"- MLflow run: `{summary['mlflow_run_id']}` ({summary.get('mlflow_uri')})")
+        lines.append(f"- MLflow run: `{summary['mlflow_run_id']}` ({_browse(summary, '`')})")
     lines.append(f"- results: `{summary['paths']['root']}`")
     return "\n".join(lines) + "\n"

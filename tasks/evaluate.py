@@ -11,7 +11,9 @@ scored by the likeliest label continuation (`label_words` after `prompt`,
 featcal_core.evaluation.language_model), with the base as a row too, plus the perplexity of the evaluation
 texts. Classification towers run in `evaluation.precision` (null: `featcal.precision`'s choice;
 `forward_precision`), recorded in each row (`precision`, `precision_requested`, `precision_reason`,
-`precision_execution`); causal LMs are scored in float32.
+`precision_execution`); causal LMs are scored in float32. With `evaluation.harness`, causal LMs
+are scored by lm-evaluation-harness instead (featcal_core.evaluation.harness): one table entry
+per lm-eval task, its forwards in `forward_precision`'s precision.
 Evaluation data never feeds calibration: the params refuse a task whose evaluation source
 is its calibration source.
 """
@@ -44,14 +46,12 @@ from featcal_core.evaluation.prompt_sets import zero_shot_prompts
 from featcal_core.evaluation.zero_shot_head import ZeroShotHead
 from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.io.outputs import guarded_directory, verify_output
+from featcal_core.log_detail import DETAIL
 from featcal_core.precision import Precision, resolve_forwards
-from featcal_core.provenance.records import LOCK
+from featcal_core.provenance.records import EVALUATION_SOURCE, LOCK
 from featcal_core.report.figures import task_normalized
 
 log = logging.getLogger(__name__)
-
-#: the record of where a saved Hub evaluation split came from (in its folder)
-EVALUATION_SOURCE = "source.json"
 
 
 def _evaluation_data(task_name: str, source: Any, data_root: Path) -> tuple[Path, str | None]:
@@ -180,7 +180,9 @@ def evaluation_inputs(params: Any, results_dir: str) -> list[dict[str, Any]]:
     `evaluation/<task>`, its save_to_disk folder, split and the sha256 over its files."""
     from featcal_core.io.checkpoint import sha256_tree
 
-    found = []
+    found: list[dict[str, Any]] = []
+    if params.evaluation.harness is not None:  # lm-eval reads its own tasks' data
+        return found
     for task_name, spec in params.tasks.items():
         data, split = _evaluation_data(
             task_name, spec.evaluation, Path(results_dir) / "evaluation_data"
@@ -216,12 +218,14 @@ def evaluate_models(
     Surgery) adds each row: that checkpoint with the task's surgery module before its head.
     """
     settings = params.evaluation
+    if settings.harness is not None:
+        return _evaluate_harness(params, base, experts, models)
     root = Path(results_dir)
     table: dict[str, dict[str, dict[str, float]]] = {}
     language_model = generation_kind(base) is not None
     chosen = None if language_model else forward_precision(params, base)
     if chosen is not None:
-        log.info("evaluation forwards in %s (%s)", chosen.name, chosen.reason)
+        log.info("evaluation forwards in %s (%s)", chosen.name, chosen.reason, extra=DETAIL)
     for task_name, spec in params.tasks.items():
         source = spec.evaluation
         data, split = _evaluation_data(task_name, source, root / "evaluation_data")
@@ -288,8 +292,48 @@ def _normalize(task_name: str, row: dict[str, dict[str, float]]) -> dict[str, di
         "evaluate %s: %s",
         task_name,
         ", ".join(f"{n} {r['accuracy']:.4f}" for n, r in row.items()),
+        extra=DETAIL,
     )
     return row
+
+
+def _evaluate_harness(params, base: str, experts: dict[str, str], models: dict[str, str]):
+    """{lm-eval task: {row: result}} of `evaluation.harness` (featcal_core.evaluation.harness):
+    the base, the experts, and `models`, each loaded once, in `forward_precision`'s precision on
+    featcal.device; normalized ÷ the task's expert row."""
+    from featcal_core.evaluation.harness import (
+        HarnessRun,
+        expert_assignment,
+        harness_table,
+        require_lm_eval,
+    )
+
+    harness = params.evaluation.harness
+    require_lm_eval()
+    if generation_kind(base) != "causal":
+        raise FeatCalError(
+            f"evaluation.harness scores causal LMs; models.base {base} is none; remove "
+            "evaluation.harness"
+        )
+    chosen = forward_precision(params, base)
+    log.info("lm-eval forwards in %s (%s)", chosen.name, chosen.reason, extra=DETAIL)
+    run = HarnessRun(
+        tasks=tuple(harness.task_names()),
+        num_fewshot=harness.num_fewshot,
+        limit=harness.limit,
+        batch_size=harness.batch_size or params.evaluation.batch_size,
+        include_path=harness.include_path,
+        apply_chat_template=harness.apply_chat_template,
+        device=params.featcal.device,
+        precision=chosen.name,
+        offline=params.models is not None and params.models.hub_offline,
+    )
+    assignment = expert_assignment(harness.tasks, list(experts))
+    table = harness_table(base, experts, models, run, assignment)
+    return {
+        task: _normalize(task, {row: {**r, **chosen.record()} for row, r in rows.items()})
+        for task, rows in table.items()
+    }
 
 
 def _evaluate_lm(params, task_name, spec, data: Path, split, base: str, models: dict[str, str]):

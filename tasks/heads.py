@@ -21,6 +21,7 @@ from featcal.tasks.evaluate import forward_precision, task_head
 from featcal_core.data.calibration_data import load_calibration_set
 from featcal_core.evaluation.linear_head import save_linear_head
 from featcal_core.io.outputs import guarded_directory
+from featcal_core.log_detail import DETAIL
 from featcal_core.method.head_calibration import calibrate_head
 from featcal_core.provenance.records import FITTED_ON
 
@@ -41,7 +42,7 @@ def calibrate_heads(
     featcal = params.featcal
     out: dict[str, dict[str, str]] = {name: {} for name in models}
     chosen = forward_precision(params, base, featcal.precision)  # the feature pass's dtype
-    log.info("head calibration forwards in %s (%s)", chosen.name, chosen.reason)
+    log.info("head calibration forwards in %s (%s)", chosen.name, chosen.reason, extra=DETAIL)
     inputs = (base, *experts.values(), *models.values(), *calibration_sets.values())
     with ExitStack() as stack:  # one guarded folder per model: refit_heads/<model>/<task>/
         folders = {
@@ -79,7 +80,13 @@ def calibrate_heads(
                 )
                 save_linear_head(folders[name] / task_name, weight, bias, labels, features=features)
                 out[name][task_name] = str(root / "refit_heads" / name / task_name)
-            log.info("calibrate-heads %s: %d inputs, models %s", task_name, len(rows), list(models))
+            log.info(
+                "calibrate-heads %s: %d inputs, models %s",
+                task_name,
+                len(rows),
+                list(models),
+                extra=DETAIL,
+            )
         for name, directory in models.items():  # what the heads were fit on (stale-head check)
             record = {
                 "model": directory,

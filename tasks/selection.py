@@ -23,6 +23,7 @@ from featcal.tasks.evaluate import _evaluation_data, forward_precision, task_hea
 from featcal_core.data.calibration_sets import RECORD_NAME, draw_calibration_set
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.input_batches import InputBatches
+from featcal_core.log_detail import DETAIL
 from featcal_core.report.selection import held_out_text
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def score_candidates(
     root = Path(results_dir)
     device, batch = params.featcal.device, params.evaluation.batch_size
     chosen = forward_precision(params, base)  # evaluation.precision, else featcal.precision
-    log.info("scoring forwards in %s (%s)", chosen.name, chosen.reason)
+    log.info("scoring forwards in %s (%s)", chosen.name, chosen.reason, extra=DETAIL)
     found: dict[str, dict[str, dict[str, float]]] = {name: {} for name in candidates}
     for task_name, spec in params.tasks.items():
         head, _ = task_head(task_name, spec, Path(base), Path(experts[task_name]), root)
@@ -119,6 +120,7 @@ def score_candidates(
             "score %s: %s",
             task_name,
             ", ".join(f"{n} {_brief(s[task_name])}" for n, s in found.items()),
+            extra=DETAIL,
         )
     return found
 

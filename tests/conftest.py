@@ -178,6 +178,7 @@ SLOW_FILES = SERVER_FILES | {
     "test_forward_precision.py",  # bfloat16 forwards of real experts against float32
     "test_lm_evaluation.py",  # one forward per example and class, against the batched path
     "test_report.py",  # writes the whole report, its matplotlib plots included, in each test
+    "test_harness_run.py",  # `featcal run` scored by lm-eval; lm-eval's whole task registry
 }
 
 #: single tests of otherwise fast files, by `file::name` (every parametrization) or
@@ -186,9 +187,13 @@ SLOW_TESTS = {
     # start the `featcal` CLI in a subprocess
     "test_end_to_end.py::test_console_script_runs",
     "test_bad_inputs.py::test_bad_input_from_the_shell_prints_no_traceback",
+    "test_paper_llama.py::test_the_paper_llama_files_check_against_stand_ins_without_downloading",
+    "test_paper_llama.py::test_the_paper_llama_file_names_each_planted_mistake_in_one_line",
+    "test_paper_llama.py::test_the_stand_in_layouts_are_what_the_check_reads",  # their fixture
     # import the stack in a fresh Python process
     "test_checkpoint_io.py::test_featcal_core_imports_no_orchestration",
     "test_merging.py::test_merging_imports_no_orchestration",
+    "test_memory_model.py::test_predicted_peak_is_the_measured_peak_rss_of_a_block",  # 2 blocks
     # build a zoo (the last one then runs `featcal run` on it in a subprocess)
     "test_zoo.py::test_featcal_zoo_on_own_datasets_then_reuse",
     "test_zoo.py::test_the_paper_regime_preset_keeps_base_fitted_heads_and_records_task_vector_sizes",
@@ -209,6 +214,11 @@ SLOW_TESTS = {
     "test_regmean.py::test_checkpoint_matches_hooked_grams_and_keeps_everything_else",
     "test_regmean.py::test_pooled_weights_change_only_the_last_block_and_spilling_changes_nothing",
     "test_task_statistics.py::test_block_from_saved_task_statistics_is_bitwise_identical",
+    # lm-eval on five tiny models (the expert rows of a list and of a mapping)
+    "test_harness.py::test_expert_rows_of_a_list_and_of_a_mapping",
+    # generate with the model card's snippet (transformers' generate loop: seconds per model)
+    "test_card_snippets.py::test_the_snippet_of_a_merged_and_a_calibrated_card_runs[t5]",
+    "test_card_snippets.py::test_the_snippet_of_a_merged_and_a_calibrated_card_runs[llama]",
 }
 
 

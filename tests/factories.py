@@ -198,6 +198,55 @@ def cli_fails(args: list[str], capsys, *needles: str) -> str:
     return err
 
 
+def lm_eval_tasks(
+    folder: Path, label_words: list[str], rows: int = 16, seed: int = 0
+) -> list[dict]:
+    """Two local lm-eval tasks over one JSON-lines file of `rows` rows {"text", "label", "word"}
+    (texts of WORDS; "word" the label's word), written in `folder`: `toy_choice` (multiple
+    choice among `label_words` after "{text} ->", metric acc) and `toy_target` (the true label
+    word's log-likelihood after it, lm-eval's `perplexity` metric averaged: its mean). Returns
+    the rows."""
+    import yaml
+
+    from featcal_core.data.synthetic import WORDS
+
+    g = torch.Generator().manual_seed(seed)
+    found = []
+    for _ in range(rows):
+        count = int(torch.randint(2, 9, (1,), generator=g))
+        words = torch.randint(len(WORDS), (count,), generator=g)
+        label = int(torch.randint(len(label_words), (1,), generator=g))
+        text = " ".join(WORDS[int(i)] for i in words)
+        found.append({"text": text, "label": label, "word": label_words[label]})
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / "rows.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in found))
+    common = {
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "test_split": "test",
+        "doc_to_text": "{{text}} ->",
+    }
+    choice = {
+        "task": "toy_choice",
+        **common,
+        "output_type": "multiple_choice",
+        "doc_to_choice": list(label_words),
+        "doc_to_target": "label",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+    }
+    target = {
+        "task": "toy_target",
+        **common,
+        "output_type": "loglikelihood",
+        "doc_to_target": " {{word}}",  # a loglikelihood task adds no delimiter
+        "metric_list": [{"metric": "perplexity", "aggregation": "mean", "higher_is_better": True}],
+    }
+    for config in (choice, target):
+        (folder / f"{config['task']}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return found
+
+
 def grey_image(value: int, mode: str = "RGB"):
     """A 4×4 image whose pixels all equal `value` (as `mode`)."""
     import numpy as np

@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from featcal_cli.main import build_parser, configure_logging, split_verbosity
+from featcal_cli.main import ConsoleThreshold, build_parser, configure_logging, split_verbosity
 
 
 def test_verbose_flags_anywhere_on_the_line():
@@ -24,15 +24,20 @@ def test_quiet_by_default_loud_on_request(monkeypatch):
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
     monkeypatch.delenv("HF_DATASETS_DISABLE_PROGRESS_BARS", raising=False)
     configure_logging(0)
-    assert not logging.getLogger("featcal_core.evaluation.accuracy").isEnabledFor(logging.INFO)
-    assert logging.getLogger("featcal_core.method.calibration").isEnabledFor(logging.INFO)
+    console = ConsoleThreshold(logging.WARNING)  # the console's filter, quiet
+    record = logging.LogRecord(
+        "featcal_core.evaluation.accuracy", logging.INFO, "", 0, "", (), None
+    )
+    assert logging.getLogger(record.name).isEnabledFor(logging.INFO)  # for the Prefect UI
+    assert not console.filter(record)  # recorded (the Prefect UI gets it), not shown
     assert logging.getLogger("featcal.tasks.evaluate").isEnabledFor(logging.INFO)
     assert not logging.getLogger("transformers").isEnabledFor(logging.INFO)
     assert os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1"
     assert os.environ["HF_DATASETS_DISABLE_PROGRESS_BARS"] == "1"
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS")
     configure_logging(1)
-    assert logging.getLogger("featcal_core.evaluation.accuracy").isEnabledFor(logging.INFO)
+    console.level = logging.INFO  # -v
+    assert console.filter(record)
     assert "HF_HUB_DISABLE_PROGRESS_BARS" not in os.environ
     # quiet on a terminal: the Hub's download bars stay on (bytes of a multi-GB download)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)

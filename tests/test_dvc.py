@@ -1,6 +1,8 @@
-"""The DVC stages (dvc.yaml) in a temporary git repository: `dvc repro` runs every stage, a second
-`dvc repro` runs none, and `dvc push` / `dvc pull` round-trip the checkpoints through a local
-remote."""
+"""The DVC stages (dvc.yaml) in a temporary git repository laid out as this one (its dvc.yaml,
+.gitignore and params.yaml, on tiny models): `dvc repro` runs every stage, a second `dvc repro`
+runs none, `dvc push` / `dvc pull` round-trip the checkpoints through a local remote, git versions
+the metrics (`dvc metrics diff` reads HEAD, `dvc exp show` each experiment's), and the report stage
+writes the calibrated model's card with its results."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from huggingface_hub import ModelCard
 from test_pipeline import write_params
 
 from featcal_cli.main import main
+from featcal_core.io.outputs import verify_output
 from featcal_core.params import load_params
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,17 +53,28 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api, monkeypatc
     repo = tmp_path / "repo"
     repo.mkdir()
     env = _env(tmp_path, prefect_api)
-    draft = write_params(tmp_path)  # the tiny zero-shot CLIP setting of test_pipeline
-    params = yaml.safe_load(draft.read_text())
-    params["run"].update(name="dvc-test", results_dir="data/results")
-    params["tracking"] = {"enabled": False}
+    # this repository's params.yaml (its results folder and run name, every section) on the tiny
+    # zero-shot CLIP setting of test_pipeline: its models, tasks and calibration size, no head
+    # calibration, no zoo to build, no candidates to choose among, no MLflow
+    tiny = yaml.safe_load(write_params(tmp_path).read_text())
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params.update(zoo=None, select=None, models=tiny["models"], tasks=tiny["tasks"])
+    params["featcal"].update(tiny["featcal"], heads=False)
+    params["tracking"]["enabled"] = False
+    draft = tmp_path / "draft.yaml"
     draft.write_text(yaml.safe_dump(params))
+    results_dir = params["run"]["results_dir"]  # data/results/<run name>, as .gitignore expects
+    metrics_file, per_task_file = (
+        f"{results_dir}/metrics.json",
+        f"{results_dir}/metrics_per_task.json",
+    )
     # every section, defaults filled: what dvc.yaml's stages read (`featcal params export` in
     # the repository, run in this process: the stages below start `featcal` many times)
     monkeypatch.chdir(repo)
     assert main(["params", "export", "--params", str(draft)]) == 0
     assert load_params(repo / "params.yaml") == load_params(draft)
-    shutil.copy(ROOT / "dvc.yaml", repo / "dvc.yaml")
+    for name in ("dvc.yaml", ".gitignore"):
+        shutil.copy(ROOT / name, repo / name)
     _sh(["git", "init", "-q"], repo, env)
     _sh(["dvc", "init", "-q"], repo, env)
     _sh(["dvc", "remote", "add", "-d", "store", str(tmp_path / "remote")], repo, env)
@@ -68,11 +83,29 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api, monkeypatc
     for stage in STAGES:
         assert f"Running stage '{stage}'" in first, first[-3000:]
     assert (repo / "data" / "code" / "calibrate.sha256").is_file()
-    results = repo / "data" / "results"
+    results = repo / results_dir
     evaluation = json.loads((results / "evaluation.json").read_text())
     assert set(evaluation) == {"alpha", "beta"}
-    assert (repo / "reports" / "dvc-test" / "report.html").is_file()
+    report = repo / "reports" / params["run"]["name"]
+    assert (report / "report.html").is_file()
     assert (results / "calibrated" / "featcal.json").is_file()
+    # the calibrated model's card with its results: the report stage's model_card.md (the card
+    # in calibrated/ is the calibrate stage's output, written before the evaluation)
+    card = ModelCard.load(report / "model_card.md")
+    scores = {(r.dataset_name, r.metric_name): r.metric_value for r in card.data.eval_results}
+    for task, row in evaluation.items():
+        assert scores[(task, "accuracy (calibrated)")] == pytest.approx(
+            row["calibrated"]["accuracy"]
+        )
+    assert "## Evaluation results" in card.text
+    assert "## Evaluation results" not in (results / "calibrated" / "README.md").read_text()
+    assert verify_output(report) is None and verify_output(results / "calibrated") is None
+    # git versions the records the stages write uncached, the metrics among them
+    untracked = _sh(["git", "status", "--porcelain", "-uall"], repo, env, stdout_only=True)
+    for name in ("metrics.json", "metrics_per_task.json", "evaluation.json", "plots/accuracy.csv"):
+        assert f"?? {results_dir}/{name}" in untracked, untracked
+    assert "?? data/code/calibrate.sha256" in untracked  # the code digests the stages depend on
+    assert f"{results_dir}/merged" not in untracked and "reports/" not in untracked
 
     second = _sh(["dvc", "repro"], repo, env)
     assert _ran(second) == ["code"]  # always runs; its digests unchanged, so nothing else
@@ -105,15 +138,15 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api, monkeypatc
     _sh(["git", "clone", "-q", str(repo), str(clone)], tmp_path, env)
     lock = yaml.safe_load((clone / "dvc.lock").read_text())
     outs = {clone / out["path"] for stage in lock["stages"].values() for out in stage["outs"]}
-    for entry in (clone / "data" / "results").iterdir():  # what git holds of the DVC outs only
+    for entry in (clone / results_dir).iterdir():  # what git holds of the DVC outs only
         if entry not in outs and entry.name != ".gitignore":
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     _sh(["dvc", "pull"], clone, env)
-    assert (clone / "data" / "results" / "merged" / "model.safetensors").read_bytes() == merged
+    assert (clone / results_dir / "merged" / "model.safetensors").read_bytes() == merged
     forced = _sh(["dvc", "repro", "-f", "-s", "evaluate"], clone, env)  # a stage writes there
     assert _ran(forced) == ["evaluate"], forced[-3000:]
     _sh(["featcal", "run", "--params", "params.yaml"], clone, env)  # and so does every step
-    pulled = json.loads((clone / "data" / "results" / "evaluation.json").read_text())
+    pulled = json.loads((clone / results_dir / "evaluation.json").read_text())
     assert pulled == json.loads((results / "evaluation.json").read_text())
     text = (repo / "params.yaml").read_text()
     assert "max_examples_per_task: null" in text
@@ -125,8 +158,10 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api, monkeypatc
     rerun = _sh(["dvc", "repro"], repo, env)
     assert _ran(rerun) == ["code", "evaluate", "report"]
     metrics_diff = _sh(["dvc", "metrics", "diff", "--all"], repo, env)
+    assert "failed to load" not in metrics_diff, metrics_diff  # HEAD's metrics, from git
     assert "examples_min" in metrics_diff, metrics_diff  # the headline says the cut
-    assert "10" in metrics_diff and "4" in metrics_diff
+    cut = _json_out(_sh(["dvc", "metrics", "diff", "--json"], repo, env, stdout_only=True))
+    assert cut[metrics_file]["examples_min"] == {"old": 10, "new": 4, "diff": -6}
 
     # the plots render from the report step's data
     plots = _json_out(_sh(["dvc", "plots", "show", "--json"], repo, env, stdout_only=True))
@@ -147,20 +182,28 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api, monkeypatc
     # (select reruns on any featcal change; without select: its record stays the same)
     assert _ran(experiment) == ["code", "select", "calibrate", "evaluate", "report"]
     shown = _json_out(_sh(["dvc", "exp", "show", "--json"], repo, env, stdout_only=True))
-    found = [exp for exp in _experiments(shown) if exp.get("name") == "alpha-half"]
+    rows = _experiments(shown)  # the workspace, the commit it ran on and the experiment
+    assert len(rows) == 3, shown
+    for row in rows:  # each with its mean accuracy (`dvc exp show` prints "!" for one it lacks)
+        found_metrics = row["data"].get("metrics", {}).get(metrics_file, {})
+        assert 0.0 <= found_metrics.get("data", {}).get("accuracy_mean/calibrated", -1) <= 1.0, row
+    found = [exp for exp in rows if exp.get("name") == "alpha-half"]
     assert found, shown
     data = found[0]["data"]
     assert data["params"]["params.yaml"]["data"]["featcal"]["alpha"] == 0.5
-    metrics = data["metrics"]["data/results/metrics_per_task.json"]["data"]
+    metrics = data["metrics"][per_task_file]["data"]
     assert 0.0 <= metrics["alpha"]["calibrated"]["accuracy"] <= 1.0
-    headline = data["metrics"]["data/results/metrics.json"]["data"]  # the headline figures
+    headline = data["metrics"][metrics_file]["data"]  # the headline figures
     tasks = metrics.values()
     mean = sum(row["calibrated"]["accuracy"] for row in tasks) / len(tasks)
     assert headline["accuracy_mean/calibrated"] == pytest.approx(mean)
     normalized = sum(row["calibrated"]["normalized"] for row in tasks) / len(tasks)
     assert headline["normalized_mean/calibrated"] == pytest.approx(normalized)
     assert headline["tasks"] == 2 and headline["normalized_mean_tasks/calibrated"] == 2
-    assert "data/results/evaluation.json" not in data["metrics"]  # an out, not a metric
+    assert f"{results_dir}/evaluation.json" not in data["metrics"]  # an out, not a metric
+    # the experiment's commit holds its metrics (git versions them)
+    committed = _sh(["git", "show", f"{found[0]['rev']}:{metrics_file}"], repo, env, True)
+    assert json.loads(committed) == headline
 
 
 STAGES = (

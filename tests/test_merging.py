@@ -636,8 +636,9 @@ def test_base_files_that_are_not_copied(zoo, tmp_path):
     out = tmp_path / "out"
     merge_checkpoints(zoo.base, zoo.experts, out, "average", progress=False)
     names = {p.name for p in out.iterdir()}
-    assert "README.md" not in names and "config.json" in names
+    assert "config.json" in names
     assert "pytorch_model.bin" not in names and "featcal.json" not in names
+    assert "a model card" not in (out / "README.md").read_text()  # the merge's own card
 
 
 # ----- command line ----------------------------------------------------------------------------

@@ -156,7 +156,7 @@ def test_card_of_a_calibrated_run_before_and_after_evaluation(run):
     assert data.license == "mit"  # every input's README.md says so
     assert data.eval_results is None and "model-index" not in data.to_dict()
     assert "## Evaluation results" not in card.text
-    assert "model = AutoModel.from_pretrained(folder)" in card.text
+    assert "model = CLIPVisionModel.from_pretrained(folder)" in card.text  # the class saved
     assert "AutoImageProcessor" in card.text and "heads = {" not in card.text
     for section in ("## How it was made", "## Inputs", "## License"):
         assert section in card.text
@@ -243,6 +243,11 @@ def test_steps_evaluate_rewrites_the_card_and_the_folder_verifies(run, tmp_path,
     steps.evaluate()
     card = ModelCard.load(calibrated / "README.md")
     assert _metrics(card)[("beta", "accuracy (calibrated)")] == pytest.approx(0.65)
+    # the model-index names each task's evaluation data (here local folders: by their name)
+    assert {(r.dataset_name, r.dataset_type) for r in card.data.eval_results} == {
+        ("alpha", "calib_beta"),
+        ("beta", "calib_alpha"),
+    }
     assert ("alpha", "accuracy (calibrated + refit heads)") not in _metrics(card)
     assert verify_output(calibrated) is None  # what `featcal evaluate` / `report` check next
     assert Steps.verified(calibrated, "the calibrated checkpoint", "x") == calibrated
@@ -356,3 +361,52 @@ def test_a_hub_calibration_source_shows_its_dataset_commit():
     source = "hub ylecun/mnist, split train"
     assert _with_commit(source, "b" * 40) == f"{source} (commit {'b' * 12})"
     assert _with_commit(source, None) == source  # offline or local: the rows' digest only
+
+
+def test_model_index_names_the_hub_dataset_split_revision_and_rows(tmp_path):
+    from featcal_core.provenance.card_metadata import evaluation_datasets
+    from featcal_core.provenance.records import EVALUATION_SOURCE
+
+    tasks = {
+        "alpha": {"evaluation": {"hub": "owner/alpha-data", "split": "test", "revision": "main"}},
+        "beta": {"evaluation": {"path": str(tmp_path / "beta_eval"), "split": "test"}},
+    }
+    data_root = tmp_path / "evaluation_data"
+    (data_root / "alpha").mkdir(parents=True)
+    identity = ["hub", "owner/alpha-data", None, "test", "main"]
+    (data_root / "alpha" / EVALUATION_SOURCE).write_text(
+        json.dumps({"identity": identity, "commit": "d" * 40})
+    )
+    datasets = evaluation_datasets(tasks, data_root)
+    assert datasets["alpha"]["revision"] == "d" * 40  # the commit the saved rows came from
+    assert datasets["beta"] == {
+        "type": "beta_eval",
+        "split": "test",
+        "source": datasets["beta"]["source"],
+    }
+    evaluation = _evaluation(heads=False)
+    for row in evaluation["alpha"].values():
+        row.update(examples=48, split_rows=397)  # evaluation.max_examples_per_task: 48
+
+    card = _card(tmp_path, evaluation=evaluation, datasets=datasets)
+    alpha = [r for r in card.data.eval_results if r.dataset_name == "alpha"]
+    assert alpha and all(
+        (r.dataset_type, r.dataset_split, r.dataset_revision)
+        == ("owner/alpha-data", "test", "d" * 40)
+        for r in alpha
+    )
+    assert all(r.dataset_args == {"rows_evaluated": 48, "rows_in_split": 397} for r in alpha)
+    beta = next(r for r in card.data.eval_results if r.dataset_name == "beta")
+    assert (beta.dataset_type, beta.dataset_split, beta.dataset_revision) == (
+        "beta_eval",
+        "test",
+        None,
+    )
+    assert beta.dataset_args == {"rows_evaluated": 20}  # split_rows not recorded
+    index = card.data.to_dict()["model-index"][0]["results"][0]["dataset"]
+    assert index["type"] == "owner/alpha-data" and index["args"]["rows_in_split"] == 397
+    assert f"| alpha | `owner/alpha-data` | — | test | `{'d' * 40}` | 48 | 397 |" in card.text
+
+    # another source than the saved rows': the revision asked for, not the saved commit
+    tasks["alpha"]["evaluation"]["revision"] = "v2"
+    assert evaluation_datasets(tasks, data_root)["alpha"]["revision"] == "v2"

@@ -202,8 +202,15 @@ def test_featcal_run_end_to_end(tmp_path, prefect_api, capsys):
         ("evaluation/alpha", "evaluation"),
         ("evaluation/beta", "evaluation"),
     }
-    model = {a.path for a in client.list_artifacts(run.info.run_id, "calibrated_model")}
-    assert {"calibrated_model/model.safetensors", "calibrated_model/README.md"} <= model
+    (model,) = client.search_logged_models(  # the calibrated checkpoint as an MLflow Model
+        experiment_ids=[run.info.experiment_id],
+        filter_string=f"source_run_id = '{run.info.run_id}'",
+    )
+    assert model.name == "calibrated_model" and run.data.tags["model.id"] == model.model_id
+    files = {a.path for a in client.list_logged_model_artifacts(model.model_id, "artifacts")}
+    assert files == {"artifacts/calibrated"}  # the results' calibrated/ folder
+    checkpoint = mlflow.pyfunc.load_model(model.artifact_location).unwrap_python_model()
+    assert checkpoint.model.config.model_type == "clip"  # the base's full CLIPModel
     assert run.data.tags["params_digest"] == provenance["params_digest"]
     _check_prefect_run(prefect_api, provenance, evaluation)
 
@@ -280,8 +287,11 @@ def test_featcal_run_with_a_baseline_repair(tmp_path, prefect_api, repair):
     client = mlflow.MlflowClient(uri)
     run = client.get_run(summary["mlflow_run_id"])
     assert run.data.tags["repair.method"] == repair
-    artifact = {"surgery": "surgery_modules", "regmean": "calibrated_model"}[repair]
-    assert client.list_artifacts(run.info.run_id, artifact)
+    if repair == "surgery":  # task modules: the run's artifacts
+        assert client.list_artifacts(run.info.run_id, "surgery_modules")
+    else:  # a checkpoint: an MLflow Model of the run
+        assert run.data.tags["model.format"] == "mlflow_model"
+        assert client.get_logged_model(run.data.tags["model.id"]).source_run_id == run.info.run_id
 
 
 def test_invalid_params_fail_before_any_work(tmp_path):

@@ -8,6 +8,7 @@ import base64
 import json
 import os
 import re
+import shlex
 import signal
 import stat
 import subprocess
@@ -50,6 +51,20 @@ def _completed_runs(api_url: str, auth: str) -> int:
     )
 
 
+def _run_logs(api_url: str, auth: str) -> list[dict]:
+    """The log lines of the completed flow runs (the scheduled runs and their subflows: this
+    server serves this test alone), as the Prefect UI shows them."""
+    body = {"flow_runs": {"state": {"type": {"any_": ["COMPLETED"]}}}}
+    status, runs = _post(api_url, "/flow_runs/filter", body, auth)
+    assert status == 200, status
+    ids = [run["id"] for run in runs]
+    status, logs = _post(
+        api_url, "/logs/filter", {"logs": {"flow_run_id": {"any_": ids}}, "limit": 200}, auth
+    )
+    assert status == 200, status
+    return logs
+
+
 def test_serve_runs_on_a_schedule(tmp_path):
     params_path = write_params(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
@@ -80,7 +95,7 @@ def test_serve_runs_on_a_schedule(tmp_path):
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    api_url, completed, refused, triggered = None, 0, None, None
+    api_url, completed, refused, triggered, logs = None, 0, None, None, []
     token_file = tmp_path / "prefect" / TOKEN_FILE
     try:
         deadline = time.monotonic() + 400
@@ -106,6 +121,7 @@ def test_serve_runs_on_a_schedule(tmp_path):
                     timeout=120,
                 )
             elif (completed := _completed_runs(api_url, auth)) >= 2:
+                logs = _run_logs(api_url, auth)
                 break
             time.sleep(0.5)
     finally:
@@ -123,6 +139,58 @@ def test_serve_runs_on_a_schedule(tmp_path):
     assert "Created flow run" in triggered.stdout, triggered.stdout[-2000:]
     assert "Your flow" not in log_path.read_text()  # Prefect's message, whose command fails
     assert not leftovers, "the supervised Prefect server outlived featcal serve"
+    # a scheduled run runs in a process of its own: its featcal lines reach the Prefect UI too,
+    # detail lines (per block) included
+    featcal_lines = [entry["message"] for entry in logs if entry["name"].startswith("featcal")]
+    assert any(m.startswith("block ") for m in featcal_lines), [e["name"] for e in logs]
+
+
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
+def test_serve_stopped_while_waiting_ends_normally(tmp_path, prefect_api, stop):
+    """`featcal serve` waiting for its next run (a yearly cron), stopped by SIGTERM (on its own
+    local server, which it stops too) or Ctrl-C (SIGINT; on the tests' shared server): exit
+    status 0, one INFO line `stopped`, no error line; the trigger command it printed names an
+    executable by its absolute path."""
+    params_path = write_params(tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PYTHONUNBUFFERED="1")
+    if stop == "SIGINT":
+        env["PREFECT_API_URL"] = prefect_api
+    log_path = tmp_path / "serve.log"
+    command = ["serve", "--params", str(params_path), "--cron", "0 0 1 1 *"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "featcal_cli.main", *command],
+            env=env,
+            cwd=tmp_path,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while "serving featcal-scheduled" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.5)
+        time.sleep(3)  # Prefect's runner is up and waiting
+        api_url = re.search(r"local Prefect server at (\S+)", log_path.read_text())
+        servers = _servers(api_url.group(1)) if api_url else []
+        proc.send_signal(getattr(signal, stop))
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log_path.read_text()
+    assert code == 0, text[-3000:]
+    assert "error" not in text.lower() and "Traceback" not in text, text[-3000:]
+    assert [line for line in text.splitlines() if line.endswith(" stopped")] == [
+        text.strip().splitlines()[-1]
+    ], text[-3000:]
+    assert text.strip().splitlines()[-1].endswith("INFO featcal_cli.serve: stopped")
+    trigger = re.search(r"start a run now, from any shell: (.*)", text).group(1)
+    words = [w for w in shlex.split(trigger) if not re.match(r"^[A-Z_]+=", w)]
+    assert Path(words[0]).is_absolute() and os.access(words[0], os.X_OK), trigger
+    assert not _outlived(servers), "the local Prefect server outlived the stopped featcal serve"
 
 
 def _servers(api_url: str) -> list[psutil.Process]:

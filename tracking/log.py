@@ -21,6 +21,7 @@ from featcal.tracking.batches import (
     clean,
     now_ms,
 )
+from featcal.tracking.mlflow_model import log_checkpoint_model, transformers_model_type
 from featcal.tracking.runs import run_target
 from featcal_core.provenance.records import FEATCAL_RECORD
 from featcal_core.report.figures import headline_metrics, summary_figures
@@ -157,7 +158,8 @@ def log_metrics(metrics: Mapping[str, float], *, run_id: str | None = None) -> N
 
 
 def log_evaluation(table: Mapping[str, Mapping[str, Mapping[str, Any]]], *, run_id=None) -> None:
-    """Metrics per task and model: `accuracy/<task>/<model>`, `loss/…`, `normalized/…` (accuracy
+    """Metrics per task and model: `accuracy/<task>/<model>`, `loss/…`, `stderr/…` (the
+    accuracy's standard error, where lm-evaluation-harness gives one), `normalized/…` (accuracy
     ÷ the expert's; absent where the expert scores 0) and `gap_closed/<task>/<model>` (percent of
     the merged→expert accuracy gap closed, for every model other than the expert, the merged
     model and the base; absent where there is no gap). Then the headline, the same numbers as
@@ -177,9 +179,10 @@ def log_evaluation(table: Mapping[str, Mapping[str, Mapping[str, Any]]], *, run_
         defined = figures.per_task.get(str(task_name), {})
         for model, result in row.items():
             values = dict(defined.get(str(model), {}))
-            loss = result.get("loss") if isinstance(result, Mapping) else None
-            if isinstance(loss, int | float) and math.isfinite(loss):
-                values["loss"] = float(loss)
+            for name in ("loss", "stderr"):  # stderr: lm-eval's, of the accuracy
+                found = result.get(name) if isinstance(result, Mapping) else None
+                if isinstance(found, int | float) and math.isfinite(found):
+                    values[name] = float(found)
             for name, value in values.items():
                 metrics[f"{name}/{task_name}/{model}"] = value
     metrics.update({key: float(value) for key, value in headline_metrics(figures).items()})
@@ -261,11 +264,16 @@ def log_model(
     weights: bool | str = "auto",
     run_id=None,
 ) -> bool:
-    """Log a checkpoint folder as an artifact of the parent run (or `run_id`) under
-    `artifact_path`. `weights` (params `tracking.log_model`): True copies every file into the
-    store; False only the files that are not weights (model card, config, records); "auto" the
-    whole folder when its weight files total at most MODEL_ARTIFACT_LIMIT bytes, else as False.
-    Without the weights, the tags `model.logged: false`, `model.not_logged_because` and
+    """Log a checkpoint folder to the parent run (or `run_id`) under the name `artifact_path`.
+    `weights` (params `tracking.log_model`): True copies every file into the store; False only
+    the files that are not weights (model card, config, records); "auto" the whole folder when
+    its weight files total at most MODEL_ARTIFACT_LIMIT bytes, else as False.
+
+    With the weights, a folder `from_pretrained` loads (featcal.tracking.mlflow_model) becomes
+    an MLflow Model of the run (tags `model.format: mlflow_model`, `model.id`, `model.uri`:
+    `models:/<id>`); any other folder (Surgery's task modules, an open_clip tower) is copied as
+    the run's artifacts (`model.format: files`). Without the weights, the other files are the
+    run's artifacts and the tags `model.logged: false`, `model.not_logged_because` and
     `model.reference` (the folder's absolute path) say where they are; the run's lineage tags
     name their digests either way. Returns whether the weights were logged."""
     target = run_target(run_id)
@@ -285,8 +293,27 @@ def log_model(
     else:
         because = "tracking.log_model: false"
     if weights:
-        client.log_artifacts(run, str(directory), artifact_path)
-        batch_tags(client, run, {"model.logged": "true", "model.artifact_path": artifact_path})
+        tags = {"model.logged": "true", "model.artifact_path": artifact_path}
+        model_type = transformers_model_type(directory)
+        if model_type is not None:
+            model_id = log_checkpoint_model(
+                directory,
+                name=artifact_path,
+                run_id=run,
+                experiment_id=session.experiment_id,
+                model_type=model_type,
+            )
+            tags.update(
+                {
+                    "model.format": "mlflow_model",
+                    "model.id": model_id,
+                    "model.uri": f"models:/{model_id}",
+                }
+            )
+        else:
+            client.log_artifacts(run, str(directory), artifact_path)
+            tags["model.format"] = "files"
+        batch_tags(client, run, tags)
         return True
     for path in files:
         if path not in heavy:

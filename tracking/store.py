@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import subprocess
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -22,7 +23,14 @@ from featcal_core.params import TrackingSettings
 # before MLflow can be imported (every tracking module that imports it sets this)
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-__all__ = ["STORE_DIR", "artifact_root", "ensure_experiment", "git_commit", "tracking_uri"]
+__all__ = [
+    "STORE_DIR",
+    "artifact_root",
+    "browse_command",
+    "ensure_experiment",
+    "git_commit",
+    "tracking_uri",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +71,22 @@ def artifact_root(uri: str, project_root: Path) -> str | None:
     if scheme in _DATABASE_SCHEMES:
         return (Path(project_root).expanduser().resolve() / STORE_DIR / "artifacts").as_uri()
     return None
+
+
+def browse_command(uri: str) -> str | None:
+    """How to look at the runs of the store at `uri`, runnable as printed: for a database or
+    file store the command `mlflow ui --backend-store-uri <uri>` (the URI quoted for a POSIX
+    shell where it needs it; SQLite with `--workers 1`: one server process on the file); for a
+    tracking server (http, https) its address; None for any other store (databricks)."""
+    scheme = _scheme(uri)
+    if scheme in ("http", "https"):
+        return uri
+    if scheme not in (*_DATABASE_SCHEMES, "file"):
+        return None
+    command = ["mlflow", "ui", "--backend-store-uri", uri]
+    if scheme == "sqlite":
+        command += ["--workers", "1"]
+    return shlex.join(command)
 
 
 def ensure_experiment(name: str, uri: str, artifact_root: str | Path | None) -> str:

@@ -102,7 +102,7 @@ def evaluate_linears(
     preprocessed batches shared with the other models evaluated on this set under heads with the
     same preprocessing (input_batches.py). `precision`: "float32", or "bfloat16" for the tower's
     forward under autocast (the Linears read its features in float32)."""
-    from tqdm.auto import tqdm
+    from featcal_core.progress import stage_progress
 
     if not linears:
         raise FeatCalError("evaluate_linears needs at least one Linear to evaluate")
@@ -147,7 +147,9 @@ def evaluate_linears(
     loss_sum = dict.fromkeys(heads, 0.0)
     batches = batches if batches is not None else InputBatches(0)
     starts = range(0, total, batch_size)
-    bar = tqdm(starts, desc=f"evaluate {Path(model_dir).name}", unit="batch", disable=not progress)
+    bar = stage_progress(
+        starts, desc=f"evaluate {Path(model_dir).name}", unit="batch", enabled=progress
+    )
     for start in bar:
         key = (str(dataset_dir), split, total, input_column, start, batch_size)
 

@@ -22,6 +22,7 @@ from featcal_core.architectures import detect
 from featcal_core.architectures.base import Architecture, has_tokenizer
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.head import Head, _linear
+from featcal_core.evaluation.linear_head import pooled
 from featcal_core.evaluation.preprocessing import (
     _image_inputs,
     _image_processor,
@@ -37,14 +38,16 @@ __all__ = ["ExpertHead"]
 
 
 class _PooledOutput(nn.Module):
-    """features(**inputs) = tower(**inputs).pooler_output (B, d)."""
+    """features(**inputs) (B, d): the tower's pooler_output, or with features "mean_pooling" the
+    mean of its last_hidden_state over the real tokens (linear_head.pooled)."""
 
-    def __init__(self, tower: nn.Module):
+    def __init__(self, tower: nn.Module, features: str = "pooler_output"):
         super().__init__()
         self.tower = tower
+        self.features = features
 
     def forward(self, **inputs: torch.Tensor) -> torch.Tensor:
-        return self.tower(**inputs).pooler_output
+        return pooled(self.tower(**inputs), inputs.get("attention_mask"), self.features)
 
 
 class ExpertHead(Head):
@@ -53,7 +56,8 @@ class ExpertHead(Head):
     - a full transformers classification model (`config.json` `architectures`, e.g.
       BertForSequenceClassification): its classifier on the pooled output;
     - a bare tower (e.g. CLIPVisionModel) with a linear head beside it (`classifier.safetensors`
-      + `classifier.json`, see `featcal_core.evaluation.linear_head`): that Linear on `pooler_output`.
+      + `classifier.json`, see `featcal_core.evaluation.linear_head`): that Linear on
+      `pooler_output`, or on the mean of `last_hidden_state` over the real tokens.
 
     The tokenizer or image processor is loaded from `expert_dir`; an expert saved without
     tokenizer files uses `tokenizer_dir`'s (the base model it was fine-tuned from) when given.
@@ -204,7 +208,7 @@ class ExpertHead(Head):
         model = self._with_tower(model_dir)
         linear: nn.Linear | None
         if self.linear_file is not None:
-            features: nn.Module = _PooledOutput(model)
+            features: nn.Module = _PooledOutput(model, self.linear_file.features)
             linear = _linear(self.linear_file.weight, self.linear_file.bias)
         else:
             linear = getattr(model, "classifier", None)

@@ -20,12 +20,12 @@ import math
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from featcal_core.architectures.base import load_tokenizer
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.accuracy import _device
 from featcal_core.evaluation.dataset import _check_labels, _load_split
+from featcal_core.progress import stage_progress
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,8 @@ def _seq2seq_scores(model, tokenizer, prompts, words, labels_count, batch_size, 
     targets = [tokenizer(" " + w)["input_ids"] for w in words]
     scores = torch.zeros(len(prompts), labels_count, dtype=torch.float64)
     pairs = [(i, c) for i in range(len(prompts)) for c in range(labels_count)]
-    for start in tqdm(range(0, len(pairs), batch_size), desc="label scoring", disable=not progress):
+    starts = range(0, len(pairs), batch_size)
+    for start in stage_progress(starts, desc="label scoring", unit="batch", enabled=progress):
         chunk = pairs[start : start + batch_size]
         enc = tokenizer([prompts[i] for i, _ in chunk], padding=True, return_tensors="pt")
         width = max(len(targets[c]) for _, c in chunk)
@@ -163,8 +164,8 @@ def label_continuation(
         raise FeatCalError(f"label word {empty[0]!r} has no tokens; choose other label words")
     scores = torch.zeros(len(prompts), len(label_words), dtype=torch.float64)
     pairs = [(i, c) for i in range(len(prompts)) for c in range(len(label_words))]
-    for start in tqdm(
-        range(0, len(pairs), batch_size), desc="label continuation", disable=not progress
+    for start in stage_progress(
+        range(0, len(pairs), batch_size), desc="label continuation", unit="batch", enabled=progress
     ):
         chunk = pairs[start : start + batch_size]
         sequences = [prompts[i] + words[c] for i, c in chunk]

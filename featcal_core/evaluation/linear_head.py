@@ -1,13 +1,18 @@
-"""A linear classification head stored next to a tower checkpoint (vision experts).
+"""A linear classification head stored next to a tower checkpoint (vision experts, text-paper
+experts).
 
-A vision expert is a plain `CLIPVisionModel` directory; its classifier lives beside it in two files:
+Such an expert is a plain tower directory (`CLIPVisionModel`, `BertModel`); its classifier lives
+beside it in two files:
 
     classifier.safetensors  weight (num_classes, hidden) and bias (num_classes), float32
     classifier.json         {"format": "featcal-linear-head", "version": 1,
                              "features": "pooler_output", "num_classes": C, "labels": [...]}
 
-logits (B, C) = pooler_output (B, hidden) @ weight.T + bias. Each file is written to a temporary
-name in the same directory and renamed into place with os.replace.
+logits (B, C) = features (B, hidden) @ weight.T + bias, where `features` names the tower output
+the head reads: `pooler_output`, or `mean_pooling` (the mean of `last_hidden_state` over the real
+tokens, as sentence-transformers pool a text model such as all-MiniLM-L6-v2; `pooled` computes
+both). Each file is written to a temporary name in the same directory and renamed into place
+with os.replace.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +32,8 @@ WEIGHTS_NAME = "classifier.safetensors"
 CONFIG_NAME = "classifier.json"
 FORMAT = "featcal-linear-head"
 VERSION = 1
-FEATURES = ("pooler_output", "clip_image_embeds")  # the latter: refit CLIP zero-shot heads
+#: the tower outputs a head may read (clip_image_embeds: refit CLIP zero-shot heads)
+FEATURES = ("pooler_output", "mean_pooling", "clip_image_embeds")
 
 
 @dataclass
@@ -50,6 +57,21 @@ class LinearHead:
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """logits (B, num_classes) of features (B, hidden)."""
         return features.float() @ self.weight.T + self.bias
+
+
+def pooled(output: Any, attention_mask: torch.Tensor | None, features: str) -> torch.Tensor:
+    """The head's input (B, hidden) from a tower's output: its `pooler_output`, or for
+    "mean_pooling" the mean of `last_hidden_state` (B, S, hidden) over the tokens whose
+    attention_mask (B, S) is 1 (every token when the mask is None)."""
+    if features == "pooler_output":
+        return output.pooler_output
+    if features != "mean_pooling":
+        raise FeatCalError(f"pooled: features {features!r} is not pooler_output or mean_pooling")
+    hidden = output.last_hidden_state
+    if attention_mask is None:
+        return hidden.mean(dim=1)
+    weights = attention_mask.to(hidden.dtype).unsqueeze(-1)
+    return (hidden * weights).sum(dim=1) / weights.sum(dim=1).clamp_min(1.0)
 
 
 def has_linear_head(directory: str | Path) -> bool:

@@ -4,7 +4,10 @@ The output holds the base's tensor names with the same dtypes, in the base's fil
 when it has one) where they fit `max_shard_size`, else split anew into shards with an index
 (featcal_core.io.shards), plus the files a model carries, copied from the base (an allow-list,
 featcal_core.io.export.carry_files: config.json, generation config, tokenizer, chat template and
-processor files; not its README.md or .gitattributes), and a `merge.json` record. Experts are
+processor files; not its README.md or .gitattributes), a `merge.json` record (method,
+hyperparameters, featcal version; the base and each expert: folder, sha256 of each weight file,
+and where it came from: a Hub model's id, revision and commit, or a local folder) and the merged
+model's own card, `README.md` (featcal_core.provenance.merge_card). Experts are
 checked against the base first: structure (featcal_core.io.structure) and vocabulary
 (featcal_core.io.vocabulary). Tensors are merged one name at a time,
 and a tensor larger than CHUNK_ENTRIES entries in row chunks: the method's `prepare` streams over
@@ -32,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from featcal_core.architectures import detect
 from featcal_core.errors import FeatCalError
@@ -49,7 +51,9 @@ from featcal_core.memory import peak_rss_bytes
 from featcal_core.merging import get
 from featcal_core.merging.base import MergeMethod, Place, as_compute
 from featcal_core.names import check_names
+from featcal_core.progress import stage_progress
 from featcal_core.provenance.records import MERGE_RECORD
+from featcal_core.version import featcal_version
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +72,15 @@ def merge_checkpoints(
     overwrite: bool = False,
     progress: bool = True,
     max_shard_size: int | str | None = None,
+    base_source: Mapping[str, Any] | None = None,
+    expert_sources: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> dict:
     """Merge `experts` (task → save_pretrained dir, or peft LoRA adapter folder over `base`:
     featcal_core.io.adapters) of `base` with `method`; write `out`, in weight files of at most
     `max_shard_size` (bytes, or "5GB"-style; None: transformers' default, featcal_core.io.shards).
+    `base_source` and `expert_sources` (task → ...): where a folder came from, when it is a Hub
+    snapshot (`ResolvedModel.source()`: kind, reference, repo_id, revision, commit); a folder
+    without one is recorded as local.
 
     Every expert must have the base's structure (featcal_core.io.structure: config and tensor
     names) and vocabulary (featcal_core.io.vocabulary: vocab size, tokenizer, added tokens) and
@@ -113,22 +122,49 @@ def merge_checkpoints(
             merger, hp, base_ckpt, expert_ckpts, key_maps, tmp, progress, layout
         )
         _copy_other_files(base_ckpt, tmp)
+        sources = expert_sources or {}
         record = {
             "merge_record_version": RECORD_VERSION,
+            "featcal_version": featcal_version(),
             "method": merger.name,
             "hyperparameters": hp,
             "max_shard_size": shard_bytes,
             "inputs": {
-                "base": base_ckpt.describe(),
-                "experts": {task: c.describe() for task, c in expert_ckpts.items()},
+                "base": _described(base_ckpt, base_source),
+                "experts": {
+                    task: _described(c, sources.get(task)) for task, c in expert_ckpts.items()
+                },
             },
             "tensors": counts,
             "wall_seconds": round(time.perf_counter() - started, 3),
             "peak_rss_bytes": peak_rss_bytes(),
         }
         (tmp / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
+        _write_card(record, base_ckpt, out.name, tmp)
     log.info("wrote %s in %.1f s", out, record["wall_seconds"])
     return record
+
+
+def _described(checkpoint: Checkpoint, source: Mapping[str, Any] | None) -> dict[str, Any]:
+    """How the record names an input: its folder and weight files' sha256
+    (`Checkpoint.describe`), and where it came from: a Hub snapshot's kind, reference, repo_id,
+    revision and commit (`source`), else {"kind": "local"}."""
+    origin = {"kind": "local"} if source is None or source.get("kind") != "hub" else source
+    return {**checkpoint.describe(), **{k: v for k, v in origin.items() if k != "path"}}
+
+
+def _write_card(record: dict, base: Checkpoint, name: str, out_dir: Path) -> None:
+    """The merged model's own card (README.md; featcal_core.provenance.merge_card) into
+    `out_dir`, a folder to be called `name`."""
+    from featcal_core.provenance.merge_card import merge_card
+    from featcal_core.provenance.model_card import CARD_NAME
+
+    try:
+        architecture: str | None = detect(base.config, str(base.directory / "config.json")).name
+    except FeatCalError:
+        architecture = None
+    text = merge_card(record, base.config, name, architecture)
+    (out_dir / CARD_NAME).write_text(text, encoding="utf-8")
 
 
 def _is_float(dtype: str) -> bool:
@@ -296,7 +332,7 @@ def _write_weights(
     """Write the files of `layout` (the base's tensors) into `out_dir`; returns merged/copied
     counts."""
     counts = {"merged": 0, "copied": 0}
-    bar = tqdm(total=len(base.tensors), desc="merge", unit="tensor", disable=not progress)
+    bar = stage_progress(total=len(base.tensors), desc="merge", unit="tensor", enabled=progress)
     with ExitStack() as stack:
         stack.callback(bar.close)
         readers = _Readers(stack)

@@ -12,7 +12,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from featcal_core import precision
 from featcal_core.architectures.base import WEIGHT_MASK
@@ -29,6 +28,7 @@ from featcal_core.io.outputs import (
 )
 from featcal_core.io.safetensors_io import save_tensors
 from featcal_core.io.shard_size import parse_shard_size
+from featcal_core.log_detail import DETAIL
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.method.block import BlockResult, BlockRunner
 from featcal_core.method.hyperparameters import FeatCalParams
@@ -45,6 +45,7 @@ from featcal_core.method.streams import (
 )
 from featcal_core.method.task_statistics import TaskStatistics
 from featcal_core.names import check_names
+from featcal_core.progress import stage_progress
 from featcal_core.provenance.records import FEATCAL_RECORD
 
 log = logging.getLogger(__name__)
@@ -283,6 +284,7 @@ def log_block(result: BlockResult, num_blocks: int, restored: bool = False) -> N
         before,
         after,
         how,
+        extra=DETAIL,
     )
 
 
@@ -340,8 +342,8 @@ def calibrate(
             streams = HiddenStreams(work / "streams" if spill_dir else None)
             masks = run.stems(streams)
             blocks, replaced = [], {}
-            bar = tqdm(
-                range(run.num_blocks), desc="FeatCal blocks", unit="block", disable=not progress
+            bar = stage_progress(
+                range(run.num_blocks), desc="FeatCal blocks", unit="block", enabled=progress
             )
             for index in bar:
                 result = run.block(

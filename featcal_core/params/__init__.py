@@ -19,6 +19,7 @@ from featcal_core.params.schema import Params
 from featcal_core.params.sections import (
     EvaluationSettings,
     FeatCalSettings,
+    HarnessSettings,
     MergeSettings,
     RunSettings,
     TrackingSettings,
@@ -30,6 +31,7 @@ __all__ = [
     "DataSource",
     "EvaluationSettings",
     "FeatCalSettings",
+    "HarnessSettings",
     "MergeSettings",
     "ModelRef",
     "ModelsSpec",

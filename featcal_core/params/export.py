@@ -47,9 +47,10 @@ def dump(params: Params) -> str:
 def flatten(params: Params) -> dict[str, str | int | float | bool]:
     """Dotted keys and scalar values for MLflow params, e.g. {"featcal.alpha": 0.25}.
 
+    Only the values that are set: a None value, an empty mapping and an empty list give no key.
     Models give `<key>` (the reference) and `<key>.trust_remote_code` (open_clip ones also
-    `<key>.format`, `.file`, `.open_clip_config`, `.trust_pickle`); None is "null"; lists are
-    JSON text (long ones: a count and a sha256 prefix); an empty mapping is "{}".
+    `<key>.format` and those of `.file`, `.open_clip_config`, `.trust_pickle` that are set);
+    lists are JSON text (long ones: a count and a sha256 prefix).
     """
     out: dict[str, str | int | float | bool] = {}
 
@@ -57,26 +58,24 @@ def flatten(params: Params) -> dict[str, str | int | float | bool]:
         if isinstance(value, ModelRef):
             out[prefix] = value.ref
             out[f"{prefix}.trust_remote_code"] = value.trust_remote_code
-            if value.format != "hf":  # open_clip options (hf references log as before)
+            if value.format != "hf":  # open_clip options (an hf reference has none)
                 for key in ("format", "file", "open_clip_config", "trust_pickle"):
-                    item = getattr(value, key)
-                    out[f"{prefix}.{key}"] = "null" if item is None else item
+                    if getattr(value, key) is not None:
+                        out[f"{prefix}.{key}"] = getattr(value, key)
         elif isinstance(value, BaseModel):
             for field in type(value).model_fields:
                 visit(f"{prefix}.{field}" if prefix else field, getattr(value, field))
         elif isinstance(value, dict):
-            if not value:
-                out[prefix] = "{}"
             for key, item in value.items():
                 visit(f"{prefix}.{key}", item)
+        elif value is None or (isinstance(value, (list, tuple)) and not value):
+            return  # not set
         elif isinstance(value, (list, tuple)):
             text = json.dumps(_plain(value), ensure_ascii=False)
             if len(text) > _MAX_FLAT_LIST_CHARS:
                 digest = hashlib.sha256(text.encode()).hexdigest()[:12]
                 text = f"<{len(value)} items, sha256 {digest}>"
             out[prefix] = text
-        elif value is None:
-            out[prefix] = "null"
         elif isinstance(value, (str, int, float, bool)):
             out[prefix] = value
         else:

@@ -15,6 +15,7 @@ from pydantic_core import PydanticUndefined
 from featcal_core.params.models import ModelRef, ModelsSpec
 from featcal_core.params.repair import CompareSettings, RepairSettings, Variant
 from featcal_core.params.schema import Params
+from featcal_core.params.sections import HarnessSettings
 from featcal_core.params.selection import SelectSettings
 from featcal_core.params.tasks import DataSource, TaskSpec
 
@@ -26,6 +27,7 @@ TABLES = [
     ("`featcal:`", "featcal.", None),
     ("`repair:`", "repair.", RepairSettings),
     ("`evaluation:`", "evaluation.", None),
+    ("`evaluation.harness:`", "evaluation.harness.", HarnessSettings),
     ("`tracking:`", "tracking.", None),
     ("`zoo:`", "zoo.", None),
     ("`select:`", "select.", SelectSettings),

@@ -213,6 +213,63 @@ class FeatCalSettings(_Section):
         return Settings(**{name: getattr(self, name) for name in RUN_SETTINGS}, seed=seed)
 
 
+class HarnessSettings(_Section):
+    """Causal LMs evaluated by lm-evaluation-harness (`pip install 'featcal[llm]'`) on its tasks,
+    in place of featcal's own label scoring."""
+
+    tasks: list[StrictStr] | dict[str, list[StrictStr]] = Field(
+        description="lm-eval task names (its registry, or the YAMLs under include_path), e.g. "
+        "[arc_easy, hellaswag]: every expert is scored on every task, and a task's expert row is "
+        "the expert scoring highest there; or, by expert task, {math: [gsm8k], code: [mbpp]}: "
+        "each expert on its own tasks",
+    )
+    num_fewshot: StrictInt | None = Field(
+        default=None, ge=0, description="few-shot examples per prompt; null: each task's default"
+    )
+    limit: StrictInt | FiniteFloat | None = Field(
+        default=None,
+        description="rows per task: a count (an integer, at least 1) or a fraction of each "
+        "task's rows (a number in (0, 1)); null: all",
+    )
+    batch_size: StrictInt | None = Field(
+        default=None, ge=1, description="lm-eval's batch size; null: evaluation.batch_size"
+    )
+    include_path: str | None = Field(
+        default=None,
+        description="a folder of custom lm-eval task YAMLs (relative to the working directory); "
+        "null: lm-eval's own tasks only",
+    )
+    apply_chat_template: StrictBool = Field(
+        default=False, description="wrap each prompt in the tokenizer's chat template"
+    )
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, value: list[str] | dict[str, list[str]]) -> list[str] | dict[str, list[str]]:
+        names = value if isinstance(value, list) else [t for ts in value.values() for t in ts]
+        if not names or (isinstance(value, dict) and not all(value.values())):
+            raise _error("no lm-eval task named; name at least one")
+        if any(not task.strip() for task in names):
+            raise _error("an empty task name; name lm-eval tasks")
+        if twice := sorted({task for task in names if names.count(task) > 1}):
+            raise _error(f"{', '.join(twice)} named twice; name each task once")
+        return value
+
+    def task_names(self) -> list[str]:
+        """Every lm-eval task, in the order given."""
+        tasks = self.tasks
+        return list(tasks) if isinstance(tasks, list) else [t for ts in tasks.values() for t in ts]
+
+    @field_validator("limit")
+    @classmethod
+    def _limit(cls, value: int | float | None) -> int | float | None:
+        if isinstance(value, float) and not 0 < value < 1:
+            raise _error(f"{value} is neither a row count (an integer) nor a fraction in (0, 1)")
+        if isinstance(value, int) and value < 1:
+            raise _error(f"{value} rows: give at least 1, or null for all")
+        return value
+
+
 class EvaluationSettings(_Section):
     """Evaluation of the base, experts, merged and calibrated models."""
 
@@ -226,6 +283,11 @@ class EvaluationSettings(_Section):
         description="dtype of the evaluation forwards and of select:'s held-out scoring (float32, "
         "or bfloat16 under autocast; auto: bfloat16 where the device has it natively); null: "
         "featcal.precision's choice (float64 there evaluates in float32)",
+    )
+    harness: HarnessSettings | None = Field(
+        default=None,
+        description="causal LMs: evaluate with lm-evaluation-harness on its tasks (the "
+        "`evaluation.harness:` table); null: featcal's own label scoring",
     )
 
 
@@ -242,14 +304,15 @@ class TrackingSettings(_Section):
     experiment: str = Field(default="featcal", min_length=1, description="MLflow experiment name")
     log_model: Literal["auto"] | StrictBool = Field(
         default="auto",
-        description="copy the calibrated checkpoint's weights into MLflow: auto: when they total "
-        "at most 256 MiB (above that, and with false: its model card, config and records only, "
-        "and a tag with the folder's path); true: always",
+        description="log the calibrated checkpoint with its weights (as an MLflow Model where "
+        "from_pretrained loads it): auto: when they total at most 256 MiB (above that, and with "
+        "false: its model card, config and records only, and a tag with the folder's path); "
+        "true: always",
     )
 
 
 #: featcal_core.zoo.build.PRESETS' names (a test keeps them equal, and `featcal zoo --preset`'s)
-ZooPreset = Literal["vision", "vision-paper", "text"]
+ZooPreset = Literal["vision", "vision-paper", "text", "text-paper"]
 ZOO_PRESETS: tuple[str, ...] = get_args(ZooPreset)
 
 
@@ -259,8 +322,8 @@ class ZooSettings(_Section):
 
     preset: ZooPreset = Field(
         "vision",
-        description="which zoo to build (vision-paper: experts with frozen base-fitted heads and "
-        "small task vectors, the paper's regime)",
+        description="which zoo to build (vision-paper, text-paper: experts with frozen "
+        "base-fitted heads and small task vectors, the paper's regime)",
     )
     dir: str | None = Field(None, description="where the zoo lives; null: data/zoo/<preset>")
     seed: StrictInt = Field(0, ge=0, description="seed of the zoo's data splits and training")

@@ -13,18 +13,23 @@ The rules, each applied to what the records say (`model_card.model_card_fields`)
   each one's `license` (with `license_name` / `license_link`), read from the front matter of a
   README.md in its folder, else a `license` key of its config.json. All inputs state the same
   one: that one. None states one: no license field (the body says so). Any other case (they
-  differ, or some state none): `other`, and the body lists each input's license. The pipeline
-  downloads no README.md of a Hub model (featcal_core.provenance.hub.ALLOW_PATTERNS), so a Hub
-  model's license is found only when its snapshot folder holds one.
-- **tags**: featcal, model-merging, the merge method, featcal's architecture name and the
-  checkpoint's transformers `model_type` (when known).
+  differ, or some state none): `other`, and the body lists each input's license. A Hub
+  model's README.md is fetched with its files (featcal_core.provenance.hub.ALLOW_PATTERNS), so
+  its license is read from the same snapshot online and offline.
+- **tags**: featcal, merge (a merged model's own card), model-merging, the merge method,
+  featcal's architecture name and the checkpoint's transformers `model_type` (when known).
 - **library_name**: transformers.
 - **model-index** (from an evaluation table, evaluation.json's {task: {row: {"accuracy", ...}}}):
-  one result per task (task type image- or text-classification by the checkpoint's modality,
-  dataset name and type = the task) whose metrics are accuracies: the card's own model
-  (calibrated), the same with the refit heads (`calibrated_heads`) when evaluated, and the merged
-  model before FeatCal, each named in `metric_name`. In huggingface_hub's terms that is one
-  `EvalResult` per task and row. A table of any other shape gives no model-index.
+  one result per task (task type image- or text-classification by the checkpoint's modality)
+  whose metrics are accuracies: the card's own model (calibrated), the same with the refit heads
+  (`calibrated_heads`) when evaluated, and the merged model before FeatCal, each named in
+  `metric_name`. In huggingface_hub's terms that is one `EvalResult` per task and row. Its
+  dataset (`evaluation_datasets`, from the params' `tasks.<task>.evaluation`): `name` the task,
+  `type` the Hub dataset id (a local dataset: its folder's name), `config`, `split`, `revision`
+  (the commit the rows came from when known, else the revision asked for), and `args`
+  {"rows_evaluated", "rows_in_split"} from the evaluation row (`examples`, `split_rows`): e.g. 48
+  of 397 under `evaluation.max_examples_per_task`. A table of any other shape gives no
+  model-index.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ __all__ = [
     "card_data",
     "card_tags",
     "eval_results",
+    "evaluated_rows",
+    "evaluation_datasets",
     "hub_id",
     "index_rows",
     "license_fields",
@@ -112,6 +119,15 @@ def base_models(inputs: Mapping[str, Any]) -> list[str]:
 # ------------------------------------------------------------------------------------- license
 
 
+def _has_front_matter(readme: Path) -> bool:
+    """Whether a README.md opens with YAML front matter (a card without any holds no license)."""
+    try:
+        with readme.open("rb") as handle:
+            return handle.read(256).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"---")
+    except OSError:
+        return False
+
+
 def read_license(directory: str | Path | None) -> dict[str, str] | None:
     """{"license", "license_name"?, "license_link"?} a model folder states: its README.md front
     matter, else config.json's "license"; None when neither does (or the folder is missing)."""
@@ -119,7 +135,7 @@ def read_license(directory: str | Path | None) -> dict[str, str] | None:
         return None
     folder = Path(directory)
     readme = folder / "README.md"
-    if readme.is_file():
+    if readme.is_file() and _has_front_matter(readme):
         try:  # a file path: huggingface_hub reads it, no download
             data = ModelCard.load(readme, ignore_metadata_errors=True).data.to_dict()
         except Exception as exc:  # someone else's card: any parse failure means "not stated"
@@ -166,11 +182,14 @@ def _tag(text: Any) -> str:
 
 
 def card_tags(recipe: Mapping[str, Any], model: Mapping[str, Any]) -> list[str]:
-    """featcal, model-merging, the merge method, the architecture, the model_type."""
+    """featcal, merge (a merged model's card: no FeatCal in the recipe), model-merging, the merge
+    method, the architecture, the model_type."""
     merge = recipe.get("merge")
     if not isinstance(merge, Mapping):
         merge = {}
     tags = ["featcal", "model-merging"]
+    if not recipe.get("featcal"):
+        tags.insert(1, "merge")
     for value in (merge.get("method"), model.get("architecture"), model.get("model_type")):
         if isinstance(value, str) and value.strip():
             tags.append(_tag(value))
@@ -229,24 +248,104 @@ def index_rows(own: str) -> list[tuple[str, str]]:
     return rows
 
 
+def _count(value: Any) -> int | None:
+    return (
+        int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else None
+    )
+
+
+def evaluated_rows(evaluation: Any, task: str, row: str) -> dict[str, int]:
+    """{"rows_evaluated", "rows_in_split"} of one evaluation row (its `examples` and
+    `split_rows`, those recorded)."""
+    entry = evaluation.get(task, {}).get(row) if isinstance(evaluation, Mapping) else None
+    if not isinstance(entry, Mapping):
+        return {}
+    counts = {
+        "rows_evaluated": _count(entry.get("examples")),
+        "rows_in_split": _count(entry.get("split_rows")),
+    }
+    return {key: value for key, value in counts.items() if value is not None}
+
+
 def eval_results(
-    table: Mapping[str, Mapping[str, float | None]], own: str, modality: str | None
+    table: Mapping[str, Mapping[str, float | None]],
+    own: str,
+    modality: str | None,
+    datasets: Mapping[str, Mapping[str, Any]] | None = None,
+    evaluation: Mapping[str, Any] | None = None,
 ) -> list[EvalResult]:
-    """One EvalResult per task and model-index row with a finite accuracy (see `index_rows`)."""
+    """One EvalResult per task and model-index row with a finite accuracy (see `index_rows`);
+    its dataset from `datasets` ({task: `evaluation_datasets`' entry}; none: the task's name),
+    with the rows of `evaluation`'s row (`evaluated_rows`) as its args."""
     task_type = _TASK_TYPES.get(modality or "", "other")
-    return [
-        EvalResult(
-            task_type=task_type,
-            dataset_type=task,
-            dataset_name=task,
-            metric_type="accuracy",
-            metric_value=round(value, 6),
-            metric_name=metric,
-        )
-        for task, row in table.items()
-        for name, metric in index_rows(own)
-        if (value := row.get(name)) is not None
-    ]
+    results = []
+    for task, row in table.items():
+        dataset = (datasets or {}).get(task) or {}
+        for name, metric in index_rows(own):
+            value = row.get(name)
+            if value is None:
+                continue
+            results.append(
+                EvalResult(
+                    task_type=task_type,
+                    dataset_type=str(dataset.get("type") or task),
+                    dataset_name=task,
+                    dataset_config=dataset.get("config"),
+                    dataset_split=dataset.get("split"),
+                    dataset_revision=dataset.get("revision"),
+                    dataset_args=evaluated_rows(evaluation, task, name) or None,
+                    metric_type="accuracy",
+                    metric_value=round(value, 6),
+                    metric_name=metric,
+                )
+            )
+    return results
+
+
+def evaluation_datasets(
+    tasks: Mapping[str, Any], data_root: str | Path | None = None
+) -> dict[str, dict[str, Any]]:
+    """{task: {"type", "config", "split", "revision", "source"}} of each task's evaluation source
+    (`tasks.<task>.evaluation`, a params DataSource or a mapping): a Hub dataset's id, config,
+    split and revision (the commit its saved rows came from, `<data_root>/<task>/`
+    EVALUATION_SOURCE, when recorded for this very source; else the revision asked for); a local
+    one's folder name and split. Values not known are left out."""
+    from featcal_core.data.source import as_data_source
+    from featcal_core.provenance.records import EVALUATION_SOURCE
+
+    found: dict[str, dict[str, Any]] = {}
+    for task, spec in tasks.items():
+        given = spec.get("evaluation") if isinstance(spec, Mapping) else spec.evaluation
+        source = as_data_source(given, f"tasks.{task}.evaluation")
+        if source.hub is not None:
+            entry = {
+                "type": source.hub,
+                "config": source.config,
+                "split": source.split,
+                "revision": source.revision,
+                "source": source.describe(),
+            }
+            record = Path(data_root) / str(task) / EVALUATION_SOURCE if data_root else None
+            try:
+                saved = json.loads(record.read_text(encoding="utf-8")) if record else {}
+            except (OSError, ValueError):
+                saved = {}
+            if (
+                isinstance(saved, Mapping)
+                and saved.get("identity") == list(source.identity())
+                and isinstance(saved.get("commit"), str)
+            ):
+                entry["revision"] = saved["commit"]
+        else:
+            assert source.path is not None  # a local source (as_data_source checks it)
+            folder = Path(source.path).expanduser()
+            entry = {
+                "type": folder.name or str(folder),
+                "split": source.split,
+                "source": source.describe(),
+            }
+        found[str(task)] = {key: value for key, value in entry.items() if value is not None}
+    return found
 
 
 def card_data(

@@ -1,8 +1,9 @@
 """Fetching a model repository from the Hugging Face Hub: `snapshot_download` of the files featcal
 reads, retried on transient failures, and every other failure as one `FeatCalError` line.
 
-Only configs, safetensors weights and tokenizer/processor files of the repository's top folder are
-fetched (`ALLOW_PATTERNS`); pickled weights (.bin, .pt, .pth, .ckpt) never are, unless a caller
+Only configs, safetensors weights, tokenizer/processor files and the model card (README.md: the
+license a merged model's card names) of the repository's top folder are fetched
+(`ALLOW_PATTERNS`); pickled weights (.bin, .pt, .pth, .ckpt) never are, unless a caller
 names the files itself (an open_clip checkpoint). HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1)
 makes a download a cache-only look-up. Transient failures (connection errors, timeouts, HTTP 429
 and 5xx) are retried with exponential backoff.
@@ -45,8 +46,10 @@ except ImportError:  # pragma: no cover - depends on the installed huggingface_h
 
 log = logging.getLogger(__name__)
 
-#: files fetched from a Hub repository: configs, safetensors weights, tokenizer/processor files
+#: files fetched from a Hub repository: configs, safetensors weights, tokenizer/processor files,
+#: and the model card (its front matter states the license; never copied into an output)
 ALLOW_PATTERNS = (
+    "README.md",
     "*.json",
     "*.safetensors",
     "*.txt",

@@ -169,7 +169,8 @@ def trace(path: str | Path) -> dict[str, Any]:
         "provenance_files": [],
     }
     sources: dict[str, list[tuple[Path, str, Path, dict[str, str]]]] = {}  # role → sources
-    details: dict[str, dict[str, Any]] = {}  # role → reference, commit... (from the lock)
+    # role → reference, commit... (from the lock; else from merge.json)
+    details: dict[str, dict[str, Any]] = {}
     tasks_by_record: list[tuple[Path, str, set[str]]] = []
 
     # calibrated → featcal.json
@@ -245,6 +246,14 @@ def trace(path: str | Path) -> dict[str, Any]:
                 _add_source(
                     sources, f"experts.{task}", merge_path, f"inputs.experts.{task}", item, root
                 )
+            for role, item in [("base", inputs.get("base"))] + [
+                (f"experts.{task}", item) for task, item in experts.items()
+            ]:
+                if as_dict(item).get("kind") == "hub":  # where it came from (Hub id, commit)
+                    details[role] = {
+                        key: as_dict(item).get(key)
+                        for key in ("reference", "kind", "repo_id", "revision", "commit")
+                    }
             tasks_by_record.append((merge_path, "merged", set(experts)))
 
     # the lock of the results directory

@@ -6,8 +6,9 @@ provenance, built from `lineage.trace`.
 
 The pipeline writes it twice (flows/steps.py): after calibration (no results yet) and again once
 `featcal evaluate` has the evaluation table (not when it runs as a DVC stage: the folder is the
-calibrate stage's output). Both go through the guarded writer, which records the
-card's new sha256 in the folder's marker, so the folder still verifies (`verify_output`).
+calibrate stage's output; the report stage writes the card with its results into the report
+instead, `reports/<run name>/model_card.md`). Both go through the guarded writer, which records
+the card's new sha256 in the folder's marker, so the folder still verifies (`verify_output`).
 """
 
 from __future__ import annotations
@@ -43,7 +44,14 @@ from featcal_core.provenance.card_sections import (
 from featcal_core.provenance.records import FITTED_ON
 from featcal_core.provenance.text import DASH, as_dict, value_text
 
-__all__ = ["CARD_NAME", "model_card_fields", "render_model_card", "write_model_card"]
+__all__ = [
+    "CARD_NAME",
+    "config_facts",
+    "family_facts",
+    "model_card_fields",
+    "render_model_card",
+    "write_model_card",
+]
 
 log = logging.getLogger(__name__)
 
@@ -158,31 +166,49 @@ def model_card_fields(result: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _model_facts(chain: Mapping[str, Any], checkpoint: Path) -> dict[str, Any]:
-    """{"architecture", "model_type", "modality", "causal"} of the traced checkpoint (those
-    known): featcal.json's architecture, config.json's model_type, the calibration sets'
-    modality, and what featcal's adapter for the architecture says."""
-    facts: dict[str, Any] = {"architecture": as_dict(chain.get("calibrated")).get("architecture")}
-    try:
-        config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
-        facts["model_type"] = config.get("model_type") if isinstance(config, dict) else None
-    except (OSError, ValueError):
-        pass
-    sets = as_dict(chain.get("calibration_sets")).values()
-    facts["modality"] = next(
-        (as_dict(s).get("modality") for s in sets if as_dict(s).get("modality")), None
-    )
-    if isinstance(facts["architecture"], str):
+def config_facts(config: Any) -> dict[str, Any]:
+    """{"model_type", "model_class"} of a checkpoint's config.json (a mapping, or the folder
+    that holds it): its transformers `model_type` and the class it was saved as
+    (`architectures[0]`), those it names."""
+    if isinstance(config, str | Path):
+        try:
+            config = json.loads((Path(config) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+    config = as_dict(config)
+    classes = config.get("architectures")
+    facts = {
+        "model_type": config.get("model_type"),
+        "model_class": classes[0] if isinstance(classes, list) and classes else None,
+    }
+    return {key: value for key, value in facts.items() if isinstance(value, str) and value}
+
+
+def family_facts(architecture: Any, modality: Any = None) -> dict[str, Any]:
+    """{"architecture", "modality", "causal"} of featcal's architecture name (those known):
+    what its adapter says, `modality` first when given."""
+    facts: dict[str, Any] = {"architecture": architecture, "modality": modality}
+    if isinstance(architecture, str):
         from featcal_core.architectures import get  # (imports torch: only when there is one)
 
         try:
-            family = get(facts["architecture"])
+            family = get(architecture)
         except FeatCalError:
             family = None
         if family is not None:
-            facts["modality"] = facts["modality"] or family.modality or None
+            facts["modality"] = modality or family.modality or None
             facts["causal"] = bool(family.causal)
     return {key: value for key, value in facts.items() if value is not None}
+
+
+def _model_facts(chain: Mapping[str, Any], checkpoint: Path) -> dict[str, Any]:
+    """{"architecture", "model_type", "model_class", "modality", "causal"} of the traced
+    checkpoint (those known): featcal.json's architecture, config.json's model_type and class,
+    the calibration sets' modality, and what featcal's adapter for the architecture says."""
+    sets = as_dict(chain.get("calibration_sets")).values()
+    modality = next((as_dict(s).get("modality") for s in sets if as_dict(s).get("modality")), None)
+    architecture = as_dict(chain.get("calibrated")).get("architecture")
+    return {**family_facts(architecture, modality), **config_facts(checkpoint)}
 
 
 def _refit_heads(results_dir: Any, checkpoint: Path) -> dict[str, str] | None:
@@ -218,6 +244,7 @@ def render_model_card(
     model: Mapping[str, Any] | None = None,
     heads: Mapping[str, str] | None = None,
     model_name: str | None = None,
+    datasets: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> str:
     """The model card's text (see `write_model_card` for the arguments)."""
     base = as_dict(inputs.get("base"))
@@ -234,7 +261,9 @@ def render_model_card(
         inputs=inputs,
         recipe=recipe,
         model=model,
-        results=eval_results(table, own, model.get("modality")) if table else [],
+        results=eval_results(table, own, model.get("modality"), datasets, evaluation)
+        if table
+        else [],
         model_name=" ".join(str(model_name or title).split()),
     )
 
@@ -257,7 +286,7 @@ def render_model_card(
     lines += _usage_section(model, heads)
     if table:
         assert evaluation is not None  # a table comes from an evaluation (accuracy_table)
-        lines += _results_section(table, evaluation, own)
+        lines += _results_section(table, evaluation, own, datasets)
 
     lines += ["## How it was made", ""]
     step = 1
@@ -322,7 +351,7 @@ def render_model_card(
         )
     else:
         lines += ["Not recorded.", ""]
-    lines += ["### Calibration sets", ""]
+    lines += ["### Calibration sets", ""] if sets or featcal else []
     if sets:
         rows = []
         for task, entry in sets.items():
@@ -340,7 +369,7 @@ def render_model_card(
                 ]
             )
         lines += _table(["task", "rows", "of", "seed", "source", "split", "digest (sha256)"], rows)
-    else:
+    elif featcal:
         lines += ["None (no FeatCal calibration recorded).", ""]
 
     lines += _license_section(inputs)
@@ -378,6 +407,8 @@ def write_model_card(
     model: Mapping[str, Any] | None = None,
     heads: Mapping[str, str] | None = None,
     model_name: str | None = None,
+    path: str | Path | None = None,
+    datasets: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Path:
     """Write the Hugging Face model card, `README.md`, next to the weights; returns its path.
 
@@ -390,15 +421,20 @@ def write_model_card(
     table (another shape: none, with a warning). metrics: any other {task: {metric: value}} or
     {metric: value} table, shown as is (evaluation.json passed here counts as `evaluation`).
     provenance: {"git_commit", "mlflow_run_id", "prefect_flow_run_id", "dvc_stage", ...}.
-    model: the checkpoint's {"architecture", "model_type", "modality", "causal"}. heads: {task:
-    refit head folder}, shown in the usage snippet relative to this folder. model_name: the
-    model-index name (default: the title). `model_card_fields(trace(dir))` builds all of them
-    from the records.
+    model: the checkpoint's {"architecture", "model_type", "model_class", "modality", "causal"}
+    (`model_type` and `model_class` default to what the folder's config.json says: the usage
+    snippet loads the class saved there). heads: {task: refit head folder}, shown in the usage
+    snippet relative to this folder. model_name: the model-index name (default: the title).
+    `model_card_fields(trace(dir))` builds all of them but `datasets` from the records.
+    path: where the card goes instead of `checkpoint_dir/README.md` (the DVC report stage's copy;
+    the card still describes `checkpoint_dir`, paths relative to it). datasets: {task: {"type",
+    "config", "split", "revision"}} of the evaluation data (card_metadata.evaluation_datasets):
+    the model-index's datasets.
 
     The metadata (base_model, license, tags, model-index) follows featcal_core.provenance.
-    card_metadata. An existing README.md (e.g. the base model's card, copied by the merge, or the
-    card of an earlier step) is replaced atomically through the guarded writer: a folder with a
-    marker gets the card's new sha256 there, so `verify_output` still passes.
+    card_metadata. An existing README.md (the card of an earlier step) is replaced atomically
+    through the guarded writer: a folder with a marker gets the card's new sha256 there, so
+    `verify_output` still passes.
     """
     directory = Path(checkpoint_dir)
     if not directory.is_dir():
@@ -418,14 +454,15 @@ def write_model_card(
         metrics=metrics,
         provenance=provenance,
         evaluation=evaluation,
-        model=model,
+        model={**config_facts(directory), **as_dict(model)},
         heads=shown or None,
         model_name=model_name,
+        datasets=datasets,
     )
-    path = directory / CARD_NAME
-    _write_text(path, text)
-    log.info("wrote model card %s", path)
-    return path
+    out = directory / CARD_NAME if path is None else Path(path)
+    _write_text(out, text)
+    log.info("wrote model card %s", out)
+    return out
 
 
 def _relative(path: Any, directory: Path) -> str:

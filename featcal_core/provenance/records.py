@@ -6,12 +6,14 @@
     <results>/calibration/              per-block persisted states (the resume cache)
     <results>/calibrated/               the calibrated checkpoint (+ FEATCAL_RECORD)
     <results>/refit_heads/<model>/      head calibration (+ FITTED_ON)
-    <results>/heads/, evaluation_data/  zero-shot class-embedding caches, saved Hub evaluation data
+    <results>/heads/                    zero-shot class-embedding caches
+    <results>/evaluation_data/<task>/   a task's saved Hub evaluation split (+ EVALUATION_SOURCE)
     <results>/evaluation.json           EVALUATION: per task and model, accuracy and loss
     <results>/metrics.json              METRICS: the headline figures (a DVC metric)
     <results>/metrics_per_task.json     METRICS_PER_TASK: their per-task values (a DVC metric)
     <results>/provenance.json           PROVENANCE: git commit, MLflow and Prefect run ids
-    reports/<run name>/                 the report (REPORTS_ROOT)
+    reports/<run name>/                 the report (REPORTS_ROOT); as a DVC stage, with REPORT_CARD:
+                                        the calibrated checkpoint's model card with its results
 
 Every folder featcal writes also carries the guarded writer's marker (`io.outputs.MARKER`).
 """
@@ -31,6 +33,10 @@ PROVENANCE = "provenance.json"
 FITTED_ON = "fitted_on.json"
 ZOO_MANIFEST = "zoo.json"
 SELECTION = "selection.json"
+#: where a saved Hub evaluation split came from: {"source", "identity", "commit"}
+EVALUATION_SOURCE = "source.json"
+#: the report stage's copy of the calibrated model card, with results (DVC stages only)
+REPORT_CARD = "model_card.md"
 
 #: every report goes below this folder (of the working directory)
 REPORTS_ROOT = Path("reports")

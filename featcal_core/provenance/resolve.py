@@ -11,9 +11,9 @@ A model reference is anything with `kind` ("hub" or "local"), `repo_id`, `revisi
 used when present. Local directories are used in place. Hub models are fetched by
 featcal_core.provenance.hub with `huggingface_hub.snapshot_download` into the Hugging Face cache
 (`cache_dir`, else the library's default, which follows HF_HOME / HF_HUB_CACHE); HF_HUB_OFFLINE=1
-(or TRANSFORMERS_OFFLINE=1) makes it a cache-only look-up. Only configs, safetensors weights and
-tokenizer/processor files of the repository's top folder are fetched; pickled weights (.bin, .pt,
-.pth, .ckpt) never are.
+(or TRANSFORMERS_OFFLINE=1) makes it a cache-only look-up. Only configs, safetensors weights,
+tokenizer/processor files and README.md of the repository's top folder are fetched; pickled
+weights (.bin, .pt, .pth, .ckpt) never are.
 
 Transient failures (connection errors, timeouts, HTTP 429 and 5xx) are retried with exponential
 backoff; everything else ends in one `FeatCalError` line naming the params key, the reference,

@@ -44,6 +44,20 @@ class ResolvedModel:
             data["open_clip_source"] = dict(self.open_clip_source)
         return data
 
+    def source(self) -> dict[str, Any]:
+        """Where the model came from, as a merge record names it: a Hub model's {"kind": "hub",
+        "reference", "repo_id", "revision" (None: the default branch), "commit"}; a local
+        folder's {"kind": "local", "reference"} (its path is recorded beside it)."""
+        if self.kind != "hub":
+            return {"kind": "local", "reference": self.reference}
+        return {
+            "kind": "hub",
+            "reference": self.reference,
+            "repo_id": self.repo_id,
+            "revision": self.revision,
+            "commit": self.commit,
+        }
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ResolvedModel:
         return cls(

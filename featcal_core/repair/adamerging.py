@@ -34,7 +34,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call
-from tqdm.auto import tqdm
 
 from featcal_core.architectures import detect
 from featcal_core.architectures.base import Architecture
@@ -46,6 +45,7 @@ from featcal_core.io.outputs import guarded_directory, write_json
 from featcal_core.io.safetensors_io import DTYPES, save_tensors
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.method.settings import Settings
+from featcal_core.progress import stage_progress
 from featcal_core.repair import defaults
 from featcal_core.repair.trained_inputs import (
     check_learning_rate,
@@ -312,7 +312,9 @@ def _train(
     orders = {t: torch.randperm(sizes[t], generator=gens[t]) for t in tasks}
     cursors = dict.fromkeys(tasks, 0)
     logged_steps, logged = [], []
-    for step in tqdm(range(1, steps + 1), desc="adamerging", unit="step", disable=not progress):
+    for step in stage_progress(
+        range(1, steps + 1), desc="adamerging", unit="step", enabled=progress
+    ):
         weights = tower.weights(raw.clamp(0.0, 1.0))
         loss = torch.zeros((), device=device)
         for task in tasks:

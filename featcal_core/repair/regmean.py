@@ -18,7 +18,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from featcal_core.errors import FeatCalError
 from featcal_core.io.export import export_checkpoint
@@ -30,6 +29,7 @@ from featcal_core.method.drift import check_finite
 from featcal_core.method.settings import Settings
 from featcal_core.method.solvers import Fallbacks
 from featcal_core.method.streams import HiddenStreams
+from featcal_core.progress import stage_progress
 from featcal_core.repair import DEFAULT_ALPHA
 from featcal_core.repair.closed_form import RIDGE, RegMeanSums
 from featcal_core.repair.grams import ExpertPasses
@@ -168,8 +168,8 @@ def regmean_checkpoint(
             streams = HiddenStreams(work / "streams" if spill_dir is not None else None)
             masks = passes.stems(run.sets, streams, settings.batch_size, settings.max_length)
             blocks, replaced = [], {}
-            for index in tqdm(
-                range(run.num_blocks), desc="RegMean blocks", unit="block", disable=not progress
+            for index in stage_progress(
+                range(run.num_blocks), desc="RegMean blocks", unit="block", enabled=progress
             ):
                 tensors, summary = regmean_block(
                     passes, index, streams, masks, alpha, settings.batch_size

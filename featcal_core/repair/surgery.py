@@ -33,13 +33,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 from featcal_core.errors import FeatCalError
 from featcal_core.evaluation.head import Head
 from featcal_core.io.outputs import guarded_directory, write_json
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.method.settings import Settings
+from featcal_core.progress import stage_progress
 from featcal_core.repair import defaults
 from featcal_core.repair.surgery_module import SurgeryModule, save_surgery
 from featcal_core.repair.trained_inputs import (
@@ -155,7 +155,7 @@ def fit_surgery(
     size = min(batch_size, n)
     order, cursor = torch.randperm(n, generator=generator), 0
     logged_steps, logged_loss = [], []
-    for step in tqdm(range(1, steps + 1), desc=desc, unit="step", disable=not progress):
+    for step in stage_progress(range(1, steps + 1), desc=desc, unit="step", enabled=progress):
         if cursor >= n:
             order, cursor = torch.randperm(n, generator=generator), 0
         batch = order[cursor : cursor + size]

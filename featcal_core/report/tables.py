@@ -25,6 +25,7 @@ __all__ = [
     "evaluated_precision",
     "evaluated_rows",
     "evaluation_cut",
+    "harness_metrics",
     "cut_rows",
     "table_caption",
     "gap_closed",
@@ -211,6 +212,31 @@ def evaluated_precision(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]
         }
     )
     return "/".join(found) or None
+
+
+def harness_metrics(evaluation: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str | None:
+    """What lm-evaluation-harness scored (evaluation.json's `evaluator`, `metric`, `examples`,
+    `task_rows`, `num_fewshot`), e.g. "lm-eval 0.4.13: arc_easy acc_norm (0-shot, 100 of 2376
+    rows), gsm8k exact_match (strict-match) (5-shot, 1319 rows); the accuracy columns hold each
+    task's metric"; None when no row was scored by it."""
+    evaluators, parts = set(), []
+    for task, models in evaluation.items():
+        rows = [r for r in (models or {}).values() if isinstance(r, Mapping) and r.get("evaluator")]
+        if not rows:
+            continue
+        evaluators.add(str(rows[0]["evaluator"]))
+        first = rows[0]
+        scored, total = first.get("examples"), first.get("task_rows")
+        count = f"{scored} of {total} rows" if scored != total else f"{total} rows"
+        shots = first.get("num_fewshot")
+        detail = f"{shots}-shot, {count}" if isinstance(shots, int) else count
+        parts.append(f"{task} {first.get('metric')} ({detail})")
+    if not parts:
+        return None
+    return (
+        f"scored by {'/'.join(sorted(evaluators))}: {', '.join(parts)}; the accuracy columns "
+        "hold each task's metric"
+    )
 
 
 def _table_figures(figures: Figures) -> dict[str, Figure]:

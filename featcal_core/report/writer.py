@@ -28,6 +28,7 @@ from featcal_core.report.tables import (
     evaluated_precision,
     evaluated_rows,
     evaluation_cut,
+    harness_metrics,
     table_caption,
 )
 
@@ -79,6 +80,8 @@ def write_report(
         )
     if (dtype := evaluated_precision(evaluation)) is not None:  # evaluation.precision
         notes.append(f"evaluation forwards in {dtype}")
+    if (harness := harness_metrics(evaluation)) is not None:  # evaluation.harness
+        notes.insert(0, harness)
     summary = _summary(figures, calibration is not None)
     caption = table_caption(evaluation)
     if cut is not None:

@@ -85,7 +85,8 @@ class ZooSpec:
     max_train: int | None = None
     max_length: int = 64
     #: more options: "pretrain" (pretrain_vision_base keywords; "tower": vision_config keywords,
-    #: e.g. {"layers": 8}), "expert" (finetune_vision_expert keywords, e.g. {"head": "probe"})
+    #: e.g. {"layers": 8}), "expert" (finetune_vision_expert keywords, e.g. {"head": "probe"};
+    #: text: {"head": "probe", ...} fine-tunes with finetune_text_encoder and its keywords)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def fingerprint(self) -> str:
@@ -153,6 +154,30 @@ PRESETS["vision-paper"] = dataclasses.replace(
     expert_steps=200,
     lr=2e-4,
     extra={"expert": {"head": "probe"}},
+)
+
+
+# the paper's regime on the real pretrained all-MiniLM-L6-v2: five text tasks, each expert's head
+# fitted on the frozen base's mean-pooled features (the model card's pooling) and kept frozen
+# while the encoder alone is fine-tuned gently; pooling, lr and steps chosen on validation data
+# (benchmarks/text_paper_recipe.py; docs/zoo.md)
+PRESETS["text-paper"] = dataclasses.replace(
+    PRESETS["text"],
+    name="text-paper",
+    tasks={
+        "rotten_tomatoes": "rotten_tomatoes",
+        "subjectivity": "subjectivity",
+        "polarity": "polarity",
+        "hedge": "hedge",
+        "debates": "debates",
+    },
+    batch_size=16,
+    # the candidate (lr, steps) pairs the build chooses among on validation (text_recipe):
+    # every candidate's experts train, the chosen ones are kept; lr and expert_steps are unused
+    extra={
+        "expert": {"head": "probe", "pooling": "mean"},
+        "recipe": [[3e-5, 40], [1e-4, 40], [1e-4, 60]],
+    },
 )
 
 
@@ -247,8 +272,6 @@ def build_zoo(
     """Build (or reuse) the zoo described by `spec` in `out_dir`; returns the manifest."""
     from featcal_core.zoo.pretraining import pretrain_vision_base
     from featcal_core.zoo.source_files import SourceUnavailable
-    from featcal_core.zoo.text_finetuning import finetune_text_expert
-    from featcal_core.zoo.vision_finetuning import finetune_vision_expert
 
     out = Path(out_dir).expanduser()
     if spec.modality not in ("image", "text"):
@@ -318,25 +341,14 @@ def build_zoo(
         base_commit = hub_cache.publish(base_dir, hub, repo_id(spec.name, "base"))
 
         experts: dict[str, Any] = {}
+        recipe = _choose_recipe(spec, base_dir, data, work, progress, threads)
         for index, (task, dataset) in enumerate(data.items()):
-            expert_dir = work / task
-            seed = spec.seed * 1000 + index + 1
-            common: dict[str, Any] = dict(
-                steps=spec.expert_steps,
-                batch_size=spec.batch_size,
-                lr=spec.lr,
-                seed=seed,
-                progress=progress,
-                threads=threads,
-            )
-            if spec.modality == "image":
-                stats = finetune_vision_expert(
-                    base_dir, dataset, expert_dir, **common, **spec.extra.get("expert", {})
-                )
+            if recipe is not None:  # the chosen candidate's expert, trained while choosing
+                expert_dir, stats = recipe["dirs"][task], recipe["stats"][task]
             else:
-                stats = finetune_text_expert(
-                    base_dir, dataset, expert_dir, max_length=spec.max_length, **common
-                )
+                expert_dir = work / task
+                seed = spec.seed * 1000 + index + 1
+                stats = _train_expert(spec, base_dir, dataset, expert_dir, seed, progress, threads)
             commit = hub_cache.publish(expert_dir, hub, repo_id(spec.name, task))
             experts[task] = {"repo_id": repo_id(spec.name, task), "commit": commit, **stats}
             logger.info(
@@ -378,6 +390,7 @@ def build_zoo(
                 for task, dataset in data.items()
             },
             "skipped": skipped,
+            **({"recipe": _recipe_record(recipe)} if recipe is not None else {}),
             "seconds": round(time.perf_counter() - started, 1),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -387,6 +400,90 @@ def build_zoo(
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("zoo %s written to %s in %.0f s", spec.name, out, manifest["seconds"])
     return manifest
+
+
+def _train_expert(
+    spec: ZooSpec,
+    base_dir: Path,
+    dataset: Any,
+    expert_dir: Path,
+    seed: int,
+    progress: bool,
+    threads: int | None,
+) -> dict[str, Any]:
+    """Fine-tune one expert as the spec says (vision; text with its own head, or under a frozen
+    head with extra["expert"]["head"] "probe"); returns the trainer's stats."""
+    from featcal_core.zoo.text_encoder_finetuning import finetune_text_encoder
+    from featcal_core.zoo.text_finetuning import finetune_text_expert
+    from featcal_core.zoo.vision_finetuning import finetune_vision_expert
+
+    common: dict[str, Any] = dict(
+        steps=spec.expert_steps,
+        batch_size=spec.batch_size,
+        lr=spec.lr,
+        seed=seed,
+        progress=progress,
+        threads=threads,
+    )
+    options = dict(spec.extra.get("expert", {}))
+    if spec.modality == "image":
+        return finetune_vision_expert(base_dir, dataset, expert_dir, **common, **options)
+    if options.pop("head", "train") == "probe":
+        return finetune_text_encoder(
+            base_dir, dataset, expert_dir, max_length=spec.max_length, **common, **options
+        )
+    return finetune_text_expert(base_dir, dataset, expert_dir, max_length=spec.max_length, **common)
+
+
+def _choose_recipe(
+    spec: ZooSpec, base_dir: Path, data: dict[str, Any], work: Path, progress: bool, threads
+) -> dict[str, Any] | None:
+    """With `extra["recipe"]` (candidate [lr, steps] pairs; text experts under frozen heads): train
+    every candidate's experts under work/trials, choose one on validation
+    (`text_recipe.choose_recipe`) and return {"candidates", "chosen" (lr, steps), "trials" (every
+    trial's stats), "stats" and "dirs" (task -> the chosen expert's stats and folder)}; None
+    without it."""
+    candidates = spec.extra.get("recipe")
+    if candidates is None:
+        return None
+    options = dict(spec.extra.get("expert", {}))
+    if spec.modality != "text" or options.pop("head", "train") != "probe":
+        raise FeatCalError(
+            f"zoo {spec.name}: extra 'recipe' applies to text experts with head 'probe'; drop it "
+            "or set extra['expert']['head'] to 'probe'"
+        )
+    from featcal_core.zoo.text_recipe import choose_recipe, trial_dir
+
+    chosen, trials = choose_recipe(
+        base_dir,
+        data,
+        [(float(lr), int(steps)) for lr, steps in candidates],
+        work_dir=work / "trials",
+        keep=True,
+        batch_size=spec.batch_size,
+        max_length=spec.max_length,
+        seed=spec.seed,
+        threads=threads,
+        progress=progress,
+        **options,
+    )
+    logger.info("zoo %s: recipe chosen on validation: lr %g, %d steps", spec.name, *chosen)
+    return {
+        "candidates": [list(c) for c in candidates],
+        "chosen": chosen,
+        "trials": [t.row() for t in trials],
+        "stats": {t.task: dict(t.stats) for t in trials if (t.lr, t.steps) == chosen},
+        "dirs": {task: trial_dir(work / "trials", chosen, task) for task in data},
+    }
+
+
+def _recipe_record(recipe: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's record of the recipe choice (plain JSON)."""
+    return {
+        "candidates": recipe["candidates"],
+        "chosen": {"lr": recipe["chosen"][0], "steps": recipe["chosen"][1]},
+        "trials": recipe["trials"],
+    }
 
 
 def _text_base(source: Path, target: Path) -> Path:

@@ -80,7 +80,8 @@ def finetune_text_expert(
     started = time.perf_counter()
     with torch_threads(threads), torch.random.fork_rng(devices=[]):
         train_x, val_x = (
-            _tokenize(tokenizer, dataset[s], max_length, what, s) for s in ("train", "validation")
+            tokenize_split(tokenizer, dataset[s], max_length, what, s)
+            for s in ("train", "validation")
         )
         train_y, val_y = (
             label_tensor(dataset[s], len(names), what, s) for s in ("train", "validation")
@@ -139,7 +140,7 @@ def finetune_text_expert(
 
 
 @dataclass
-class _Tokens:
+class Tokens:
     """Token ids and attention mask (N, max_length), right-padded."""
 
     input_ids: torch.Tensor
@@ -156,7 +157,9 @@ class _Tokens:
         return out
 
 
-def _tokenize(tokenizer: Any, split: Any, max_length: int, what: str, name: str) -> _Tokens:
+def tokenize_split(tokenizer: Any, split: Any, max_length: int, what: str, name: str) -> Tokens:
+    """The `text` column of one split as right-padded Tokens (N, max_length), truncated to
+    max_length tokens; FeatCalError naming `what` and the split for a non-string text."""
     parts: dict[str, list[torch.Tensor]] = {}
     for start in range(0, len(split), ENCODE_CHUNK):
         texts = split[start : start + ENCODE_CHUNK]["text"]
@@ -176,4 +179,4 @@ def _tokenize(tokenizer: Any, split: Any, max_length: int, what: str, name: str)
             if key in encoded:
                 parts.setdefault(key, []).append(encoded[key])
     joined = {key: torch.cat(value) for key, value in parts.items()}
-    return _Tokens(joined["input_ids"], joined["attention_mask"], joined.get("token_type_ids"))
+    return Tokens(joined["input_ids"], joined["attention_mask"], joined.get("token_type_ids"))

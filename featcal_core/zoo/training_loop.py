@@ -1,9 +1,10 @@
 """The optimisation shared by the zoo's trainers: seeded batches, the AdamW loop, evaluation.
 
 `train_steps` runs AdamW with a 10 % linear warmup then cosine (or linear) decay and gradient-norm
-clipping; `index_batches` draws seeded epochs of index batches; `evaluate` gives accuracy and mean
-cross-entropy; `torch_threads` pins torch's thread count for a run. The same seed gives
-bitwise-identical results on the same CPU build and thread count.
+clipping; `index_batches` draws seeded epochs of index batches; `fit_linear_probe` fits a Linear
+head on fixed features; `evaluate` gives accuracy and mean cross-entropy; `task_vector_ratio`
+measures how far fine-tuning moved a model; `torch_threads` pins torch's thread count for a run.
+The same seed gives bitwise-identical results on the same CPU build and thread count.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def train_steps(
     """`steps` AdamW steps on step_loss(step) with 10% linear warmup then cosine (or linear)
     decay to 0 and gradient-norm clipping at 1; returns the loss of every step.
     `FEATCAL_FAILPOINT=train:<desc>` stops it after its first step (featcal_core.io.failpoints)."""
-    from tqdm.auto import tqdm
+    from featcal_core.progress import stage_progress
 
     decay = [p for p in parameters if p.ndim >= 2]
     no_decay = [p for p in parameters if p.ndim < 2]  # biases, norms, class/position vectors
@@ -70,7 +71,7 @@ def train_steps(
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, scale)
     losses: list[float] = []
-    with tqdm(total=steps, desc=desc, disable=not progress, unit="step") as bar:
+    with stage_progress(total=steps, desc=desc, unit="step", enabled=progress) as bar:
         for step in range(steps):
             loss = step_loss(step)
             if not torch.isfinite(loss):
@@ -91,6 +92,23 @@ def train_steps(
     return losses
 
 
+def fit_linear_probe(
+    features: torch.Tensor, labels: torch.Tensor, num_classes: int, steps: int, seed: int
+) -> torch.nn.Linear:
+    """A Linear head (num_classes, hidden) fitted on fixed features (N, hidden) and labels (N,):
+    `steps` full-batch AdamW steps (lr 1e-2, weight decay 1e-4) on the cross-entropy, seeded
+    initialisation; the features are used as they are (the head reads the model's output)."""
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(features.shape[1], num_classes)
+    optimizer = torch.optim.AdamW(linear.parameters(), lr=1e-2, weight_decay=1e-4)
+    for _ in range(steps):
+        loss = F.cross_entropy(linear(features), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return linear
+
+
 @torch.no_grad()
 def evaluate(logits_of, labels: torch.Tensor) -> tuple[float, float]:
     """(accuracy, mean cross-entropy) of logits_of(index batch) (B, C) against labels (N,)."""
@@ -101,6 +119,13 @@ def evaluate(logits_of, labels: torch.Tensor) -> tuple[float, float]:
         correct += int((logits.argmax(-1) == labels[index]).sum())
         loss += float(F.cross_entropy(logits, labels[index], reduction="sum"))
     return correct / len(labels), loss / len(labels)
+
+
+def task_vector_ratio(initial: dict[str, torch.Tensor], final: dict[str, torch.Tensor]) -> float:
+    """‖θ − θ₀‖ / ‖θ₀‖ over the floating tensors of `initial` (float64 sums)."""
+    delta = sum(float((final[k].double() - v.double()).pow(2).sum()) for k, v in initial.items())
+    base = sum(float(v.double().pow(2).sum()) for v in initial.values())
+    return (delta / base) ** 0.5 if base > 0 else 0.0
 
 
 def tail_mean(losses: list[float]) -> float:

@@ -27,8 +27,10 @@ from featcal_core.zoo.training_inputs import (
 )
 from featcal_core.zoo.training_loop import (
     evaluate,
+    fit_linear_probe,
     index_batches,
     tail_mean,
+    task_vector_ratio,
     torch_threads,
     train_steps,
 )
@@ -133,7 +135,7 @@ def finetune_vision_expert(
             model.save_pretrained(tmp)
             processor.save_pretrained(tmp)
             save_linear_head(tmp, linear.weight, linear.bias, names)
-        ratio = _task_vector_ratio(initial, model.state_dict())
+        ratio = task_vector_ratio(initial, model.state_dict())
     stats = {
         "validation_accuracy": val_accuracy,
         "validation_loss": val_loss,
@@ -173,23 +175,7 @@ def _linear_probe(
     """A Linear head fitted on the frozen model's train features: `steps` full-batch AdamW steps
     (lr 1e-2, weight decay 1e-4) on the cross-entropy; features standardised only through the
     head's own weights (the model's output is what the head will see)."""
-    features = _features(model, store, train_x)
-    torch.manual_seed(seed)
-    linear = nn.Linear(features.shape[1], num_classes)
-    optimizer = torch.optim.AdamW(linear.parameters(), lr=1e-2, weight_decay=1e-4)
-    for _ in range(steps):
-        loss = F.cross_entropy(linear(features), train_y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    return linear
-
-
-def _task_vector_ratio(initial: dict[str, torch.Tensor], final: dict[str, torch.Tensor]) -> float:
-    """‖θ − θ₀‖ / ‖θ₀‖ over the floating tensors of `initial` (float64 sums)."""
-    delta = sum(float((final[k].double() - v.double()).pow(2).sum()) for k, v in initial.items())
-    base = sum(float(v.double().pow(2).sum()) for v in initial.values())
-    return (delta / base) ** 0.5 if base > 0 else 0.0
+    return fit_linear_probe(_features(model, store, train_x), train_y, num_classes, steps, seed)
 
 
 def _translate(pixels: torch.Tensor, shift: int, generator: torch.Generator) -> torch.Tensor:

@@ -1,0 +1,18 @@
+"""Detail log lines: one per block, per candidate or per task of a run. featcal's console shows
+them with -v (featcal_cli.main.ConsoleThreshold); the Prefect UI gets them beside the flow run
+at every verbosity (flows.environment); the run's records and report hold the same numbers.
+
+    log.info("block %d (%d of %d): mean drift %.6g -> %.6g", ..., extra=DETAIL)
+"""
+
+from __future__ import annotations
+
+import logging
+
+#: the `extra=` of a detail record: the attribute it sets on the record
+DETAIL = {"featcal_detail": True}
+
+
+def is_detail(record: logging.LogRecord) -> bool:
+    """Whether `record` was logged as a detail line (`extra=DETAIL`)."""
+    return bool(getattr(record, "featcal_detail", False))

@@ -217,7 +217,7 @@ def repair_run_flags(
     if spill_dir:
         cmd.add_argument("--spill-dir", default=None, help="keep hidden-state streams on disk here")
     cmd.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    cmd.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cmd.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
 
 
 def repair_inputs(

@@ -64,7 +64,7 @@ def add_arguments(cal: argparse.ArgumentParser) -> None:
     setting_flags(
         cal, FeatCalSettings, ["runner", "dask_address", "dask_workers", "memory_budget"], "featcal"
     )
-    cal.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cal.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     cal.add_argument(
         "--params",
         help="run the pipeline's calibrate step from this params.yaml "

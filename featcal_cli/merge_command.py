@@ -110,7 +110,9 @@ def add_arguments(merge: argparse.ArgumentParser) -> None:
     )
     setting_flags(merge, RunSettings, ["max_shard_size"], "run")
     merge.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    merge.add_argument("--no-progress", action="store_true", help="no progress bar")
+    merge.add_argument(
+        "--no-progress", action="store_true", help="no progress bar or progress lines"
+    )
     merge.add_argument("--params", help="run the pipeline's merge step from this params.yaml")
     merge.add_argument(
         "--set",

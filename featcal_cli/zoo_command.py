@@ -38,7 +38,9 @@ def add_arguments(zoo: argparse.ArgumentParser) -> None:
     zoo.add_argument("--pretrain-steps", type=integer(), help="vision base pretraining steps")
     zoo.add_argument("--expert-steps", type=integer(), help="fine-tuning steps per expert")
     zoo.add_argument("--rebuild", action="store_true", help="build even if the zoo exists")
-    zoo.add_argument("--no-progress", action="store_true", help="no progress bars")
+    zoo.add_argument(
+        "--no-progress", action="store_true", help="no progress bars or progress lines"
+    )
     params_arguments(zoo, default=None)
 
 

@@ -55,8 +55,9 @@ def check(
     families = {}
     roles = {"models.base": params.models.base}
     roles.update({f"models.experts.{t}": r for t, r in params.models.experts.items()})
+    configs: dict[str, Path] = {}  # role → config.json of a Hub model (compared below)
     for role, ref in roles.items():
-        families[role] = _check_model(role, ref, cache_dir, problems, notes)
+        families[role] = _check_model(role, ref, cache_dir, problems, notes, configs)
     base = families.get("models.base")
     for role, family in families.items():
         if family is _ADAPTER:
@@ -70,6 +71,7 @@ def check(
                 )
             )
     _check_structure(roles, families, problems)
+    _check_hub_configs(configs, families, problems)
     if harness is not None and base is not None and base is not _ADAPTER and not base.causal:
         problems.append(
             (
@@ -107,8 +109,16 @@ def check(
 _ADAPTER = object()
 
 
-def _check_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: list[Finding]):
-    """The model's architecture adapter (None when it cannot be known); problems appended."""
+def _check_model(
+    role: str,
+    ref: Any,
+    cache_dir,
+    problems: list[Finding],
+    notes: list[Finding],
+    configs: dict[str, Path] | None = None,
+):
+    """The model's architecture adapter (None when it cannot be known); problems appended; a Hub
+    model's config.json recorded in `configs` by role."""
     if ref.format != "hf":
         notes.append((role, f"{ref.ref}: an {ref.format} checkpoint, checked when it is imported"))
         return None
@@ -159,7 +169,57 @@ def _check_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes:
     if config is None:
         problems.append((role, f"{where} has no config.json; point at a save_pretrained folder"))
         return None
+    if ref.kind != "local" and configs is not None:
+        configs[role] = Path(config)
     return _family(role, Path(config), problems)
+
+
+def _check_hub_configs(configs: dict[str, Path], families: dict, problems: list[Finding]) -> None:
+    """Each Hub expert's config.json against the base's, as the run compares them once the
+    weights are there (featcal_core.io.structure's shape fields, featcal_core.io.vocabulary's
+    `vocab_size`): a fine-tune of another geometry or vocabulary is found before any download.
+    Local models are compared on their headers (`_check_structure`)."""
+    from featcal_core.io.structure import structure
+
+    base_family = families.get("models.base")
+    if base_family is None or base_family is _ADAPTER:
+        return
+
+    def fields(path: Path) -> dict[str, Any] | None:
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None  # reported by `_family`
+        if not isinstance(config, dict):
+            return None
+        found = structure(config)
+        for key, inner in (("", config), ("text_config.", config.get("text_config"))):
+            if isinstance(inner, dict) and isinstance(inner.get("vocab_size"), int):
+                found[f"{key}vocab_size"] = inner["vocab_size"]
+        return found
+
+    base_source = configs.get("models.base")
+    base = fields(base_source) if base_source is not None else None
+    if base is None:
+        return  # a local base: its experts are compared on their headers
+    for role, path in configs.items():
+        family = families.get(role)
+        if role == "models.base" or family is None or family.name != base_family.name:
+            continue  # a family mismatch is reported already
+        theirs = fields(path)
+        if theirs is None or theirs.get("model_type") != base.get("model_type"):
+            continue  # another config class of the family (e.g. a CLIPModel's vision tower)
+        differs = [k for k, v in base.items() if k in theirs and theirs[k] != v]
+        if differs:
+            key = differs[0]
+            problems.append(
+                (
+                    role,
+                    f"config.json has {key} {theirs[key]!r}, the base's {base[key]!r}; "
+                    "every expert must be a fine-tune of the base with its geometry and "
+                    "vocabulary: point at the expert fine-tuned from this base",
+                )
+            )
 
 
 def _check_structure(roles: dict[str, Any], families: dict, problems: list[Finding]) -> None:

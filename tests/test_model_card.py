@@ -410,3 +410,28 @@ def test_model_index_names_the_hub_dataset_split_revision_and_rows(tmp_path):
     # another source than the saved rows': the revision asked for, not the saved commit
     tasks["alpha"]["evaluation"]["revision"] = "v2"
     assert evaluation_datasets(tasks, data_root)["alpha"]["revision"] == "v2"
+
+
+def test_an_lm_eval_task_is_named_by_itself_and_scored_by_its_metric():
+    """A harness row keeps its lm-eval metric (not "accuracy") and is never given the dataset of
+    a featcal task that happens to share its name."""
+    from featcal_core.provenance.card_metadata import eval_results
+
+    row = {"accuracy": 0.25, "metric": "acc_norm", "examples": 16, "task_rows": 40}
+    evaluation = {
+        "toy": {"calibrated": {**row, "evaluator": "lm-eval 0.4.13"}},
+        "own": {"calibrated": {"accuracy": 0.5, "examples": 8, "split_rows": 9}},
+    }
+    table = {
+        task: {"calibrated": rows["calibrated"]["accuracy"]} for task, rows in evaluation.items()
+    }
+    datasets = {"toy": {"type": "someone/toy", "split": "test"}, "own": {"type": "me/own"}}
+    by_task = {
+        r.dataset_name: r for r in eval_results(table, "calibrated", "text", datasets, evaluation)
+    }
+    toy, own = by_task["toy"], by_task["own"]
+    assert (toy.metric_type, toy.dataset_type, toy.dataset_split) == ("acc_norm", "toy", None)
+    assert toy.metric_name.startswith("acc_norm") and toy.metric_value == 0.25
+    assert toy.dataset_args == {"rows_evaluated": 16, "rows_in_split": 40}
+    assert (own.metric_type, own.dataset_type) == ("accuracy", "me/own")
+    assert own.dataset_args == {"rows_evaluated": 8, "rows_in_split": 9}

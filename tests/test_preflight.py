@@ -310,3 +310,46 @@ def test_a_lora_adapter_expert_is_checked_over_its_base(good, tmp_path, capsys):
     assert main(["check", "--params", str(path)]) == 2
     err = capsys.readouterr().err
     assert "models.experts.alpha" in err and "IA3" in err
+
+
+def test_a_hub_expert_of_another_geometry_or_vocabulary_is_named_before_any_download(
+    good, tmp_path, monkeypatch
+):
+    """Hub models' config.json files are compared as the run compares the checkpoints: an expert
+    with a larger vocabulary (a fine-tune that added tokens) or another width is one line each,
+    though no weights are there to open."""
+    import json
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "hf"
+    changes = {
+        "base": {},
+        "alpha": {"text_config": "vocab_size"},
+        "beta": {"vision_config": "intermediate_size"},
+    }
+    for name, change in changes.items():
+        edited = tmp_path / name
+        shutil.copytree(good.parent / "base", edited)
+        config = json.loads((edited / "config.json").read_text())
+        for nested, key in change.items():  # the base is a CLIPModel: two nested configs
+            config[nested][key] += 8
+        (edited / "config.json").write_text(json.dumps(config))
+        hub_cache(cache, f"org/{name}", edited)
+    overrides = [
+        "models.base=org/base",
+        "models.experts.alpha=org/alpha",
+        "models.experts.beta=org/beta",
+    ]
+    problems, _ = check(load_params(good, overrides), cache_dir=cache)
+    found = dict(problems)
+    assert sorted(found) == ["models.experts.alpha", "models.experts.beta"], problems
+    assert "text_config.vocab_size" in found["models.experts.alpha"]
+    assert "vision_config.intermediate_size" in found["models.experts.beta"]
+
+    # the same configs with the base's geometry and vocabulary pass
+    for name in ("alpha", "beta"):
+        shutil.rmtree(tmp_path / name)
+        shutil.copytree(tmp_path / "base", tmp_path / name)
+        hub_cache(cache, f"org/{name}", tmp_path / name, commit="d" * 40)
+    problems, _ = check(load_params(good, overrides), cache_dir=cache)
+    assert problems == [], problems

@@ -262,9 +262,18 @@ def evaluated_rows(evaluation: Any, task: str, row: str) -> dict[str, int]:
         return {}
     counts = {
         "rows_evaluated": _count(entry.get("examples")),
-        "rows_in_split": _count(entry.get("split_rows")),
+        "rows_in_split": _count(entry.get("split_rows", entry.get("task_rows"))),
     }
     return {key: value for key, value in counts.items() if value is not None}
+
+
+def _harness_metric(evaluation: Any, task: str, row: str) -> str | None:
+    """The lm-eval metric name of an evaluation row scored by lm-evaluation-harness (its
+    "evaluator" is "lm-eval <version>"); None for featcal's own evaluations."""
+    entry = evaluation.get(task, {}).get(row) if isinstance(evaluation, Mapping) else None
+    if not isinstance(entry, Mapping) or not str(entry.get("evaluator", "")).startswith("lm-eval"):
+        return None
+    return str(entry.get("metric") or "accuracy")
 
 
 def eval_results(
@@ -284,6 +293,20 @@ def eval_results(
         for name, metric in index_rows(own):
             value = row.get(name)
             if value is None:
+                continue
+            harness = _harness_metric(evaluation, task, name)
+            if harness is not None:  # an lm-eval task: named by itself, scored by its metric
+                results.append(
+                    EvalResult(
+                        task_type=task_type,
+                        dataset_type=task,
+                        dataset_name=task,
+                        dataset_args=evaluated_rows(evaluation, task, name) or None,
+                        metric_type=harness,
+                        metric_value=round(value, 6),
+                        metric_name=metric.replace("accuracy", harness, 1),
+                    )
+                )
                 continue
             results.append(
                 EvalResult(

@@ -269,7 +269,11 @@ def render_model_card(
 
     lines = [f"# {' '.join(str(title).split())}", ""]
     method = merge.get("method")
-    made = f"{len(experts)} fine-tuned task experts" if experts else "fine-tuned task experts"
+    made = (
+        f"{len(experts)} fine-tuned task expert{'s' if len(experts) != 1 else ''}"
+        if experts
+        else "fine-tuned task experts"
+    )
     made = f"This checkpoint merges {made} into one model"
     made += f" with `{method}`" if method else ""
     if featcal:

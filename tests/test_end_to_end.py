@@ -232,8 +232,9 @@ def test_spill_dir_gives_identical_output(tmp_path):
 def test_console_script_runs(tmp_path):
     zoo = factories.clip_zoo(tmp_path / "zoo")
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "featcal_cli.main", *zoo.cli_args(out)]
+    cmd = [sys.executable, "-m", "featcal_cli.main", "-v", *zoo.cli_args(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "block 1 (2 of 2)" in proc.stderr
+    assert "block 1 (2 of 2)" in proc.stderr  # a per-block line: one -v away
+    assert "calibrated 2 blocks" in proc.stderr
     assert (out / "model.safetensors").is_file()

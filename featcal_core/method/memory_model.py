@@ -476,10 +476,11 @@ def estimate(geometry: Geometry, work: Workload) -> dict:
 
 def run_disk(geometry: Geometry, work: Workload) -> dict[str, int]:
     """Bytes a whole `featcal calibrate` run writes and reads through files (every block, the
-    stems, the exported model; not the sha256 of input files that featcal's digest store does
-    not hold yet, up to one read of each input checkpoint), and the most its work directory
-    (`--spill-dir`, else inside the output folder) holds at once: one block's task statistics
-    and streams, and every block's calibrated tensors until the export."""
+    stems, the exported model and its sha256 for the output's marker; not the sha256 of input
+    files that featcal's digest store does not hold yet, up to one read of each input
+    checkpoint), and the most its work directory (`--spill-dir`, else inside the output folder)
+    holds at once: one block's task statistics and streams, and every block's calibrated
+    tensors until the export."""
     g, b, layers = geometry, work.weight_bytes, geometry.layers
     per = estimate(geometry, work)["disk_per_block"]
     block, stem = g.block_parameters() * b, g.vocab * g.hidden * b
@@ -490,6 +491,7 @@ def run_disk(geometry: Geometry, work: Workload) -> dict[str, int]:
     read = layers * (per["weights read"] + per["statistics read"] + per["streams read"])
     read += (work.tasks + 1) * stem  # the stems: the merged model's and each expert's
     read += model  # the export: the block files and the merged model's other tensors
+    read += model  # the guarded writer's sha256 of every written file (io/outputs.py marker)
     files = work.tasks * statistics_file_bytes(g) + (2 * work.tasks + 1) * stream
     return {
         "written": written + stems_written + model,

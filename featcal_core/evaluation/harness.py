@@ -30,7 +30,6 @@ does on its own. A local task names its data as `dataset_path: json` with
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import logging
 import math
@@ -43,6 +42,7 @@ from typing import Any
 import torch
 
 from featcal_core.errors import FeatCalError
+from featcal_core.evaluation.harness_index import known_names, task_manager
 
 log = logging.getLogger(__name__)
 
@@ -111,25 +111,6 @@ def expert_assignment(
 # ------------------------------------------------------------------------------------ lm-eval
 
 
-@functools.lru_cache(maxsize=4)
-def _task_manager(include_path: str | None, defaults: bool):
-    from lm_eval.tasks import TaskManager
-
-    return TaskManager(include_path=include_path, include_defaults=defaults)
-
-
-def task_manager(tasks: Sequence[str], include_path: str | None):
-    """lm-eval's task index for `tasks`: the include_path folder's alone when it holds every
-    task (indexing lm-eval's own thousands of YAMLs takes seconds), else lm-eval's and the
-    folder's. One per process and folder."""
-    folder = str(Path(include_path).expanduser().resolve()) if include_path else None
-    if folder is not None:
-        own = _task_manager(folder, False)
-        if all(name in own.all_tasks for name in tasks):
-            return own
-    return _task_manager(folder, True)
-
-
 def check_settings(settings: Any, experts: Sequence[str] | None) -> list[tuple[str, str]]:
     """[(params key, what is wrong; the fix)] of `evaluation.harness` (`settings`) before any
     work: lm-eval installed, include_path a folder, the mapping keyed by expert tasks (`experts`;
@@ -154,7 +135,7 @@ def check_settings(settings: Any, experts: Sequence[str] | None) -> list[tuple[s
             key, _, text = str(exc).partition(": ")
             problems.append((key, text))
     names = settings.task_names()
-    known = task_manager(names, include).all_tasks
+    known = known_names(names, include)
     unknown = [name for name in names if name not in known]
     if unknown:
         where = f" nor under {include}" if include else ""

@@ -2,12 +2,13 @@
 and the encoder's learning rate and steps.
 
     python benchmarks/text_paper_recipe.py pooling
-    python benchmarks/text_paper_recipe.py recipe [--pooling mean] [--lr 2e-5 1e-4] [--steps 30 60]
+    python benchmarks/text_paper_recipe.py recipe [--pooling mean] [--candidate LR STEPS ...]
 
 `pooling`: the real all-MiniLM-L6-v2 base with a linear head fitted on its train features, read
 through mean pooling (the model card's) and through [CLS] (the pooler), validation accuracy per
-task. `recipe`: one expert per task for every (lr, steps) pair (`featcal_core.zoo.text_recipe`):
-the base with its head, the expert and ‖τ‖/‖θ₀‖, and the pair the rule chooses. The tasks, data
+task. `recipe`: one expert per task for every (lr, steps) pair (`featcal_core.zoo.text_recipe`;
+default: the preset's candidates, which its build trains the same way): the base with its head,
+the expert and ‖τ‖/‖θ₀‖, and the pair the rule chooses. The tasks, data
 (train cap, seed), batch size and max length are the preset's; only train and validation splits
 are read. Tables print as markdown (percent); logs go to stderr.
 """
@@ -28,8 +29,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("what", choices=["pooling", "recipe"])
     parser.add_argument("--pooling", default=None, help="default: the preset's")
-    parser.add_argument("--lr", type=float, nargs="+", default=[2e-5, 1e-4])
-    parser.add_argument("--steps", type=int, nargs="+", default=[30, 60])
+    parser.add_argument(
+        "--candidate",
+        nargs=2,
+        action="append",
+        metavar=("LR", "STEPS"),
+        help="a (learning rate, steps) pair to try (repeat it); default: the preset's",
+    )
     parser.add_argument("--tasks", nargs="*", default=None, help="default: the preset's")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
@@ -64,7 +70,8 @@ def main() -> int:
                 mean = sum(row[pooling] for row in accuracy.values()) / len(accuracy)
                 print(f"mean {pooling}: {100 * mean:.2f}")
         else:
-            candidates = [(lr, steps) for lr in args.lr for steps in args.steps]
+            pairs = args.candidate or spec.extra["recipe"]
+            candidates = [(float(lr), int(steps)) for lr, steps in pairs]
             chosen, trials = choose_recipe(
                 base,
                 data,

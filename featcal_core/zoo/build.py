@@ -176,7 +176,7 @@ PRESETS["text-paper"] = dataclasses.replace(
     # every candidate's experts train, the chosen ones are kept; lr and expert_steps are unused
     extra={
         "expert": {"head": "probe", "pooling": "mean"},
-        "recipe": [[3e-5, 40], [1e-4, 40], [1e-4, 60]],
+        "recipe": [[1e-4, 100], [3e-4, 100]],
     },
 )
 

@@ -18,6 +18,8 @@ with the variant's overrides.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -297,9 +299,27 @@ def _rows(
                     "peak_rss_mb": max(peaks) if peaks else None,
                 },
                 "label_free": (label_free or {}).get(name),
+                "curve": curve_key(variant),
+                "num_per_task": variant.featcal.num_per_task,
+                "merge_row": merge["row"],
             }
         )
     return comparison_rows(evaluation, described, REFERENCE)
+
+
+def curve_key(variant: Params) -> str:
+    """What a variant shares with the others of its sample-efficiency curve: sha256 of its
+    calibration settings but `featcal.num_per_task`, its repair and the repair's settings, and
+    whether it refits heads."""
+    settings = variant.calibration_settings()
+    settings["featcal"].pop("num_per_task")
+    key = {
+        "calibration": settings,
+        "repair": variant.repair_method,
+        "repair_settings": variant.repair.model_dump(mode="json"),
+        "heads": variant.featcal.heads,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _report(params: Params, rows: list[dict], merges: dict, evaluation: dict, run) -> dict:

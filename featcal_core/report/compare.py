@@ -29,10 +29,13 @@ __all__ = [
     "comparison_markdown",
     "comparison_rows",
     "label_free_summary",
+    "sample_efficiency",
     "write_comparison",
 ]
 
 COMPARE_FILES = ("compare.md", "compare.json", "accuracy_vs_cost.png")
+#: written beside COMPARE_FILES when some variants differ only in `featcal.num_per_task`
+CURVE_FILES = ("sample_efficiency.csv", "sample_efficiency.png")
 
 
 def _percent(value: float | None) -> float | None:
@@ -56,7 +59,11 @@ def comparison_rows(
 
     Each variant mapping has "name", "row" (its evaluation row), "merge", "repair", "set" and
     "cost" ({"merge_seconds", "repair_seconds", "peak_rss_mb"}); `reference` is the evaluation
-    row of the reference merge."""
+    row of the reference merge. A variant mapping with "curve" (a key shared by the variants
+    whose settings differ only in the number of calibration inputs per task), "num_per_task"
+    and "merge_row" (its merge's evaluation row) gets a row "curve" {"key", "n", "merge_row",
+    "merge", "experts"} (the merge's and the experts' {"accuracy", "tasks"}), which
+    `sample_efficiency` draws."""
     figures = summary_figures(
         evaluation, reference=reference, gap_rows=[str(v["row"]) for v in variants]
     )
@@ -90,6 +97,14 @@ def comparison_rows(
             "mean_over": over,
             "cost": cost,
         }
+        if variant.get("curve") is not None:
+            row["curve"] = {
+                "key": str(variant["curve"]),
+                "n": int(variant["num_per_task"]),
+                "merge_row": str(variant["merge_row"]),
+                "merge": _row_accuracy(figures, str(variant["merge_row"])),
+                "experts": _row_accuracy(figures, "expert"),
+            }
         if variant.get("label_free"):  # {task: {"agreement", "drift", ...}} on held-out inputs
             by_task = variant["label_free"]
             row["label_free"] = {
@@ -98,6 +113,132 @@ def comparison_rows(
             }
         rows.append(row)
     return rows
+
+
+def _row_accuracy(figures: Any, row: str) -> dict[str, Any]:
+    """{"accuracy": mean %, "tasks": {task: %}} of evaluation row `row`."""
+    tasks = {
+        task: _percent(values[row].get("accuracy"))
+        for task, values in figures.per_task.items()
+        if row in values
+    }
+    return {"accuracy": _percent(_value(figures.of("accuracy").get(row))), "tasks": tasks}
+
+
+def sample_efficiency(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The paper's sample-efficiency curves: per group of repaired variants that share every
+    setting but the number of calibration inputs per task (their rows' "curve" key), with two
+    or more distinct n, mean and per-task accuracy (%) against n, beside their merge's and the
+    experts' (flat lines). [{"label" ("<repair>:<merge method>", made unique), "variants",
+    "points": [{"n", "variant", "accuracy", "tasks"}] by n, "merge", "experts"}]."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        if row.get("curve") is not None and row["repair"] != "none":
+            groups.setdefault(row["curve"]["key"], []).append(row)
+    curves: list[dict[str, Any]] = []
+    for members in groups.values():
+        by_n: dict[int, Mapping[str, Any]] = {}
+        for row in members:
+            by_n.setdefault(row["curve"]["n"], row)  # the first variant of an n
+        if len(by_n) < 2:
+            continue
+        first = members[0]
+        label = f"{first['repair']}:{first['merge']['method']}"
+        taken = {c["label"] for c in curves}
+        if label in taken:
+            label = f"{label}:{first['curve']['key'][:8]}"
+        curves.append(
+            {
+                "label": label,
+                "variants": [row["name"] for row in members],
+                "points": [
+                    {
+                        "n": n,
+                        "variant": row["name"],
+                        "accuracy": row["mean"]["accuracy"],
+                        "tasks": {t: v["accuracy"] for t, v in row["tasks"].items()},
+                    }
+                    for n, row in sorted(by_n.items())
+                ],
+                "merge": {"row": first["curve"]["merge_row"], **first["curve"]["merge"]},
+                "experts": first["curve"]["experts"],
+            }
+        )
+    return curves
+
+
+def sample_efficiency_csv(curves: Sequence[Mapping[str, Any]]) -> str:
+    """sample_efficiency.csv, one line per n (any curve's): `n`, each curve's mean accuracy
+    (column: its label) and per task (`<label>/<task>`), each curve's merge
+    (`merge:<label>`, `merge:<label>/<task>`) and the experts (`experts`, `experts/<task>`),
+    in percent; a curve without that n leaves its cells empty. `dvc plots show
+    sample_efficiency.csv -x n -y <label>` draws a curve."""
+    import csv
+    import io
+
+    tasks = list(curves[0]["experts"]["tasks"]) if curves else []
+    columns = ["n"]
+    for curve in curves:
+        label = curve["label"]
+        columns += [label, *(f"{label}/{t}" for t in tasks)]
+        columns += [f"merge:{label}", *(f"merge:{label}/{t}" for t in tasks)]
+    columns += ["experts", *(f"experts/{t}" for t in tasks)]
+
+    def cell(value: float | None) -> str:
+        return "" if value is None else f"{value:.4f}"
+
+    lines = []
+    for n in sorted({p["n"] for c in curves for p in c["points"]}):
+        line: dict[str, str] = {"n": str(n)}
+        for curve in curves:
+            label = curve["label"]
+            point = next((p for p in curve["points"] if p["n"] == n), None)
+            if point is not None:
+                line[label] = cell(point["accuracy"])
+                line.update({f"{label}/{t}": cell(point["tasks"].get(t)) for t in tasks})
+            line[f"merge:{label}"] = cell(curve["merge"]["accuracy"])
+            line.update({f"merge:{label}/{t}": cell(curve["merge"]["tasks"].get(t)) for t in tasks})
+        line["experts"] = cell(curves[0]["experts"]["accuracy"])
+        line.update({f"experts/{t}": cell(curves[0]["experts"]["tasks"].get(t)) for t in tasks})
+        lines.append(line)
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=columns, restval="", lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(lines)
+    return out.getvalue()
+
+
+def plot_sample_efficiency(curves: Sequence[Mapping[str, Any]], path: Path) -> None:
+    """sample_efficiency.png: mean accuracy (%) against calibration inputs per task (log scale),
+    one line per curve, its merge dashed and the experts dotted."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5), dpi=100)
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot()
+    for curve in curves:
+        xs = [p["n"] for p in curve["points"]]
+        ys = [p["accuracy"] for p in curve["points"]]
+        (line,) = axes.plot(xs, ys, marker="o", label=curve["label"].replace("$", r"\$"))
+        if curve["merge"]["accuracy"] is not None:
+            axes.axhline(
+                curve["merge"]["accuracy"],
+                linestyle="--",
+                color=line.get_color(),
+                label=f"merge ({curve['merge']['row']})".replace("$", r"\$"),
+            )
+    experts = curves[0]["experts"]["accuracy"] if curves else None
+    if experts is not None:
+        axes.axhline(experts, linestyle=":", color="black", label="experts")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("calibration inputs per task (n)")
+    axes.set_ylabel("mean accuracy (%)")
+    axes.set_title("sample efficiency")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path)
 
 
 def label_free_summary(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
@@ -216,6 +357,27 @@ def comparison_markdown(
             f"- best on test: `{best['name']}` ({_pct(best['accuracy'])} %, gap closed "
             f"{_pct(best['gap_closed'], ' %')})"
         )
+    curves = sample_efficiency(rows)
+    if curves:
+        lines += [
+            "",
+            "Sample efficiency: mean accuracy (%) against the calibration inputs per task "
+            "(sample_efficiency.png; per task in sample_efficiency.csv):",
+            "",
+            "| n | " + " | ".join(f"`{c['label']}`" for c in curves) + " |",
+            "|---|" + "---|" * len(curves),
+        ]
+        for n in sorted({p["n"] for c in curves for p in c["points"]}):
+            found = [next((p for p in c["points"] if p["n"] == n), None) for c in curves]
+            cells = [
+                "—" if p is None else f"{_pct(p['accuracy'])} (`{p['variant']}`)" for p in found
+            ]
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        merges = [f"{_pct(c['merge']['accuracy'])} (`{c['merge']['row']}`)" for c in curves]
+        lines.append("| merge | " + " | ".join(merges) + " |")
+        lines.append(
+            "| experts | " + " | ".join(_pct(c["experts"]["accuracy"]) for c in curves) + " |"
+        )
     lines += ["", "| variant | merge | repair | overrides |", "|---|---|---|---|"]
     for row in rows:
         merge = f"{row['merge']['method']} {json.dumps(row['merge']['hyperparameters'])}"
@@ -269,17 +431,24 @@ def write_comparison(
     record: Mapping[str, Any],
 ) -> dict[str, Path]:
     """Write compare.md, compare.json (`record` plus the rows) and accuracy_vs_cost.png into
-    `out_dir`, replacing an earlier comparison there atomically; returns {file: final path}."""
+    `out_dir`, and the sample-efficiency curves (CURVE_FILES) when `sample_efficiency` finds
+    any, replacing an earlier comparison there atomically; returns {file: final path}."""
     out = Path(out_dir)
+    curves = sample_efficiency(rows)
     document = {
         **record,
         "reference": reference,
         "variants": list(rows),
         "label_free": label_free_summary(rows),
+        "sample_efficiency": curves,
     }
     with guarded_directory(out, overwrite=True, flag="comparison folder") as tmp:
         chosen = record.get("chosen")
         (tmp / "compare.md").write_text(comparison_markdown(run_name, rows, reference, chosen))
         (tmp / "compare.json").write_text(json.dumps(document, indent=2, default=str) + "\n")
         plot_accuracy_vs_cost(rows, tmp / "accuracy_vs_cost.png")
-    return {name: out / name for name in COMPARE_FILES}
+        if curves:
+            (tmp / "sample_efficiency.csv").write_text(sample_efficiency_csv(curves))
+            plot_sample_efficiency(curves, tmp / "sample_efficiency.png")
+    names = COMPARE_FILES + (CURVE_FILES if curves else ())
+    return {name: out / name for name in names}

@@ -308,16 +308,15 @@ def _rows(
 
 
 def curve_key(variant: Params) -> str:
-    """What a variant shares with the others of its sample-efficiency curve: sha256 of its
-    calibration settings but `featcal.num_per_task`, its repair and the repair's settings, and
-    whether it refits heads."""
-    settings = variant.calibration_settings()
-    settings["featcal"].pop("num_per_task")
+    """What a variant shares with the others of its sample-efficiency curve: sha256 of every
+    setting a variant may change (featcal_core.params.repair.VARIANT_KEYS: its merge, its repair
+    and the repair's settings, FeatCal's settings) but `featcal.num_per_task`; the rest of a
+    compare's params is the same for every variant."""
     key = {
-        "calibration": settings,
+        "merge": variant.merge.model_dump(mode="json"),
         "repair": variant.repair_method,
         "repair_settings": variant.repair.model_dump(mode="json"),
-        "heads": variant.featcal.heads,
+        "featcal": variant.featcal.model_dump(mode="json", exclude={"num_per_task"}),
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 

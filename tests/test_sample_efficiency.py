@@ -9,9 +9,9 @@ import csv
 import io
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
-import yaml
 
 from featcal_core.params import load_params
 from featcal_core.report.compare import (
@@ -20,6 +20,8 @@ from featcal_core.report.compare import (
     sample_efficiency,
     write_comparison,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 EVALUATION = {
     "a": {
@@ -143,34 +145,23 @@ def test_the_report_holds_the_curve_and_dvc_plots_draws_it(tmp_path):
     assert points == [(8, 65.0), (32, 72.5), (256, 75.0)]
 
 
-def test_curve_key_differs_only_where_the_settings_do(tmp_path):
-    from featcal.flows.compare import curve_key
+def test_curve_key_differs_only_where_the_settings_do():
+    """On a shipped compare file whose models come from a zoo (not filled in yet): the variants
+    that differ only in n share a key, every other variant setting separates them."""
+    from featcal.flows.compare import curve_key, variant_params
 
-    params = {
-        "run": {"name": "k", "results_dir": str(tmp_path / "results")},
-        "models": {"base": "./base", "experts": {"a": "./ea", "b": "./eb"}},
-        "tasks": {
-            t: {
-                "calibration": {"path": "./data", "split": "train"},
-                "evaluation": {"path": "./data", "split": "test"},
-                "class_names": ["x", "y"],
-                "templates": ["{}"],
-            }
-            for t in ("a", "b")
-        },
-        "merge": {"method": "task_arithmetic", "hyperparameters": {"scale": 0.3}},
-    }
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
-    base = load_params(path)
-    key = curve_key(base)
-    assert curve_key(base.with_overrides(["featcal.num_per_task=256"])) == key
-    assert curve_key(base.with_overrides(["featcal.batch_size=4"])) == key  # speed only
+    params = load_params(ROOT / "params" / "compare-text-paper.yaml")
+    assert params.models is None  # the zoo fills them in later
+    keys = {v.name: curve_key(variant_params(params, v.name)) for v in params.compare.variants}
+    curve = {name for name, key in keys.items() if key == keys["ta.featcal"]}
+    assert curve == {f"ta.featcal{n}" for n in ("", "-n2", "-n8", "-n128", "-n256")}
+    assert len(set(keys.values())) == len(keys) - 4
+    base = variant_params(params, "ta.featcal")
     for change in (
         "featcal.alpha=1.0",
+        "featcal.lam=0.5",
+        "featcal.heads=true",
         "merge.hyperparameters={scale: 0.5}",
         "repair.method=regmean",
-        "featcal.heads=true",
-        "run.seed=3",
     ):
-        assert curve_key(base.with_overrides([change])) != key, change
+        assert curve_key(base.with_overrides([change])) != keys["ta.featcal"], change

@@ -7,6 +7,7 @@ pools. The worst relative error of the calibrated weights is reported in the tes
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -238,13 +239,21 @@ def test_auto_picks_bfloat16_only_where_the_hardware_has_it(monkeypatch):
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"avx2", "avx512_bf16"}))
+    monkeypatch.setattr(precision, "cpu_bfloat16_speedup", lambda: 2.5)
     chosen = precision.resolve("auto", cpu, torch.float32)
     assert chosen.name == "bfloat16" and "avx512_bf16" in chosen.reason
+    assert "×2.50" in chosen.reason
+    # the flags alone do not decide: bfloat16 that measures no faster stays out
+    monkeypatch.setattr(precision, "cpu_bfloat16_speedup", lambda: 1.1)
+    chosen = precision.resolve("auto", cpu, torch.float32)
+    assert chosen.name == "float32" and "measured no faster" in chosen.reason
+    assert chosen.execution == "native" and "×1.10" in chosen.reason
     assert precision.resolve("auto", cpu, torch.float64).name == "float64"
     assert precision.resolve("float32", cpu, torch.float32).reason == "asked for"
     monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"avx2"}))
     chosen = precision.resolve("auto", cpu, torch.float32)
     assert chosen.name == "float32" and "neither avx512_bf16 nor amx_bf16" in chosen.reason
+    assert "measured" not in chosen.reason  # no flags: emulated, not timed
     assert precision.resolve("bfloat16", cpu, torch.float32).name == "bfloat16"  # runs, emulated
     # CUDA: compute capability 8.0 and up has bfloat16; an older GPU refuses it in one line
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100")
@@ -273,6 +282,13 @@ def test_the_record_says_which_precision_ran_and_why(tmp_path, monkeypatch):
     )
     settings = record["hyperparameters"]
     assert settings["precision"] == "float32" and settings["precision_requested"] == "auto"
+    # where the wall time went: the stages add up to no more than the whole, and the blocks'
+    # stage holds every block's own seconds
+    stages = record["stage_seconds"]
+    assert list(stages) == ["setup", "stems", "blocks", "export"]
+    assert all(seconds > 0 for seconds in stages.values())
+    assert sum(stages.values()) <= record["wall_seconds"] + 0.01
+    assert stages["blocks"] >= sum(block["seconds"] for block in record["blocks"]) - 0.01
     assert settings["precision_reason"].startswith("auto: no native bfloat16")
 
 
@@ -324,3 +340,12 @@ def test_all_finite_agrees_with_isfinite(dtype):
                 assert all_finite(dirty) is False
                 assert not bool(torch.isfinite(dirty).all())
     assert all_finite(torch.empty(0)) and all_finite(torch.tensor([1, 2]))
+
+
+def test_the_bfloat16_probe_times_a_real_matmul():
+    """auto's measurement on a CPU with bfloat16 flags: float32 time ÷ bfloat16 time of a real
+    matmul on this machine (any host can run it; bfloat16 may be emulated here)."""
+    from featcal_core import precision
+
+    speedup = precision.cpu_bfloat16_speedup.__wrapped__()
+    assert math.isfinite(speedup) and 0 < speedup < 1e4

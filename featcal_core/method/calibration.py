@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 
 RECORD_NAME = FEATCAL_RECORD
 RECORD_VERSION = 1
+#: the stages of `calibrate` whose seconds the record keeps ("stage_seconds"): setup (checks,
+#: opening the checkpoints, digests, loading the calibration sets), stems, blocks, export
+STAGES = ("setup", "stems", "blocks", "export")
 #: the default of each setting (calibrate's keyword defaults)
 _DEFAULT = Settings()
 
@@ -233,13 +236,19 @@ class Calibration:
             max_shard_size=max_shard_size,
         )
 
-    def record(self, blocks: list[dict], started: float) -> dict:
+    def record(
+        self, blocks: list[dict], started: float, stages: dict[str, float] | None = None
+    ) -> dict:
+        """featcal.json's content; `stages`: seconds per stage of the run (`STAGES`), recorded
+        as "stage_seconds" where given."""
         settings = asdict(self.settings)
         settings["device"] = str(self.device)
         settings.update(self.chosen.record())  # what ran, asked for, why, native or emulated
         settings["products_precision"] = self.products
         settings["pooled_position"] = self.arch.pooled_position
         record = _record(self.models, self.sets, self.params, blocks, settings, started)
+        if stages is not None:
+            record["stage_seconds"] = {k: round(stages.get(k, 0.0), 3) for k in STAGES}
         found = [entry for block in blocks for entry in block.get("fallbacks", [])]
         kinds: dict[str, int] = {}
         for entry in found:
@@ -340,7 +349,11 @@ def calibrate(
             work.mkdir()
         try:
             streams = HiddenStreams(work / "streams" if spill_dir else None)
+            stages = {"setup": time.perf_counter() - started}
+            mark = time.perf_counter()
             masks = run.stems(streams)
+            stages["stems"] = time.perf_counter() - mark
+            mark = time.perf_counter()
             blocks, replaced = [], {}
             bar = stage_progress(
                 range(run.num_blocks), desc="FeatCal blocks", unit="block", enabled=progress
@@ -355,10 +368,13 @@ def calibrate(
                 replaced.update(dict.fromkeys(tensors, path))
                 log_block(result, run.num_blocks)
                 blocks.append(block_summary(result))
+            stages["blocks"] = time.perf_counter() - mark
+            mark = time.perf_counter()
             run.export(replaced, tmp, max_shard_size)
+            stages["export"] = time.perf_counter() - mark
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        record = run.record(blocks, started)
+        record = run.record(blocks, started, stages)
         (tmp / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
     log.info("wrote %s in %.1f s", out, record["wall_seconds"])
     return record
@@ -367,8 +383,8 @@ def calibrate(
 def _run_stems(models, sets, streams, dtype, device, batch_size, max_length):
     """Fill both streams of every task from each model's own stem; returns task → token mask."""
     arch = models.arch
-    stem_names = list(arch.build_stem(dtype).state_dict().keys())
     stem = arch.build_stem(dtype).to(device).requires_grad_(False)
+    stem_names = list(stem.state_dict().keys())
     masks: dict[str, torch.Tensor] = {}
 
     def run(

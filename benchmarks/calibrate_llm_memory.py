@@ -34,8 +34,8 @@ Beside each plain calibrate run it prints the memory model's prediction
 the predicted peak, the time per block at GEMM rates measured on the spot, the bytes written and
 read through files. --geometry takes a published geometry (e.g. llama-3.1-8b: hidden 4096,
 intermediate 14336, 32 heads, 8 kv heads; the vocabulary stays --vocab), --dtype float32 stores
-float32 weights (the block passes run in the checkpoints' dtype: on a CPU without native bfloat16
-matmuls bfloat16 is several times slower), --modes spill memory runs each precision both with
+float32 weights (bfloat16 checkpoints run their passes in float32 under --precision float32 too,
+holding float32 copies of their blocks and streams), --modes spill memory runs each precision both with
 `--spill-dir` and in memory.
 
 --flow-traffic 0 default runs the resumable flow (`--results-dir`) once per memory budget and

@@ -7,7 +7,8 @@ needs are measured in child processes.
   (torch, transformers' Llama modules, datasets, the featcal CLI) and run one GEMM per dtype (the
   BLAS's own buffers);
 - GEMM rates: `flops.gemm_rate` (1024-wide square products, about a second each) per dtype the
-  run uses (forward: the checkpoints' dtype; statistics: the products'; solve: float64).
+  run uses (forward: the passes' dtype, precision.pass_dtype; statistics: the products'; solve:
+  float64).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def compare(
 
 def passes_dtype(work) -> str:
     """The dtype of the block passes (seconds()' forward rate)."""
-    return "bfloat16" if work.precision == "bfloat16" or work.weight_bytes == 2 else "float32"
+    return "bfloat16" if work.precision == "bfloat16" else "float32"
 
 
 #: GEMM rates of one H200 (torch 2.11, float32 as TF32), measured by `benchmarks/device_check.sh`

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import factories
 from featcal_core import calibrate
 from featcal_core.errors import FeatCalError
 from featcal_core.method import statistics
+from featcal_core.method.calibration import Calibration
 from featcal_core.method.hyperparameters import FeatCalParams
+from featcal_core.method.settings import Settings
 from featcal_core.method.statistics import LinearInputStats
 
 CPU = torch.device("cpu")
@@ -349,3 +353,54 @@ def test_the_bfloat16_probe_times_a_real_matmul():
 
     speedup = precision.cpu_bfloat16_speedup.__wrapped__()
     assert math.isfinite(speedup) and 0 < speedup < 1e4
+
+
+def test_bfloat16_checkpoints_run_float32_passes_under_float32(tmp_path):
+    """--precision float32 on bfloat16 checkpoints runs the stems, block passes and streams in
+    float32 and writes bfloat16. Block 0 then equals, bit for bit, the same calibration of the
+    same weights stored as float32, rounded to bfloat16 at the end; later blocks see the
+    calibrated block's weights as written (bfloat16), so they only stay close."""
+    zoo = factories.clip_zoo(tmp_path / "zoo", dtype=torch.bfloat16)
+    wide = tmp_path / "wide"
+    for name in ("base", "merged", *zoo.experts):
+        source = Path(
+            zoo.base if name == "base" else zoo.merged if name == "merged" else zoo.experts[name]
+        )
+        shutil.copytree(source, wide / name)
+        weights = wide / name / "model.safetensors"
+        tensors = {k: v.float() for k, v in load_file(str(weights)).items()}
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+        config = json.loads((wide / name / "config.json").read_text())
+        for key in ("torch_dtype", "dtype"):
+            if key in config:
+                config[key] = "float32"
+        (wide / name / "config.json").write_text(json.dumps(config))
+    run = Calibration(
+        zoo.base, zoo.merged, zoo.experts, zoo.calib, settings=Settings(precision="float32")
+    )
+    assert (run.checkpoint_dtype, run.dtype) == (torch.bfloat16, torch.float32)
+    slow = Calibration(
+        zoo.base, zoo.merged, zoo.experts, zoo.calib, settings=Settings(precision="bfloat16")
+    )
+    assert slow.dtype == torch.bfloat16  # bfloat16 asked: the passes stay 16-bit
+    outs = {}
+    for kind, models in (
+        ("narrow", (zoo.base, zoo.merged, zoo.experts)),
+        ("wide", (wide / "base", wide / "merged", {t: wide / t for t in zoo.experts})),
+    ):
+        outs[kind] = tmp_path / f"out_{kind}"
+        calibrate(
+            *models, zoo.calib, outs[kind], num_per_task=4, precision="float32", progress=False
+        )
+    narrow = load_file(str(outs["narrow"] / "model.safetensors"))
+    widened = load_file(str(outs["wide"] / "model.safetensors"))
+    assert set(narrow) == set(widened)
+    records = [json.loads((outs[k] / "featcal.json").read_text()) for k in ("narrow", "wide")]
+    assert records[0]["blocks"][0]["drift_before"] == records[1]["blocks"][0]["drift_before"]
+    for key, tensor in narrow.items():
+        assert tensor.dtype == torch.bfloat16, key
+        rounded = widened[key].to(torch.bfloat16)
+        if ".layers.1." in key:
+            torch.testing.assert_close(tensor.float(), rounded.float(), rtol=0.02, atol=1e-3)
+        else:  # block 0 and the tensors FeatCal does not change
+            assert torch.equal(tensor, rounded), key

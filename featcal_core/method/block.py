@@ -170,7 +170,7 @@ class BlockRunner:
         return precisions.autocast(self.precision, self.device)
 
     def forward(self, module: nn.Module, hidden: torch.Tensor, mask: torch.Tensor, context=None):
-        """The block's output (B, S, d) in the models' dtype, computed in `self.precision`."""
+        """The block's output (B, S, d) in the passes' dtype, computed in `self.precision`."""
         with torch.no_grad(), self.passes():
             return run_block(self.arch, module, hidden, mask, context).to(self.dtype)
 

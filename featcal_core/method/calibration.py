@@ -134,9 +134,12 @@ class Calibration:
                         "--token-weighting answer weighs the answer tokens, so add the answers "
                         "as a 'target' column or use --token-weighting all"
                     )
-        self.dtype = self.models.compute_dtype()
+        #: the checkpoints' dtype (the calibrated weights are written in it)
+        self.checkpoint_dtype = self.models.compute_dtype()
         # what runs the block passes and the token products (auto: by device and checkpoints)
-        self.chosen = precision.resolve(settings.precision, self.device, self.dtype)
+        self.chosen = precision.resolve(settings.precision, self.device, self.checkpoint_dtype)
+        #: the dtype of the stems, block passes and streams (precision.pass_dtype)
+        self.dtype = precision.pass_dtype(self.chosen, self.checkpoint_dtype)
         self.precision = self.chosen.name
         self.products = precision.products_for(self.chosen, params.lam)  # the token products'
         if self.products != self.precision:
@@ -335,7 +338,12 @@ def calibrate(
     )
     run = Calibration(base, merged, experts, calib, params, settings)
     log.info(
-        "%s, %d blocks, %d tasks, dtype %s", run.arch.name, run.num_blocks, len(run.sets), run.dtype
+        "%s, %d blocks, %d tasks, checkpoints in %s, passes in %s",
+        run.arch.name,
+        run.num_blocks,
+        len(run.sets),
+        run.checkpoint_dtype,
+        run.dtype,
     )
     with guarded_directory(out, overwrite=overwrite, inputs=inputs) as tmp, ExitStack() as stack:
         if spill_dir is not None:  # a marked temporary folder there, swept if a killed run left one

@@ -172,9 +172,15 @@ class Workload:
         return self.precision
 
     @property
+    def pass_bytes(self) -> int:
+        """Bytes per element of the stems, block modules and streams (precision.pass_dtype): the
+        checkpoints', except 16-bit checkpoints outside bfloat16, which run in float32."""
+        return 4 if self.weight_bytes == 2 and self.precision != "bfloat16" else self.weight_bytes
+
+    @property
     def activation_bytes(self) -> int:
-        """Bytes per activation: the checkpoints' dtype, bfloat16 under bfloat16 autocast."""
-        return 2 if self.precision == "bfloat16" else self.weight_bytes
+        """Bytes per activation: the passes' dtype, bfloat16 under bfloat16 autocast."""
+        return 2 if self.precision == "bfloat16" else self.pass_bytes
 
 
 @dataclass
@@ -307,28 +313,29 @@ def _solve_group(dev: _Ledger, host: _Ledger, group: LinearGroup, work: Workload
 def estimate(geometry: Geometry, work: Workload) -> dict:
     """Peak host and device memory (bytes, with the terms live at the peak and each phase's
     high-water mark), the named sizes, one block's disk traffic (bytes) and FLOPs."""
-    g, b = geometry, work.weight_bytes
+    g, b, c = geometry, work.weight_bytes, work.pass_bytes  # checkpoints', passes' bytes
     cuda = work.device == "cuda"
     host = _Ledger()
     dev = _Ledger() if cuda else host
     tokens = work.weighted_tokens
-    block = g.block_parameters() * b
-    stream = work.inputs * work.tokens * g.hidden * b  # one task's stream (n, L, d)
+    block = g.block_parameters() * b  # as read from and written to files
+    module = g.block_parameters() * c  # as loaded into a block module
+    stream = work.inputs * work.tokens * g.hidden * c  # one task's stream (n, L, d)
     groups = g.groups()
     per_task = sum(task_buffers(gr, tokens) for gr in groups)
     act = _activations(g, work)
     scratch = _scratch(g, work)
     seqs = min(work.batch_size, work.inputs)
-    batch = seqs * work.tokens * g.hidden * b
+    batch = seqs * work.tokens * g.hidden * c
     batches = math.ceil(work.inputs / seqs)
     host.set("process baseline (imports)", work.baseline_bytes)
 
     # stems: each model's embedding read and loaded, both streams of every task written
     stem = g.vocab * g.hidden * b
-    dev.set("stem module", stem)
+    dev.set("stem module", g.vocab * g.hidden * c)
     host.set("stem weights read", stem)
     if cuda:
-        dev.set("stem weights (on device)", stem)
+        dev.set("stem weights (on device)", g.vocab * g.hidden * c)
     host.set("streams (in memory)", 0 if work.spill else (2 * work.tasks - 1) * stream)
     host.set("stream being written (list + cat)", 2 * stream)
     host.mark("stems")
@@ -338,10 +345,10 @@ def estimate(geometry: Geometry, work: Workload) -> dict:
     host.set("streams (in memory)", 0 if work.spill else 2 * work.tasks * stream)
 
     # one block: the merged block read into its module (the expert module holds the last task's)
-    dev.set("block modules (merged, expert)", 2 * block)
+    dev.set("block modules (merged, expert)", 2 * module)
     host.set("block weights read", block)
     if cuda:
-        dev.set("block weights (on device)", block)
+        dev.set("block weights (on device)", module)
     host.mark("read merged block")
     kept_cross = sum(F64 * gr.d_in * gr.width_out for gr in groups if via_x(gr, tokens))
     if g.layers > 1:  # calibration.py's loop still holds the previous block's result
@@ -349,7 +356,7 @@ def estimate(geometry: Geometry, work: Workload) -> dict:
     for task in range(work.tasks):
         host.set("block weights read", block)
         if cuda:
-            dev.set("block weights (on device)", block)
+            dev.set("block weights (on device)", module)
         host.mark("read expert block")
         host.drop("block weights read")
         dev.drop("block weights (on device)")
@@ -427,7 +434,7 @@ def estimate(geometry: Geometry, work: Workload) -> dict:
 
     # the calibrated block's pass: every task's student stream through the solved block
     if cuda:
-        dev.set("block weights (on device)", block)
+        dev.set("block weights (on device)", module)
         dev.mark("load calibrated block")
         dev.drop("block weights (on device)")
     dev.set("activations (one batch)", act["forward"])
@@ -463,7 +470,7 @@ def estimate(geometry: Geometry, work: Workload) -> dict:
     }
     return {
         "geometry": asdict(g),
-        "workload": {**asdict(work), "products": work.products},
+        "workload": {**asdict(work), "products": work.products, "pass_bytes": work.pass_bytes},
         "via_x": {gr.label: via_x(gr, tokens) for gr in groups},
         "host": host.summary(),
         "device": dev.summary() if cuda else None,
@@ -484,7 +491,7 @@ def run_disk(geometry: Geometry, work: Workload) -> dict[str, int]:
     g, b, layers = geometry, work.weight_bytes, geometry.layers
     per = estimate(geometry, work)["disk_per_block"]
     block, stem = g.block_parameters() * b, g.vocab * g.hidden * b
-    stream = work.inputs * work.tokens * g.hidden * b
+    stream = work.inputs * work.tokens * g.hidden * work.pass_bytes
     model = g.parameters() * b
     stems_written = 2 * work.tasks * stream if work.spill else 0
     written = layers * (per["statistics written"] + per["streams written"] + block)
@@ -539,7 +546,7 @@ def seconds(
     solve in float64; plus the disk traffic at `disk_bytes_per_s` when given."""
     work = estimate_["workload"]
     passes = {2: "bfloat16", 4: "float32", 8: "float64"}[
-        2 if work["precision"] == "bfloat16" else work["weight_bytes"]
+        2 if work["precision"] == "bfloat16" else work["pass_bytes"]
     ]
     counted = estimate_["flops_per_block"]
     out = {

@@ -1,8 +1,8 @@
 """The two hidden-state streams per task (student and expert), in memory or on disk.
 
-Each stream of task t is one tensor (n_t, S_t, d) in the model dtype. On disk each stream is one
-safetensors file (`<kind>-<task>.safetensors`) and batches are read as row ranges, so only the
-stream being produced is held in memory. A directory of streams is also the persisted state
+Each stream of task t is one tensor (n_t, S_t, d) in the passes' dtype (precision.pass_dtype).
+On disk each stream is one safetensors file (`<kind>-<task>.safetensors`) and batches are read as
+row ranges, so only the stream being produced is held in memory. A directory of streams is also the persisted state
 between two blocks (see featcal_core.method.calibration).
 """
 

@@ -11,7 +11,8 @@ precisions (default float32 then bfloat16, each T run in both back to back) it p
 wall time as a fraction of the float32 run's.
 
     .venv/bin/python benchmarks/calibrate_vit_b32.py [--experts 2 4 8]
-        [--precision float32 bfloat16] [--work DIR] [--device cpu|cuda] [--library]
+        [--precision float32 bfloat16] [--dtype float32|bfloat16] [--layers L] [--work DIR]
+        [--device cpu|cuda] [--library]
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ def run_one(num_experts: int, work: Path, args) -> list[dict]:
     root = work / f"pool_{num_experts}"
     tasks = tuple(f"task{i}" for i in range(num_experts))
     started = time.perf_counter()
-    pool = build_pool(root, "clip", {}, tasks, delta=args.delta, rows=args.images, seed=0)
+    config = {"num_hidden_layers": args.layers} if args.layers else {}
+    dtype = getattr(torch, args.dtype)
+    pool = build_pool(
+        root, "clip", config, tasks, dtype=dtype, delta=args.delta, rows=args.images, seed=0
+    )
     built = time.perf_counter() - started
     rows = [_calibrate(pool, num_experts, work, args, p, built) for p in args.precision]
     shutil.rmtree(root)
@@ -108,6 +113,13 @@ def main() -> None:
         default=["float32", "bfloat16"],
         choices=["float64", "float32", "bfloat16", "auto"],
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the checkpoints' dtype (default float32)",
+    )
+    parser.add_argument("--layers", type=int, default=None, help="blocks (default: 12)")
     parser.add_argument("--work", type=Path, default=None, help="scratch directory")
     parser.add_argument(
         "--library",
@@ -170,7 +182,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|")
     for r in rows:
-        flops = counted_flops(D, F, SEQ, BLOCKS, r["experts"], args.images)
+        flops = counted_flops(D, F, SEQ, args.layers or BLOCKS, r["experts"], args.images)
         floor = floor_seconds(flops, rates, r["precision"])
         counted = " / ".join(f"{flops[p] / 1e12:.2f}" for p in ("forward", "statistics", "solve"))
         total = sum(floor.values())

@@ -10,8 +10,8 @@ products, evaluation forwards, RegMean's Grams), chosen per device.
 - "auto": bfloat16 where the hardware runs it natively (CUDA with compute capability ≥ 8.0; a CPU
   with avx512_bf16 or AMX whose bfloat16 matmul also measures at least `BF16_MIN_SPEEDUP` times
   as fast as its float32 one, timed once per process), float32 elsewhere. A CPU without those
-  flags emulates bfloat16 (measured on an avx2-only EPYC: 1.3 against 171 GFLOP/s in float32), so
-  it is not timed.
+  flags emulates bfloat16 (measured on an avx2-only EPYC: a bfloat16 `torch.mm` at 1.3 against 171
+  GFLOP/s in float32, block passes 7× slower), so it is not timed.
 Float64 checkpoints always run in float64 (they compute in float64 whatever is asked).
 """
 
@@ -163,9 +163,9 @@ def resolve(requested: str, device: torch.device, model_dtype: torch.dtype) -> P
 
 def pass_dtype(chosen: Precision, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype the stems, block passes and hidden streams run in: the checkpoints' own, except
-    16-bit checkpoints under float32 (or float64), which run in float32, as asked (a CPU without
-    bfloat16 units runs 16-bit matmuls at under 1 % of its float32 speed). Calibrated weights are
-    written in the checkpoints' dtype either way."""
+    16-bit checkpoints under float32 (or float64), which run in float32, as asked (on a CPU
+    without bfloat16 units, bfloat16 ViT-B/32 block passes ran 7× slower than float32 ones).
+    Calibrated weights are written in the checkpoints' dtype either way."""
     if model_dtype in (torch.bfloat16, torch.float16) and chosen.name != "bfloat16":
         return torch.float32
     return model_dtype

@@ -2,8 +2,8 @@
 
 Each stream of task t is one tensor (n_t, S_t, d) in the passes' dtype (precision.pass_dtype).
 On disk each stream is one safetensors file (`<kind>-<task>.safetensors`) and batches are read as
-row ranges, so only the stream being produced is held in memory. A directory of streams is also the persisted state
-between two blocks (see featcal_core.method.calibration).
+row ranges, so only the stream being produced is held in memory. A directory of streams is also
+the persisted state between two blocks (see featcal_core.method.calibration).
 """
 
 from __future__ import annotations

@@ -172,11 +172,13 @@ def test_serve_stopped_while_waiting_ends_normally(tmp_path, prefect_api, stop):
         while "serving featcal-scheduled" not in log_path.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.5)
-        time.sleep(3)  # Prefect's runner is up and waiting
+        # Prefect's runner registers the deployment and starts after that line, which takes
+        # several seconds on a loaded machine
+        time.sleep(10)
         api_url = re.search(r"local Prefect server at (\S+)", log_path.read_text())
         servers = _servers(api_url.group(1)) if api_url else []
         proc.send_signal(getattr(signal, stop))
-        code = proc.wait(timeout=60)
+        code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -51,6 +51,14 @@ def _completed_runs(api_url: str, auth: str) -> int:
     )
 
 
+def _deployment_ready(api_url: str, auth: str | None) -> bool:
+    """Whether the server lists the served deployment as READY (its runner polls for runs)."""
+    body = {"deployments": {"name": {"any_": ["featcal-scheduled"]}}}
+    status, found = _post(api_url, "/deployments/filter", body, auth)
+    assert status == 200, status
+    return any(d.get("status") == "READY" for d in found or [])
+
+
 def _run_logs(api_url: str, auth: str) -> list[dict]:
     """The log lines of the completed flow runs (the scheduled runs and their subflows: this
     server serves this test alone), as the Prefect UI shows them."""
@@ -172,11 +180,16 @@ def test_serve_stopped_while_waiting_ends_normally(tmp_path, prefect_api, stop):
         while "serving featcal-scheduled" not in log_path.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.5)
-        # Prefect's runner registers the deployment and starts after that line, which takes
-        # several seconds on a loaded machine
-        time.sleep(10)
         api_url = re.search(r"local Prefect server at (\S+)", log_path.read_text())
         servers = _servers(api_url.group(1)) if api_url else []
+        # Prefect's runner registers the deployment and starts polling after that line (seconds
+        # on a loaded machine): the signal goes once the server marks the deployment READY
+        api = api_url.group(1) if api_url else prefect_api
+        auth = api_auth_string(tmp_path / "prefect") if api_url else None
+        while not _deployment_ready(api, auth):
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.5)
+        time.sleep(2)
         proc.send_signal(getattr(signal, stop))
         code = proc.wait(timeout=120)
     finally:

@@ -51,6 +51,13 @@ def _completed_runs(api_url: str, auth: str) -> int:
     )
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT's default disposition, as a shell gives a foreground
+    command (an ignored SIGINT is inherited across exec, and a test run in the same pytest
+    worker may have left it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _deployment_ready(api_url: str, auth: str | None) -> bool:
     """Whether the server lists the served deployment as READY (its runner polls for runs)."""
     body = {"deployments": {"name": {"any_": ["featcal-scheduled"]}}}
@@ -102,6 +109,7 @@ def test_serve_runs_on_a_schedule(tmp_path):
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_default_sigint,
         )
     api_url, completed, refused, triggered, logs = None, 0, None, None, []
     token_file = tmp_path / "prefect" / TOKEN_FILE
@@ -174,6 +182,7 @@ def test_serve_stopped_while_waiting_ends_normally(tmp_path, prefect_api, stop):
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_default_sigint,
         )
     try:
         deadline = time.monotonic() + 240

@@ -143,7 +143,9 @@ def compare(
 
 def passes_dtype(work) -> str:
     """The dtype of the block passes (seconds()' forward rate)."""
-    return "bfloat16" if work.precision == "bfloat16" else "float32"
+    if work.precision == "bfloat16":
+        return "bfloat16"
+    return {4: "float32", 8: "float64"}[work.pass_bytes]  # memory_model.seconds' rule
 
 
 #: GEMM rates of one H200 (torch 2.11, float32 as TF32), measured by `benchmarks/device_check.sh`

@@ -60,3 +60,39 @@ def test_cuda_bfloat16_and_float32_against_cpu_float64(tmp_path, kind, record_pr
             f"worst {worst:.2e}, median {median:.2e}, {seconds[precision]:.1f} s",
         )
         assert worst <= bound
+
+
+@pytest.mark.parametrize("kind", ["clip", "bert"])
+def test_cuda_block_waits_for_the_gpu_per_task_not_per_batch(tmp_path, kind, record_property):
+    """torch's sync debug mode warns at every call that makes the host wait for the GPU: a block
+    makes as many at 12 batches per task as at one."""
+    import warnings
+
+    from featcal_core.method.calibration import Calibration
+    from featcal_core.method.settings import Settings
+    from featcal_core.method.streams import HiddenStreams
+
+    build = {"clip": factories.clip_zoo, "bert": factories.bert_zoo}[kind]
+    zoo = build(tmp_path / "zoo", tasks=("alpha", "beta"), dtype=torch.float32)
+    waits = {}
+    for batch_size in (1, 12):
+        run = Calibration(
+            zoo.base,
+            zoo.merged,
+            zoo.experts,
+            zoo.calib,
+            settings=Settings(batch_size=batch_size, device="cuda", precision="float32"),
+        )
+        streams = HiddenStreams(None)
+        masks = run.stems(streams)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                run.block(0, streams, streams, masks)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        waits[batch_size] = sum("synchroniz" in str(w.message) for w in caught)
+    record_property(f"report: cuda waits for block 0 ({kind}), 1 / 12 rows a batch", str(waits))
+    assert waits[1] == waits[12], waits

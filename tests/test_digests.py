@@ -68,3 +68,22 @@ def test_an_unusable_store_only_costs_a_rehash(tmp_path):
     blocked.write_text("a file where the store's folder should be")
     result = _hash_in_new_process(path, blocked / "digests.sqlite")
     assert result["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_hashing_in_background_leaves_the_digests_for_the_record(tmp_path, monkeypatch):
+    from featcal_core.io import digests
+
+    monkeypatch.setenv("FEATCAL_DIGEST_CACHE", "off")
+    files = []
+    for number in range(3):
+        path = tmp_path / f"w{number}.bin"
+        path.write_bytes(os.urandom(1 << 16) * (number + 1))
+        files.append(path)
+    wait = digests.hash_in_background([*files, tmp_path / "missing.bin"])  # skipped, no raise
+    wait()
+    for path in files:
+        st = os.stat(path)
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        assert digests._DIGESTS[key] == hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(FileNotFoundError):  # the caller still meets the error itself
+        digests.sha256_file(tmp_path / "missing.bin")

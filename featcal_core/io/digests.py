@@ -19,6 +19,8 @@ import hashlib
 import logging
 import os
 import sqlite3
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -118,3 +120,20 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     if stored:
         record(key, _DIGESTS[key])
     return _DIGESTS[key]
+
+
+def hash_in_background(paths: list[Path]) -> Callable[[], None]:
+    """Start hashing `paths` (`sha256_file`) in a daemon thread; returns a call that waits for
+    it. Later `sha256_file` calls of those files read the remembered digests. A file the thread
+    cannot read is left alone: the later call meets the same error and reports it."""
+
+    def work() -> None:
+        for path in paths:
+            try:
+                sha256_file(path)
+            except OSError as exc:
+                log.debug("background digest of %s skipped (%s)", path, exc)
+
+    thread = threading.Thread(target=work, name="featcal-digests", daemon=True)
+    thread.start()
+    return thread.join

@@ -32,7 +32,7 @@ from featcal_core.method.block_statistics import (
     run_block,
     tokens_needed,
 )
-from featcal_core.method.drift import check_finite, drift_sums, drift_token_mask, mean_drift
+from featcal_core.method.drift import DriftSums, FiniteChecks, drift_token_mask, mean_drift
 from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.model_set import ModelSet
 from featcal_core.method.norm_statistics import NormStats
@@ -50,6 +50,8 @@ from featcal_core.method.streams import (
     weight_mask_key,
 )
 from featcal_core.method.task_statistics import StoredStatistics, TaskStatistics
+from featcal_core.method.token_selection import TokenPlan
+from featcal_core.method.transfers import HostRows, to_device
 
 
 @dataclass
@@ -206,12 +208,12 @@ class BlockRunner:
         for hidden, mask in zip(
             streams.batches(context_kind, task, batch_size), encoder_mask, strict=True
         ):
-            yield hidden.to(self.device), mask.to(self.device)
+            yield to_device(hidden, self.device), to_device(mask, self.device)
 
-    def _write_contexts(self, task, source, target, batch_size) -> None:
+    def _write_contexts(self, task, source, target, batch_size, rows: int) -> None:
         """At the first decoder block: each model's context for `task` (its encoder output in
         `source` through its bridge tensors, e.g. the final norm) → `target`, for every decoder
-        block from here on."""
+        block from here on; `rows`: the task's number of rows."""
         for kind, context_kind, checkpoint in (
             (STUDENT, STUDENT_CONTEXT, self.models.merged),
             (EXPERT, EXPERT_CONTEXT, self.models.experts[task]),
@@ -221,12 +223,11 @@ class BlockRunner:
                 k: v.to(self.device, self.dtype)
                 for k, v in self.models.read(checkpoint, names).items()
             }
+            done = HostRows(rows, self.device)
             with torch.no_grad():
-                done = [
-                    self.arch.run_bridge(tensors, hidden.to(self.device)).to("cpu")
-                    for hidden in source.batches(kind, task, batch_size)
-                ]
-            target.put(context_kind, task, torch.cat(done))
+                for hidden in source.batches(kind, task, batch_size):
+                    done.add(self.arch.run_bridge(tensors, to_device(hidden, self.device)))
+            target.put(context_kind, task, done.tensor())
 
     def _load_merged(self, index: int) -> dict[str, torch.Tensor]:
         """Load block `index` of the (uncalibrated) merged model; returns its tensors: views of
@@ -280,31 +281,45 @@ class BlockRunner:
         linear_stats: dict[str, LinearInputStats] | None = None
         groups: dict[str, str] = {}
         norm_stats: dict[str, NormStats] = {}
-        new_expert, sq_sum, tok_sum = [], 0.0, 0.0
         if phase == "bridge":
-            self._write_contexts(task, source, target, batch_size)
+            self._write_contexts(task, source, target, batch_size, masks[task].shape[0])
         contexts = target if phase == "bridge" else source
+        weighted_mask = self._weight_mask(masks, task, phase)
+        plan = TokenPlan(
+            self.arch,
+            last,
+            weighted_mask,
+            None if phase in ("single", "encoder") else masks[task],
+            batch_size,
+            self.device,
+        )
+        # nothing in this loop reads the device into Python: the checks, the drift and the
+        # expert outputs' copies are queued, and read or awaited once after it
+        checks, drift = FiniteChecks(), DriftSums()
+        new_expert = HostRows(weighted_mask.shape[0], self.device)
         batches = zip(
             source.batches(student_kind, task, batch_size),
             source.batches(expert_kind, task, batch_size),
             self._mask(masks, task, phase).split(batch_size),
-            self._weight_mask(masks, task, phase).split(batch_size),
+            weighted_mask.split(batch_size),
             self._contexts(phase, STUDENT, task, contexts, batch_size, masks),
             self._contexts(phase, EXPERT, task, contexts, batch_size, masks),
             strict=True,
         )
-        for student, expert_hidden, mask, weighted, context_s, context_e in batches:
-            student = student.to(self.device)
-            expert_hidden = expert_hidden.to(self.device)
-            mask, weighted = mask.to(self.device), weighted.to(self.device)
+        for number, (student, expert_hidden, mask, weighted, context_s, context_e) in enumerate(
+            batches
+        ):
+            student = to_device(student, self.device)
+            expert_hidden = to_device(expert_hidden, self.device)
+            mask, weighted = to_device(mask, self.device), to_device(weighted, self.device)
             with self.timed("forward"), self.passes():
                 out_m, x_s = self.merged_capture.run(self.merged_block, student, mask, context_s)
                 out_e, x_e = self.expert_capture.run(
                     self.expert_block, expert_hidden, mask, context_e
                 )
             out_m, out_e = out_m.to(self.dtype), out_e.to(self.dtype)
-            check_finite(out_e, f"expert {task!r} output of block {index}")
-            check_finite(out_m, f"merged output of block {index} on task {task!r}")
+            checks.add(out_e, f"expert {task!r} output of block {index}")
+            checks.add(out_m, f"merged output of block {index} on task {task!r}")
             if linear_stats is None:
                 tokens = min(int(m.sum()) for m in masks.values())  # a hint for the cost
                 linear_stats, groups = linear_groups(
@@ -320,29 +335,27 @@ class BlockRunner:
                     params=params,
                 )
                 norm_stats = self._norm_stats()
-            context_mask = None if context_s is None else context_s[1]
             with self.timed("statistics"):
                 accumulate(
-                    self.arch,
                     self.linears,
                     x_s,
                     x_e,
-                    weighted,
-                    context_mask,
-                    last,
+                    plan,
+                    number,
                     groups,
                     linear_stats,
                     norm_stats,
                     expert_params,
                 )
             del x_s, x_e
-            sq, tok = drift_sums(out_m, out_e, self._drift_mask(weighted, last))
-            sq_sum, tok_sum = sq_sum + sq, tok_sum + tok
-            new_expert.append(out_e.to("cpu"))
+            drift.add(out_m, out_e, self._drift_mask(weighted, last))
+            new_expert.add(out_e)
         if linear_stats is None:
             raise FeatCalError(f"task {task!r} has no calibration inputs for block {index}")
-        target.put(EXPERT, task, torch.cat(new_expert))
+        checks.raise_first()
+        target.put(EXPERT, task, new_expert.tensor())
         del new_expert
+        sq_sum, tok_sum = drift.totals()
         found = Fallbacks(f"block {index}")
         linear = {}
         norms = {}
@@ -362,8 +375,8 @@ class BlockRunner:
             label: {"d_in": stats.d_in, "tokens": tokens, "modules": stats.modules}
             for label, stats in linear_stats.items()
         }
-        drift = mean_drift(sq_sum, tok_sum, task, "before calibration", found)
-        return TaskStatistics(task, index, linear, layout, norms, drift, found.entries)
+        before = mean_drift(sq_sum, tok_sum, task, "before calibration", found)
+        return TaskStatistics(task, index, linear, layout, norms, before, found.entries)
 
     @torch.no_grad()
     def calibrate(
@@ -470,27 +483,33 @@ class BlockRunner:
 
         contexts = target if phase == "bridge" else source  # the bridge wrote them to target
         for task in self.models.experts:
-            outputs, sq_sum, tok_sum = [], 0.0, 0.0
+            weighted_mask = self._weight_mask(masks, task, phase)
+            checks, drift = FiniteChecks(), DriftSums()
+            outputs = HostRows(weighted_mask.shape[0], self.device)
             batches = zip(
                 source.batches(student_kind, task, batch_size),
                 target.batches(EXPERT, task, batch_size),
                 self._mask(masks, task, phase).split(batch_size),
-                self._weight_mask(masks, task, phase).split(batch_size),
+                weighted_mask.split(batch_size),
                 self._contexts(phase, STUDENT, task, contexts, batch_size, masks),
                 strict=True,
             )
             for student, expert_out, mask, weighted, context in batches:
                 with self.timed("forward"):
                     out = self.forward(
-                        self.merged_block, student.to(self.device), mask.to(self.device), context
+                        self.merged_block,
+                        to_device(student, self.device),
+                        to_device(mask, self.device),
+                        context,
                     )
-                check_finite(out, f"calibrated output of block {index} on task {task!r}")
-                drift_mask = self._drift_mask(weighted.to(self.device), last)
-                sq, tok = drift_sums(out, expert_out.to(self.device), drift_mask)
-                sq_sum, tok_sum = sq_sum + sq, tok_sum + tok
-                outputs.append(out.to("cpu"))
+                checks.add(out, f"calibrated output of block {index} on task {task!r}")
+                drift_mask = self._drift_mask(to_device(weighted, self.device), last)
+                drift.add(out, to_device(expert_out, self.device), drift_mask)
+                outputs.add(out)
+            checks.raise_first()
+            sq_sum, tok_sum = drift.totals()
             result.drift_after[task] = mean_drift(sq_sum, tok_sum, task, "after calibration", found)
-            target.put(STUDENT, task, torch.cat(outputs))
+            target.put(STUDENT, task, outputs.tensor())
         result.fallbacks = found.entries
         result.seconds = time.perf_counter() - start
         result.phases, self.phases = self.phases, {}

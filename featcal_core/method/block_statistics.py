@@ -5,7 +5,7 @@ batch of hidden states (B, S, d) with its token mask (B, S). `linear_groups` and
 make the accumulators (statistics.py) for one block: Linears that read the same tensor with the
 same token weights share one `LinearInputStats` (Gram (d_in, d_in) ...), each norm gets a
 `NormStats` ((d,) per channel). `accumulate` adds one batch's captured inputs, flattened to their weighted
-tokens (N, d) with weights (N,), to them.
+tokens (N, d) with weights (N,) as a `TokenPlan` selects them, to them.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from featcal_core.errors import FeatCalError
 from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.norm_statistics import NormStats
 from featcal_core.method.statistics import LinearInputStats, Scratch
+from featcal_core.method.token_selection import TokenPlan, pooled_input
 
 
 def run_block(arch, block, hidden, mask, context):
@@ -59,10 +60,6 @@ class Capture:
         return out, inputs
 
 
-def _pooled(arch, name: str, last: bool) -> bool:
-    return last and arch.pooled_position is not None and arch.is_pooled_module(name)
-
-
 def linear_groups(
     arch,
     block: nn.Module,
@@ -88,7 +85,7 @@ def linear_groups(
     groups: dict[str, str] = {}
     members: dict[str, dict[str, tuple[int, bool]]] = {}
     for name in linears:
-        label = labels.setdefault((id(captured[name]), _pooled(arch, name, last)), name)
+        label = labels.setdefault((id(captured[name]), pooled_input(arch, name, last)), name)
         groups[name] = label
         module = block.get_submodule(name)
         assert isinstance(module, nn.Linear)  # `linears` names Linear modules
@@ -132,20 +129,19 @@ def new_norm_stats(
 
 
 def accumulate(
-    arch,
     linears,
     x_s,
     x_e,
-    mask,
-    context_mask,
-    last,
+    plan: TokenPlan,
+    number: int,
     groups,
     linear_stats,
     norm_stats,
     expert_params,
 ):
-    """Add one batch's captured inputs (student x_s, expert x_e: module → (B, S, d)) to the
-    Linear groups' and norms' accumulators, each token weighted by `arch.token_weights`."""
+    """Add batch `number`'s captured inputs (student x_s, expert x_e: module → (B, S, d)) to the
+    Linear groups' and norms' accumulators: each module's tokens and weights as `plan` selects
+    them (`arch.token_weights`)."""
     done: set[str] = set()
     for name in linears:
         key = groups[name]
@@ -153,26 +149,14 @@ def accumulate(
             continue
         done.add(key)
         stats = linear_stats[key]
-        tokens = context_mask if arch.reads_context(name) else mask
-        (xs, xe), w = _weighted_tokens(arch.token_weights(name, last, tokens), x_s[name], x_e[name])
+        selection = plan.select(number, name)
         params = {member: expert_params[member] for member in stats.targets}
-        stats.add(xs, xe, w, params)
+        stats.add(
+            selection.tokens(x_s[name]), selection.tokens(x_e[name]), selection.weights, params
+        )
     for name, stats in norm_stats.items():
-        (xs,), w = _weighted_tokens(arch.token_weights(name, last, mask), x_s[name])
-        stats.add(xs, w)
-
-
-def _weighted_tokens(weights: torch.Tensor, *hidden: torch.Tensor):
-    """Flatten (B, S, d) inputs to their tokens of non-zero weight: ([tokens (N, d), ...], w (N))
-    with w None when every kept weight is 1."""
-    weights = weights.reshape(-1)
-    keep = weights > 0
-    flat = [h.reshape(-1, h.shape[-1]) for h in hidden]
-    if not bool(keep.all()):
-        weights = weights[keep]
-        flat = [h[keep] for h in flat]
-    w = None if bool((weights == 1).all()) else weights
-    return flat, w
+        selection = plan.select(number, name)
+        stats.add(selection.tokens(x_s[name]), selection.weights)
 
 
 @contextmanager

@@ -17,8 +17,8 @@ from featcal_core import precision
 from featcal_core.architectures.base import WEIGHT_MASK
 from featcal_core.data.calibration_data import CalibrationSet, load_calibration_set
 from featcal_core.errors import FeatCalError
-from featcal_core.finite import all_finite
 from featcal_core.io.checkpoint import Checkpoint
+from featcal_core.io.digests import hash_in_background
 from featcal_core.io.export import export_checkpoint
 from featcal_core.io.outputs import (
     check_output,
@@ -31,6 +31,7 @@ from featcal_core.io.shard_size import parse_shard_size
 from featcal_core.log_detail import DETAIL
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.method.block import BlockResult, BlockRunner
+from featcal_core.method.drift import FiniteChecks
 from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.model_set import ModelSet
 from featcal_core.method.settings import Settings
@@ -44,6 +45,7 @@ from featcal_core.method.streams import (
     weight_mask_key,
 )
 from featcal_core.method.task_statistics import TaskStatistics
+from featcal_core.method.transfers import HostRows, to_device
 from featcal_core.names import check_names
 from featcal_core.progress import stage_progress
 from featcal_core.provenance.records import FEATCAL_RECORD
@@ -239,6 +241,14 @@ class Calibration:
             max_shard_size=max_shard_size,
         )
 
+    def hash_inputs_in_background(self) -> Callable[[], None]:
+        """On CUDA, hash the checkpoints' weight files (the record's digests) in a thread while
+        the GPU runs the blocks; returns the call that waits for it. On the CPU the hashing
+        would take cores from the blocks, so the record hashes them at the end."""
+        if self.device.type != "cuda":
+            return lambda: None
+        return hash_in_background([p for ckpt in self.models.all() for p in ckpt.weight_paths()])
+
     def record(
         self, blocks: list[dict], started: float, stages: dict[str, float] | None = None
     ) -> dict:
@@ -337,6 +347,7 @@ def calibrate(
         num_per_task, batch_size, seed, device, max_length, pooling, token_weighting, precision
     )
     run = Calibration(base, merged, experts, calib, params, settings)
+    digests_done = run.hash_inputs_in_background()
     log.info(
         "%s, %d blocks, %d tasks, checkpoints in %s, passes in %s",
         run.arch.name,
@@ -382,6 +393,7 @@ def calibrate(
             stages["export"] = time.perf_counter() - mark
         finally:
             shutil.rmtree(work, ignore_errors=True)
+        digests_done()
         record = run.record(blocks, started, stages)
         (tmp / RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
     log.info("wrote %s in %.1f s", out, record["wall_seconds"])
@@ -400,16 +412,18 @@ def _run_stems(models, sets, streams, dtype, device, batch_size, max_length):
     ) -> torch.Tensor:
         state = models.read(checkpoint, stem_names)
         stem.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=True)
-        outputs = []
         count = inputs["attention_mask"].shape[0]
+        outputs, checks = HostRows(count, device), FiniteChecks()
         with torch.no_grad():
             for start in range(0, count, batch_size):
-                batch = {k: v[start : start + batch_size].to(device) for k, v in inputs.items()}
+                batch = {
+                    k: to_device(v[start : start + batch_size], device) for k, v in inputs.items()
+                }
                 hidden = (arch.run_decoder_stem if decoder else arch.run_stem)(stem, batch)
-                if not all_finite(hidden):
-                    raise FeatCalError(f"NaN or Inf in the {what} stem output; check its weights")
-                outputs.append(hidden.to("cpu"))
-        return torch.cat(outputs)
+                checks.add(hidden, f"{what} stem output")
+                outputs.add(hidden)
+        checks.raise_first()
+        return outputs.tensor()
 
     decoder = arch.decoder_start is not None
     for task, calibration in sets.items():

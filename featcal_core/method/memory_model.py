@@ -256,7 +256,7 @@ def _activations(geometry: Geometry, work: Workload) -> dict[str, int]:
     forward = max(attention, mlp)
     padded = work.weighted_tokens < work.inputs * work.tokens
     batch_tokens = min(m, work.weighted_tokens)
-    # `_weighted_tokens` copies student and expert tokens of the widest input when padded
+    # `Selection.tokens` copies student and expert tokens of the widest input when padded
     copies = 2 * batch_tokens * a * max(gr.d_in for gr in g.groups()) if padded else 0
     return {
         "statistics pass": max(captured + forward, 2 * captured + copies),

@@ -27,7 +27,7 @@ class NormStats:
         self._reset_task()
 
     def _reset_task(self) -> None:
-        self._task_weight = 0.0
+        self._task_weight: torch.Tensor | float = 0.0  # Σ ω, on the device
         self._task_z: torch.Tensor | None = None
         self._task_z2: torch.Tensor | None = None
 
@@ -50,14 +50,14 @@ class NormStats:
         z2_sum = w @ (z * z)
         self._task_z = z_sum if self._task_z is None else self._task_z + z_sum
         self._task_z2 = z2_sum if self._task_z2 is None else self._task_z2 + z2_sum
-        self._task_weight += float(w.sum())
+        self._task_weight = self._task_weight + w.sum()  # read when the task closes
 
     def task_contribution(
         self, gamma_t: torch.Tensor, beta_t: torch.Tensor | None
     ) -> dict[str, torch.Tensor]:
         """Close the current task with expert t's affine parameters (γ_t, β_t): its terms
         `e` (E_t[z²]), `m` (E_t[z]), `rhs_gamma`, `rhs_beta`, float64 (d,)."""
-        total = self._task_weight
+        total = float(self._task_weight)
         if total <= 0 or self._task_z is None:
             raise ValueError("a task contributed no weighted tokens to a norm")
         assert self._task_z2 is not None  # set together with _task_z

@@ -90,10 +90,10 @@ def gram_norm(acc: torch.Tensor, block: int | None = None) -> float:
     d = acc.shape[0]
     if d < 2 * block:
         return float(torch.linalg.matrix_norm(acc))
-    total = 0.0
+    total = acc.new_zeros(())  # summed on acc's device: one read at the end
     for i, j in _blocks(d, block):
-        total += float(acc[i:j, i:j].pow(2).sum()) + 2.0 * float(acc[i:j, j:].pow(2).sum())
-    return total**0.5
+        total += acc[i:j, i:j].pow(2).sum() + 2.0 * acc[i:j, j:].pow(2).sum()
+    return float(total) ** 0.5
 
 
 def symmetrize_(acc: torch.Tensor, block: int | None = None) -> torch.Tensor:
@@ -187,7 +187,9 @@ class LinearInputStats:
         total_out = sum(d_out for d_out, _ in modules.values())
         tokens = tokens_hint or 0
         self.via_x = tokens > 0 and d_in * (tokens + total_out) < 2 * tokens * total_out
-        self._task_weight = 0.0
+        # Σ ω of the current task: a float64 scalar on the device once a weighted batch is added
+        # (read into Python when the task closes, not per batch)
+        self._task_weight: torch.Tensor | float = 0.0
         self._task_open = False
         self._task_gram: torch.Tensor | None = None  # Σ ω x_s x_sᵀ
         self._task_mixed: torch.Tensor | None = None  # via X_t: Σ ω x_s x_eᵀ
@@ -257,13 +259,13 @@ class LinearInputStats:
             xw = x_s
             self._task_student += x_s.sum(0)
             self._task_expert += x_e.sum(0)
-            self._task_weight += float(tokens)
+            self._task_weight = self._task_weight + float(tokens)
         else:
             w = w.to(DTYPE)
             xw = torch.mul(x_s, w[:, None], out=self.scratch.take("xw", tokens, self.d_in))
             self._task_student += w @ x_s
             self._task_expert += w @ x_e
-            self._task_weight += float(w.sum())
+            self._task_weight = self._task_weight + w.sum()
         add_gram(self._task_gram, xw, x_s)
         if self.via_x:
             assert self._task_mixed is not None  # allocated by _open_task
@@ -295,14 +297,14 @@ class LinearInputStats:
             xw = x_s
             self._task_student += _column_sums(x_s)
             self._task_expert += _column_sums(x_e)
-            self._task_weight += float(tokens)
+            self._task_weight = self._task_weight + float(tokens)
         else:
             w = w.to(dtype)
             xw = torch.mul(x_s, w[:, None], out=self.scratch.take("xw32", tokens, self.d_in, dtype))
             self._task_student += _column_sums(xw)
             wide = sums_dtype(dtype)  # float32 over ≤ one chunk of tokens
             self._task_expert += torch.mv(x_e.T.to(wide), w.to(wide))
-            self._task_weight += float(w.sum(dtype=DTYPE))
+            self._task_weight = self._task_weight + w.sum(dtype=DTYPE)
         self._add_product(self._task_gram, xw, x_s, symmetric=self.d_in >= 2 * self.block)
         if self.via_x:
             self._add_product(self._task_mixed, xw, x_e)
@@ -346,7 +348,7 @@ class LinearInputStats:
         The tensors may share memory with the per-task buffers: `merge` (or save) them before
         the next task's first `add`."""
         alpha, eps = self.params.alpha, self.params.eps
-        total = self._task_weight
+        total = float(self._task_weight)
         if total <= 0 or not self._task_open:
             raise ValueError("a task contributed no weighted tokens to a Linear input")
         gram = self._task_gram  # upper block rows only when wide: linear in the sums below

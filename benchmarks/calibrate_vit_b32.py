@@ -76,6 +76,10 @@ def _calibrate(pool, num_experts: int, work: Path, args, precision: str, built: 
                 "experts": {t: str(p) for t, p in pool.experts.items()},
                 "calib": {t: str(p) for t, p in pool.calib.items()},
                 "profile": args.profile,
+                "torch_profile": args.torch_profile,
+                "trace": str(args.trace / f"trace_{num_experts}_{precision}.json")
+                if args.trace
+                else None,
                 "options": {
                     "num_per_task": args.images,
                     "device": args.device,
@@ -138,9 +142,26 @@ def main() -> None:
         metavar="N",
         help="with --library: print the N top functions of a cProfile of each calibration",
     )
+    parser.add_argument(
+        "--torch-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --library: run each calibration under torch.profiler and print its N top "
+        "operators (by host time; by device time on a GPU)",
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="with --torch-profile: write each calibration's Chrome trace into DIR",
+    )
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="featcal-bench-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.trace:
+        args.trace.mkdir(parents=True, exist_ok=True)
     if args.device == "cuda":  # the float32 path runs its matmuls in TF32 there (the floor's rate)
         torch.backends.cuda.matmul.allow_tf32 = True
     rates = {

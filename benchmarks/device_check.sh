@@ -9,7 +9,10 @@
 #      featcal_core: the image has no Prefect for the `featcal` command).
 #   3. 1.1 B Llama geometry (TinyLlama), 4 blocks, 4 experts: time per block in float32 and
 #      bfloat16 (benchmarks/llm_block_time.py, through featcal_core).
-# Logs go to $OUT (they come back). Set STEPS="1" to run only the tests (STEPS="1 3": tests and Llama).
+#   4. (only when named in STEPS) the bfloat16 run of step 2 under torch.profiler: its top
+#      operators by host and by device time, and its Chrome trace in $OUT.
+# Logs go to $OUT (they come back). Set STEPS="1" to run only the tests (STEPS="1 3": tests and
+# Llama; STEPS="2 4": the paper's setting and its profile).
 set -uo pipefail
 out="${OUT:-/tmp/device-out}"
 mkdir -p "$out"
@@ -32,4 +35,9 @@ fi
 if [[ " $steps " == *" 3 "* ]]; then
   (cd benchmarks && timeout 200 python3 llm_block_time.py --device cuda --layers 4 \
     --precision float32 bfloat16) 2>&1 | grep -v "Saving the dataset" | tee "$out/llm_blocks_cuda.log"
+fi
+if [[ " $steps " == *" 4 "* ]]; then
+  timeout 200 python3 benchmarks/calibrate_vit_b32.py --library --device cuda --experts 8 --images 256 \
+    --precision bfloat16 --torch-profile 30 --trace "$out" 2>&1 | grep -v "Saving the dataset" \
+    | tee "$out/vit_b32_cuda_profile.log"
 fi

@@ -54,6 +54,7 @@ def test_constants_mirror_the_code():
     assert mm.TOKEN_CHUNK_FP32 == statistics.TOKEN_CHUNK_FP32
     assert mm.SYMMETRIC_BLOCK == statistics.SYMMETRIC_BLOCK
     assert mm.SYMMETRIC_BLOCK_FP32 == statistics.SYMMETRIC_BLOCK_FP32
+    assert mm.SYMMETRIC_BLOCK_CUDA == statistics.SYMMETRIC_BLOCK_CUDA
     assert mm.SOLVE_COLUMNS == solvers.SOLVE_COLUMNS
     assert mm.BF16_MIN_LAM == precision.BF16_MIN_LAM
     assert mm.BATCH_SIZE == Settings().batch_size

@@ -220,6 +220,32 @@ def test_blocked_symmetric_gram_equals_full(monkeypatch):
     torch.testing.assert_close(statistics.symmetrize_(acc), full)
 
 
+@pytest.mark.parametrize("via_x", [False, True])
+def test_reduced_products_in_one_block_equal_the_row_blocks(monkeypatch, via_x):
+    """CUDA's layout (one product over the whole square, statistics.product_block) gives the
+    contribution of the CPU's row blocks of the upper triangle, to float32 rounding."""
+    assert statistics.product_block(torch.float32, torch.device("cuda")) == 4096
+    assert statistics.product_block(torch.float32, torch.device("cpu")) == 384
+    assert statistics.product_block(torch.float64, torch.device("cuda")) is None
+    gen = torch.Generator().manual_seed(12)
+    d_in, d_out, tokens = 10, 7, 40
+    modules = {"lin": (d_out, True)}
+    params = {"lin": (torch.randn(d_out, d_in, generator=gen), torch.randn(d_out, generator=gen))}
+    x_s, x_e = torch.randn(tokens, d_in, generator=gen), torch.randn(tokens, d_in, generator=gen)
+    w = torch.rand(tokens, generator=gen)
+    cpu = torch.device("cpu")
+    found = {}
+    for rows in (3, 4096):  # 4 row blocks of the triangle; one product
+        monkeypatch.setattr(statistics, "SYMMETRIC_BLOCK_FP32", rows)
+        stats = LinearInputStats(d_in, modules, cpu, tokens if via_x else None, precision="float32")
+        assert stats.block == rows
+        stats.add(x_s, x_e, w, params)
+        found[rows] = stats.task_contribution(params)
+    for key, tensor in found[3].items():  # float32 products: ~1e-7 of the largest entry
+        error = float((found[4096][key] - tensor).abs().max())
+        assert error <= 1e-6 * float(tensor.abs().max()), (key, error)
+
+
 def test_factored_solve_in_column_chunks_matches_a_direct_solve(monkeypatch):
     monkeypatch.setattr(solvers, "SOLVE_COLUMNS", 3)  # 8 columns: 3 + 3 + 2
     gen = torch.Generator().manual_seed(4)

@@ -51,6 +51,7 @@ TOKEN_CHUNK = 512  # statistics.TOKEN_CHUNK: tokens per float64 work chunk
 TOKEN_CHUNK_FP32 = 1024  # statistics.TOKEN_CHUNK_FP32: the same for float32/bfloat16 products
 SYMMETRIC_BLOCK = 768  # statistics.SYMMETRIC_BLOCK: Gram row blocks, float64 products
 SYMMETRIC_BLOCK_FP32 = 384  # statistics.SYMMETRIC_BLOCK_FP32: the same, reduced products
+SYMMETRIC_BLOCK_CUDA = 4096  # statistics.SYMMETRIC_BLOCK_CUDA: the same on CUDA
 SOLVE_COLUMNS = 512  # solvers.SOLVE_COLUMNS: right-hand-side columns per triangular solve
 BF16_MIN_LAM = 0.01  # precision.BF16_MIN_LAM: below it bfloat16 passes keep float32 products
 BATCH_SIZE = 16  # settings.Settings.batch_size
@@ -264,6 +265,13 @@ def _activations(geometry: Geometry, work: Workload) -> dict[str, int]:
     }
 
 
+def _product_block(work: Workload) -> int:
+    """Rows per product block of the Gram and cross terms (statistics.product_block)."""
+    if work.products == "float64":
+        return SYMMETRIC_BLOCK
+    return SYMMETRIC_BLOCK_CUDA if work.device == "cuda" else SYMMETRIC_BLOCK_FP32
+
+
 def _scratch(geometry: Geometry, work: Workload) -> int:
     """Bytes of the products' reusable work buffers (statistics.Scratch) of one block."""
     widest = max(g.d_in for g in geometry.groups())
@@ -275,7 +283,7 @@ def _scratch(geometry: Geometry, work: Workload) -> int:
     p = PRODUCT_BYTES[work.products]
     rows = min(TOKEN_CHUNK_FP32, batch_tokens)
     inputs = 2 * rows * widest * p  # x_s, x_e in the products' dtype
-    product = SYMMETRIC_BLOCK_FP32 * max(widest, SOLVE_COLUMNS) * p
+    product = _product_block(work) * max(widest, SOLVE_COLUMNS) * p
     upcast = rows * widest * 4 if work.products == "bfloat16" else 0  # _column_sums' .float()
     return inputs + product + upcast + (rows * SOLVE_COLUMNS * p if direct else 0)
 
@@ -526,7 +534,7 @@ def flops(geometry: Geometry, work: Workload) -> dict[str, int]:
     attention = 4 * work.tokens * g.heads * g.head_width  # QKᵀ and AV per token, causal unused
     forward = 3 * work.tasks * padded * (2 * linear + attention)
     tokens = work.weighted_tokens
-    block = SYMMETRIC_BLOCK if work.products == "float64" else SYMMETRIC_BLOCK_FP32
+    block = _product_block(work)
     statistics = solve = 0
     for gr in g.groups():
         d, width = gr.d_in, gr.width_out

@@ -11,8 +11,8 @@ Shapes: x_s, x_e are (N, d_in) token vectors (student / expert inputs); w is (N,
 
 Precision: the sums are float64 whatever runs the products. With `precision="float32"` the
 token products (Gram, mixed and cross terms) run in float32, one chunk of at most
-`TOKEN_CHUNK_FP32` tokens and `SYMMETRIC_BLOCK_FP32` rows at a time, each added to the float64 sums
-at once (so no float32 sum covers more than one chunk, and the float32 work memory is one such
+`TOKEN_CHUNK_FP32` tokens and `product_block` rows (SYMMETRIC_BLOCK_FP32 on the CPU,
+SYMMETRIC_BLOCK_CUDA on CUDA) at a time, each added to the float64 sums at once (so no float32 sum covers more than one chunk, and the float32 work memory is one such
 row block, not a second copy of the sums); token sums, the per-task scaling and every solve stay
 float64. `precision="bfloat16"` is the same with bfloat16 token inputs (featcal_core/precision.py:
 on CUDA each product returns float32; on CPU it is rounded to bfloat16 before the float64 add);
@@ -43,6 +43,9 @@ from featcal_core.precision import PRODUCT_DTYPES, product
 SYMMETRIC_BLOCK = 768
 #: the same with float32 products (finer blocks: more of the triangle skipped, for d ≥ 768 too)
 SYMMETRIC_BLOCK_FP32 = 384
+#: the same on CUDA: a GPU runs a product in about the time it takes to launch it, so inputs
+#: narrower than 2 × 4096 take one product (the whole square), wider ones a few row blocks
+SYMMETRIC_BLOCK_CUDA = 4096
 #: tokens per float64 work chunk in `LinearInputStats.add` (bounds its scratch buffers to a few
 #: TOKEN_CHUNK × d_in float64 matrices whatever the batch size)
 TOKEN_CHUNK = 512
@@ -57,6 +60,15 @@ def product_dtype(precision: str) -> torch.dtype:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     return PRECISIONS[precision]
+
+
+def product_block(product: torch.dtype, device: torch.device) -> int | None:
+    """Rows per product block of the Gram and cross terms (add_gram, gram_norm, symmetrize_):
+    None (SYMMETRIC_BLOCK) for float64 products; reduced products by SYMMETRIC_BLOCK_FP32 rows on
+    the CPU, SYMMETRIC_BLOCK_CUDA on CUDA."""
+    if product == DTYPE:
+        return None
+    return SYMMETRIC_BLOCK_CUDA if device.type == "cuda" else SYMMETRIC_BLOCK_FP32
 
 
 def sums_dtype(product: torch.dtype) -> torch.dtype:
@@ -175,7 +187,7 @@ class LinearInputStats:
         self.precision = precision
         self.product = product_dtype(precision)
         # the Gram's block layout (add_gram, gram_norm, symmetrize_): None is SYMMETRIC_BLOCK
-        self.block = None if self.product == DTYPE else SYMMETRIC_BLOCK_FP32
+        self.block = product_block(self.product, device)
         self.device = device
         self.modules = dict(modules)
         self.scratch = scratch or Scratch(device)
@@ -288,7 +300,7 @@ class LinearInputStats:
         # allocated by _open_task
         assert self._task_gram is not None and self._task_student is not None
         assert self._task_expert is not None
-        assert self.block is not None  # reduced products: SYMMETRIC_BLOCK_FP32
+        assert self.block is not None  # reduced products: product_block
         tokens = x_s.shape[0]
         dtype = self.product
         x_s = self.scratch.take("x_s32", tokens, self.d_in, dtype).copy_(x_s)
@@ -325,7 +337,7 @@ class LinearInputStats:
         blocks of `self.block` rows; symmetric: only the upper block triangle (add_gram's
         layout)."""
         block = self.block
-        assert block is not None  # reduced products: SYMMETRIC_BLOCK_FP32
+        assert block is not None  # reduced products: product_block
         for i in range(0, acc.shape[0], block):
             start = i if symmetric else 0
             part = left[:, i : i + block]

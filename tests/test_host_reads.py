@@ -132,11 +132,11 @@ def test_drift_sums_over_batches_equal_the_per_batch_floats():
 
 def test_host_rows_gather_the_batches_in_order():
     batches = [torch.randn(n, 2, 3) for n in (4, 4, 1)]
-    rows = HostRows(9, CPU)
+    rows = HostRows(9)
     for batch in batches:
         rows.add(batch)
     assert torch.equal(rows.tensor(), torch.cat(batches))
-    short = HostRows(9, CPU)
+    short = HostRows(9)
     short.add(batches[0])
     with pytest.raises(ValueError, match="4 of the stream's 9 rows"):
         short.tensor()

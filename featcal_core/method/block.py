@@ -223,7 +223,7 @@ class BlockRunner:
                 k: v.to(self.device, self.dtype)
                 for k, v in self.models.read(checkpoint, names).items()
             }
-            done = HostRows(rows, self.device)
+            done = HostRows(rows)
             with torch.no_grad():
                 for hidden in source.batches(kind, task, batch_size):
                     done.add(self.arch.run_bridge(tensors, to_device(hidden, self.device)))
@@ -296,7 +296,7 @@ class BlockRunner:
         # nothing in this loop reads the device into Python: the checks, the drift and the
         # expert outputs' copies are queued, and read or awaited once after it
         checks, drift = FiniteChecks(), DriftSums()
-        new_expert = HostRows(weighted_mask.shape[0], self.device)
+        new_expert = HostRows(weighted_mask.shape[0])
         batches = zip(
             source.batches(student_kind, task, batch_size),
             source.batches(expert_kind, task, batch_size),
@@ -485,7 +485,7 @@ class BlockRunner:
         for task in self.models.experts:
             weighted_mask = self._weight_mask(masks, task, phase)
             checks, drift = FiniteChecks(), DriftSums()
-            outputs = HostRows(weighted_mask.shape[0], self.device)
+            outputs = HostRows(weighted_mask.shape[0])
             batches = zip(
                 source.batches(student_kind, task, batch_size),
                 target.batches(EXPERT, task, batch_size),

@@ -413,7 +413,7 @@ def _run_stems(models, sets, streams, dtype, device, batch_size, max_length):
         state = models.read(checkpoint, stem_names)
         stem.load_state_dict({k: v.to(device, dtype) for k, v in state.items()}, strict=True)
         count = inputs["attention_mask"].shape[0]
-        outputs, checks = HostRows(count, device), FiniteChecks()
+        outputs, checks = HostRows(count), FiniteChecks()
         with torch.no_grad():
             for start in range(0, count, batch_size):
                 batch = {

@@ -28,7 +28,7 @@ down_proj reads the f-wide input):
 - one batch's activations (both models' captured Linear inputs, the eager attention scores
   B·H·L² in float32 and b) and the products' scratch (≤ 1024 tokens × d_in in p);
 - the hidden-state streams, two per task (n·L·d·b each): all in memory, or on disk with one
-  being written;
+  being written (gathered on the device on CUDA, then copied to the host);
 - the solve of a group: the factor (in place when λ > 0), the float64 anchors a(W) of its
   modules, one right-hand side, triangular-solve columns, the float64 solutions.
 Not modelled: the CUDA caching allocator's reserve and context, Python objects, the allocator's
@@ -37,7 +37,6 @@ fragmentation (the measured baseline absorbs what is constant).
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 from featcal_core.method.hyperparameters import FeatCalParams
@@ -335,7 +334,6 @@ def estimate(geometry: Geometry, work: Workload) -> dict:
     scratch = _scratch(g, work)
     seqs = min(work.batch_size, work.inputs)
     batch = seqs * work.tokens * g.hidden * c
-    batches = math.ceil(work.inputs / seqs)
     host.set("process baseline (imports)", work.baseline_bytes)
 
     # stems: each model's embedding read and loaded, both streams of every task written
@@ -345,11 +343,12 @@ def estimate(geometry: Geometry, work: Workload) -> dict:
     if cuda:
         dev.set("stem weights (on device)", g.vocab * g.hidden * c)
     host.set("streams (in memory)", 0 if work.spill else (2 * work.tasks - 1) * stream)
-    host.set("stream being written (list + cat)", 2 * stream)
+    if cuda:  # transfers.HostRows: gathered on the device, copied to the host at the end
+        dev.set("stream being written (on device)", stream)
+    host.set("stream being written", stream)
     host.mark("stems")
-    for term in ("stem weights read", "stream being written (list + cat)"):
-        host.drop(term)
-    dev.drop("stem module", "stem weights (on device)")
+    host.drop("stem weights read", "stream being written")
+    dev.drop("stem module", "stem weights (on device)", "stream being written (on device)")
     host.set("streams (in memory)", 0 if work.spill else 2 * work.tasks * stream)
 
     # one block: the merged block read into its module (the expert module holds the last task's)
@@ -378,16 +377,18 @@ def estimate(geometry: Geometry, work: Workload) -> dict:
             host.set("stream batches read", 2 * batch)
         elif cuda:
             dev.set("stream batches (on device)", 2 * batch)
-        host.set("expert outputs (list)", stream * (batches - 1) / batches)
+        # the expert's outputs (transfers.HostRows): one tensor from the first batch on, on the
+        # device until the pass ends (then copied to the host)
+        dev.set("expert outputs", stream)
         dev.mark("statistics pass")
         if cuda:
             host.mark("statistics pass")
         dev.drop("activations (one batch)", "stream batches (on device)")
         host.drop("stream batches read")
-        host.set("expert outputs (list)", stream)
-        host.set("expert outputs (cat)", stream)
+        host.set("expert outputs", stream)
         host.mark("expert outputs")
-        host.drop("expert outputs (list)", "expert outputs (cat)")
+        dev.drop("expert outputs")
+        host.drop("expert outputs")
         # closing the task group by group; via X the cross terms appear and X_t is converted
         for gr in groups:
             if not via_x(gr, tokens):
@@ -448,11 +449,13 @@ def estimate(geometry: Geometry, work: Workload) -> dict:
     dev.set("activations (one batch)", act["forward"])
     if work.spill:
         host.set("stream batches read", 2 * batch)
-    host.set("stream being written (list + cat)", 2 * stream)
+    if cuda:
+        dev.set("stream being written (on device)", stream)
+    host.set("stream being written", stream)
     dev.mark("calibrated pass")
     if cuda:
         host.mark("calibrated pass")
-    dev.drop("activations (one batch)")
+    dev.drop("activations (one batch)", "stream being written (on device)")
 
     file_bytes = statistics_file_bytes(g)
     terms = {

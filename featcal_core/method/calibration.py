@@ -387,6 +387,7 @@ def calibrate(
                 replaced.update(dict.fromkeys(tensors, path))
                 log_block(result, run.num_blocks)
                 blocks.append(block_summary(result))
+                del result, tensors  # on disk now: not held while the next block runs
             stages["blocks"] = time.perf_counter() - mark
             mark = time.perf_counter()
             run.export(replaced, tmp, max_shard_size)

@@ -22,9 +22,7 @@ down_proj reads the f-wide input):
 - the running sums across tasks (in memory): Gram, cross terms, means, float64 — or, spilled
   (`--spill-dir`), each task's contribution in a file, folded back one group at a time;
 - the merged and the expert block modules (b bytes per parameter), a third block while one is
-  read, the base block during the solves, the solved block, and the previous block's solved
-  tensors (calibration.py's loop holds that result while the next block runs: the ledger walks
-  a block that is not the first);
+  read, the base block during the solves, and the solved block;
 - one batch's activations (both models' captured Linear inputs, the eager attention scores
   B·H·L² in float32 and b) and the products' scratch (≤ 1024 tokens × d_in in p);
 - the hidden-state streams, two per task (n·L·d·b each): all in memory, or on disk with one
@@ -358,8 +356,6 @@ def estimate(geometry: Geometry, work: Workload) -> dict:
         dev.set("block weights (on device)", module)
     host.mark("read merged block")
     kept_cross = sum(F64 * gr.d_in * gr.width_out for gr in groups if via_x(gr, tokens))
-    if g.layers > 1:  # calibration.py's loop still holds the previous block's result
-        host.set("previous block's solved tensors", block)
     for task in range(work.tasks):
         host.set("block weights read", block)
         if cuda:

@@ -511,6 +511,7 @@ class Steps:
             self.surgeries(),
         )
         write_json(self.paths["evaluation"], table)
+        write_json(self.paths["evaluation_datasets"], self._evaluation_datasets())
         figures = summary_figures(table)  # what `dvc metrics show` lists
         write_json(self.paths["metrics"], headline_metrics(figures))
         write_json(self.paths["metrics_per_task"], per_task_metrics(figures))
@@ -531,17 +532,28 @@ class Steps:
         """Whether the calibrated checkpoint has a model card: a blockwise repair's (FeatCal)."""
         return self.repair.blockwise and (self.paths["calibrated"] / FEATCAL_RECORD).is_file()
 
+    def _evaluation_datasets(self) -> dict:
+        """Each task's evaluation dataset as the evaluation read it (card_metadata's
+        `evaluation_datasets`: the commit of a saved Hub split from evaluation_data/)."""
+        from featcal_core.provenance.card_metadata import evaluation_datasets
+
+        return evaluation_datasets(self.params.tasks, self.paths["evaluation_data"])
+
     def _write_card(self, evaluation: dict, heads: dict | None, path: Path | None = None) -> Path:
         """The calibrated checkpoint's model card with the evaluation table and its refit heads,
-        into the checkpoint (README.md) or to `path`."""
-        from featcal_core.provenance.card_metadata import evaluation_datasets
+        into the checkpoint (README.md) or to `path`; its datasets as the evaluation recorded
+        them (evaluation_datasets.json, an output of the evaluate step)."""
         from featcal_core.provenance.lineage import trace
         from featcal_core.provenance.model_card import model_card_fields, write_model_card
 
         calibrated = self.paths["calibrated"]
         fields = model_card_fields(trace(calibrated))
         fields.update(evaluation=evaluation, heads=(heads or {}).get("calibrated"))
-        fields["datasets"] = evaluation_datasets(self.params.tasks, self.paths["evaluation_data"])
+        recorded = self.paths["evaluation_datasets"]
+        if recorded.is_file():
+            fields["datasets"] = json.loads(recorded.read_text(encoding="utf-8"))
+        else:  # a results folder evaluated without the record: from evaluation_data/
+            fields["datasets"] = self._evaluation_datasets()
         return write_model_card(calibrated, **fields, path=path)
 
     def report(self) -> dict[str, Path]:

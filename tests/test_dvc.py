@@ -102,7 +102,8 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api, monkeypatc
     assert verify_output(report) is None and verify_output(results / "calibrated") is None
     # git versions the records the stages write uncached, the metrics among them
     untracked = _sh(["git", "status", "--porcelain", "-uall"], repo, env, stdout_only=True)
-    for name in ("metrics.json", "metrics_per_task.json", "evaluation.json", "plots/accuracy.csv"):
+    versioned = ("metrics.json", "metrics_per_task.json", "evaluation.json", "plots/accuracy.csv")
+    for name in (*versioned, "evaluation_datasets.json"):
         assert f"?? {results_dir}/{name}" in untracked, untracked
     assert "?? data/code/calibrate.sha256" in untracked  # the code digests the stages depend on
     assert f"{results_dir}/merged" not in untracked and "reports/" not in untracked

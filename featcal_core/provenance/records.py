@@ -9,6 +9,8 @@
     <results>/heads/                    zero-shot class-embedding caches
     <results>/evaluation_data/<task>/   a task's saved Hub evaluation split (+ EVALUATION_SOURCE)
     <results>/evaluation.json           EVALUATION: per task and model, accuracy and loss
+    <results>/evaluation_datasets.json  EVALUATION_DATASETS: each task's evaluation dataset as
+                                        evaluated (Hub id, config, split, commit; a folder's name)
     <results>/metrics.json              METRICS: the headline figures (a DVC metric)
     <results>/metrics_per_task.json     METRICS_PER_TASK: their per-task values (a DVC metric)
     <results>/provenance.json           PROVENANCE: git commit, MLflow and Prefect run ids
@@ -27,6 +29,7 @@ MERGE_RECORD = "merge.json"
 SET_RECORD = "calibration_set.json"
 LOCK = "models.lock.json"
 EVALUATION = "evaluation.json"
+EVALUATION_DATASETS = "evaluation_datasets.json"
 METRICS = "metrics.json"
 METRICS_PER_TASK = "metrics_per_task.json"
 PROVENANCE = "provenance.json"
@@ -52,6 +55,7 @@ RESULTS_LAYOUT = {
     "heads": "heads",
     "evaluation_data": "evaluation_data",
     "evaluation": EVALUATION,
+    "evaluation_datasets": EVALUATION_DATASETS,
     "metrics": METRICS,
     "metrics_per_task": METRICS_PER_TASK,
     "provenance": PROVENANCE,

@@ -12,11 +12,12 @@ Shapes: x_s, x_e are (N, d_in) token vectors (student / expert inputs); w is (N,
 Precision: the sums are float64 whatever runs the products. With `precision="float32"` the
 token products (Gram, mixed and cross terms) run in float32, one chunk of at most
 `TOKEN_CHUNK_FP32` tokens and `product_block` rows (SYMMETRIC_BLOCK_FP32 on the CPU,
-SYMMETRIC_BLOCK_CUDA on CUDA) at a time, each added to the float64 sums at once (so no float32 sum covers more than one chunk, and the float32 work memory is one such
-row block, not a second copy of the sums); token sums, the per-task scaling and every solve stay
-float64. `precision="bfloat16"` is the same with bfloat16 token inputs (featcal_core/precision.py:
-on CUDA each product returns float32; on CPU it is rounded to bfloat16 before the float64 add);
-products of the sums themselves (once per task) stay float32. `precision="float64"` runs
+SYMMETRIC_BLOCK_CUDA on CUDA) at a time, each added to the float64 sums at once (so no float32
+sum covers more than one chunk, and the float32 work memory is one such row block, not a second
+copy of the sums); token sums, the per-task scaling and every solve stay float64.
+`precision="bfloat16"` is the same with bfloat16 token inputs (featcal_core/precision.py: on CUDA
+each product returns float32; on CPU it is rounded to bfloat16 before the float64 add); products
+of the sums themselves (once per task) stay float32. `precision="float64"` runs
 everything in float64 (the audit path; it is the code the float64 reference tests were written
 against).
 """

@@ -16,3 +16,17 @@ DETAIL = {"featcal_detail": True}
 def is_detail(record: logging.LogRecord) -> bool:
     """Whether `record` was logged as a detail line (`extra=DETAIL`)."""
     return bool(getattr(record, "featcal_detail", False))
+
+
+#: featcal's loggers recorded beside a run (flows and tasks; the library)
+RUN_LOGGERS = ("featcal", "featcal_core")
+
+
+def record_from_info() -> None:
+    """Give featcal's own loggers level INFO where nobody set one, so that a process nobody
+    configured (a Dask worker, a scheduled run, a script) records their INFO and detail lines
+    (which handlers then show: the Prefect API's beside a run)."""
+    for name in RUN_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.INFO)

@@ -12,8 +12,9 @@ featcal's own loggers (RUN_LOGGERS) also send their records from INFO up to the 
 a flow or task run is active (PREFECT_LOGGING_EXTRA_LOGGERS), so every featcal line of the run
 (its steps, stages, blocks, candidates and scores, at every console verbosity) shows in the
 Prefect UI beside the run. They record from INFO in the featcal CLI (featcal_cli.main) and, from
-`configure`, in any process nobody set their level in: a scheduled run's own process under
-`featcal serve`, a script. Where Prefect's console handler is the console (such a process),
+`configure` (`log_detail.record_from_info`), in any process nobody set their level in: a
+scheduled run's own process under `featcal serve`, a script; a Dask worker does the same when it
+starts a task (tasks.calibration). Where Prefect's console handler is the console (such a process),
 it prints from WARNING, as the CLI's quiet console does.
 """
 
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from featcal_core.errors import FeatCalError
+from featcal_core.log_detail import RUN_LOGGERS, record_from_info
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +38,6 @@ def project_root() -> Path:
     `.prefect/` (Prefect's home) and `mlruns/` (the MLflow store) go there by default."""
     return Path.cwd().resolve()
 
-
-#: featcal's loggers whose records (from INFO) reach the Prefect API beside a flow run
-RUN_LOGGERS = ("featcal", "featcal_core")
 
 DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -63,10 +62,7 @@ def configure(prefect_home: str | Path | None = None) -> None:
     os.environ.setdefault("PREFECT_HOME", str(home))
     for key, value in DEFAULTS.items():
         os.environ.setdefault(key, value)
-    for name in RUN_LOGGERS:  # unset (no CLI here): INFO, so that the run's lines reach the API
-        logger = logging.getLogger(name)
-        if logger.level == logging.NOTSET:
-            logger.setLevel(logging.INFO)
+    record_from_info()  # unset (no CLI here): INFO, so that the run's lines reach the API
 
 
 class _NoTracebackForBadInput(logging.Filter):

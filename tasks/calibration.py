@@ -25,6 +25,7 @@ import featcal_core
 from featcal_core.io.checkpoint import sha256_file, sha256_tree
 from featcal_core.io.outputs import temp_path
 from featcal_core.io.safetensors_io import save_tensors
+from featcal_core.log_detail import DETAIL, record_from_info
 from featcal_core.method.calibration import Calibration, block_summary, log_block
 from featcal_core.method.hyperparameters import FeatCalParams
 from featcal_core.method.settings import Settings
@@ -166,6 +167,8 @@ def task_statistics_task(spec: dict, index: int, task_name: str, previous: str, 
     `runner: dask`). Reads the block inputs from the state `previous`, writes the expert's block
     output stream and the task's statistics into `work` (a folder every worker can reach).
     Returns {"path": the statistics file, "worker": "host:pid" of the process that ran it}."""
+    record_from_info()  # a worker process: featcal's lines reach the Prefect UI as the flow's do
+    worker = f"{socket.gethostname()}:{os.getpid()}"
     cal = spec_calibration(spec)
     source = Path(previous)
     stats = cal.task_statistics(
@@ -177,7 +180,14 @@ def task_statistics_task(spec: dict, index: int, task_name: str, previous: str, 
     )
     path = statistics_file(work, task_name)
     stats.save(path)
-    return {"path": str(path), "worker": f"{socket.gethostname()}:{os.getpid()}"}
+    log.info(
+        "block %d, task %r: statistics computed in process %s",
+        index,
+        task_name,
+        worker,
+        extra=DETAIL,
+    )
+    return {"path": str(path), "worker": worker}
 
 
 @task(

@@ -7,6 +7,7 @@ others share one local `prefect server` (as a team would), which saves its start
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import shutil
@@ -202,6 +203,7 @@ def test_dask_runner_gives_the_local_checkpoint(zoo, tmp_path, prefect_api, refe
     Dask cluster (other processes); the checkpoint equals the local runner's, bit for bit."""
     home = tmp_path / "prefect"
     local, distributed = reference, tmp_path / "dask"
+    started = datetime.datetime.now(datetime.timezone.utc)
     proc = subprocess.Popen(
         _command(
             zoo, distributed, tmp_path / "results_dask", "--runner", "dask", "--dask-workers", "2"
@@ -222,9 +224,34 @@ def test_dask_runner_gives_the_local_checkpoint(zoo, tmp_path, prefect_api, refe
     assert (distributed / "model.safetensors").read_bytes() == (
         local / "model.safetensors"
     ).read_bytes()
+    # the workers' featcal lines reach the Prefect UI beside the run, as the flow's own do
+    reported = {
+        m.rsplit(" ", 1)[1]
+        for m in _api_messages(prefect_api, started)
+        if "statistics computed in process" in m
+    }
+    assert reported == workers, (reported, workers)
     assert not (tmp_path / "results_dask" / "work").exists() or not any(
         (tmp_path / "results_dask" / "work").iterdir()
     )
+
+
+def _api_messages(api_url: str, since) -> list[str]:
+    """The messages of every log line the Prefect API received since `since`."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterTimestamp
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    found: list[str] = []
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        with get_client(sync_client=True) as client:
+            while True:  # by pages of the server's limit
+                page = client.read_logs(
+                    LogFilter(timestamp=LogFilterTimestamp(after_=since)), offset=len(found)
+                )
+                if not page:
+                    return found
+                found += [entry.message for entry in page]
 
 
 def test_memory_budget_decides_where_statistics_go_not_the_result(

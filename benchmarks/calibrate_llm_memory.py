@@ -264,7 +264,7 @@ def plain_calibrate(args, pool, tasks, merged, out, work, env, logs, steps) -> l
                 built, args, record, mode == "spill", baseline
             )
             if rates is None:
-                names = [memory_prediction.passes_dtype(workload), workload.products, "float64"]
+                names = [workload.activation_dtype, workload.products, "float64"]
                 rates = memory_prediction.gemm_rates(env, names)
             lines += memory_prediction.compare(
                 f"calibrate {name}", step, record, geometry, workload, rates, measured["read"]

@@ -141,13 +141,6 @@ def compare(
     return lines
 
 
-def passes_dtype(work) -> str:
-    """The dtype of the block passes (seconds()' forward rate)."""
-    if work.precision == "bfloat16":
-        return "bfloat16"
-    return {4: "float32", 8: "float64"}[work.pass_bytes]  # memory_model.seconds' rule
-
-
 #: GEMM rates of one H200 (torch 2.11, float32 as TF32), measured by `benchmarks/device_check.sh`
 #: at commit a6134c9 (benchmarks/results/gpu_h200_a6134c9.md)
 H200_RATES = {"bfloat16": 657782e9, "float32": 305005e9, "float64": 52270e9}

@@ -9,7 +9,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import factories
-from featcal_core.architectures.base import POOLED_OTHER_WEIGHT
+from featcal_core.architectures.base import Architecture
 from featcal_core.errors import FeatCalError
 from featcal_core.method.calibration import Calibration
 from featcal_core.method.drift import DriftSums, FiniteChecks, drift_sums
@@ -57,23 +57,16 @@ def test_reads_per_block_do_not_grow_with_the_batches(tmp_path, family):
 
 
 class _Arch:
-    """token_weights as the architectures' base: padding 0, pooled token 1, others 0.01."""
+    """The architectures' own token weights (padding 0, pooled token 1, others 0.01), with "k"
+    exempt from pooling and "cross" reading the encoder's context."""
 
     pooled_position = 0
+    pooled_exempt = ("k",)
+    token_weights = Architecture.token_weights
+    is_pooled_module = Architecture.is_pooled_module
 
     def reads_context(self, name):
         return name == "cross"
-
-    def is_pooled_module(self, name):
-        return name != "k"
-
-    def token_weights(self, name, last, mask):
-        weights = mask.to(torch.float64)
-        if last and self.is_pooled_module(name):
-            scale = torch.full_like(weights[0], POOLED_OTHER_WEIGHT)
-            scale[self.pooled_position] = 1.0
-            weights = weights * scale
-        return weights
 
 
 @pytest.mark.parametrize("last", [False, True])

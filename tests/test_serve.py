@@ -53,8 +53,8 @@ def _completed_runs(api_url: str, auth: str) -> int:
 
 def _default_sigint() -> None:
     """In the child before exec: SIGINT's default disposition, as a shell gives a foreground
-    command (an ignored SIGINT is inherited across exec, and a test run in the same pytest
-    worker may have left it ignored)."""
+    command (an ignored SIGINT is inherited across exec, and a suite started in the background
+    by a non-interactive shell, `./scripts/test &`, runs with SIGINT ignored)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from featcal_core.errors import FeatCalError
-from featcal_core.finite import all_finite
+from featcal_core.finite import all_finite, finite_flag
 from featcal_core.method.solvers import Fallbacks
 
 
@@ -85,8 +85,7 @@ class FiniteChecks:
     def add(self, tensor: torch.Tensor, what: str) -> None:
         if not tensor.is_floating_point() or tensor.numel() == 0:
             return
-        low, high = torch.aminmax(tensor)  # NaN propagates to both; ±Inf is one of them
-        self._flags.append(torch.isfinite(low) & torch.isfinite(high))
+        self._flags.append(finite_flag(tensor))
         self._what.append(what)
 
     def raise_first(self) -> None:

@@ -180,6 +180,11 @@ class Workload:
         """Bytes per activation: the passes' dtype, bfloat16 under bfloat16 autocast."""
         return 2 if self.precision == "bfloat16" else self.pass_bytes
 
+    @property
+    def activation_dtype(self) -> str:
+        """The activations' dtype name (the forwards' GEMM rate in `seconds`)."""
+        return {2: "bfloat16", 4: "float32", 8: "float64"}[self.activation_bytes]
+
 
 @dataclass
 class _Ledger:
@@ -477,7 +482,12 @@ def estimate(geometry: Geometry, work: Workload) -> dict:
     }
     return {
         "geometry": asdict(g),
-        "workload": {**asdict(work), "products": work.products, "pass_bytes": work.pass_bytes},
+        "workload": {
+            **asdict(work),
+            "products": work.products,
+            "pass_bytes": work.pass_bytes,
+            "activation_dtype": work.activation_dtype,
+        },
         "via_x": {gr.label: via_x(gr, tokens) for gr in groups},
         "host": host.summary(),
         "device": dev.summary() if cuda else None,
@@ -552,9 +562,7 @@ def seconds(
     benchmarks/flops.gemm_rate): forward in the activations' dtype, statistics in the products',
     solve in float64; plus the disk traffic at `disk_bytes_per_s` when given."""
     work = estimate_["workload"]
-    passes = {2: "bfloat16", 4: "float32", 8: "float64"}[
-        2 if work["precision"] == "bfloat16" else work["pass_bytes"]
-    ]
+    passes = work["activation_dtype"]
     counted = estimate_["flops_per_block"]
     out = {
         "forward": counted["forward"] / rates[passes],

@@ -24,6 +24,7 @@ import json
 import logging
 import sys
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from prefect.cache_policies import NO_CACHE
 from featcal_core.data.source import as_data_source
 from featcal_core.data.source_rows import dataset_commit, open_source
 from featcal_core.errors import FeatCalError
-from featcal_core.evaluation.accuracy import evaluate_linears
+from featcal_core.evaluation.accuracy import _device, evaluate_linears
 from featcal_core.evaluation.expert_head import ExpertHead
 from featcal_core.evaluation.input_batches import InputBatches
 from featcal_core.evaluation.language_model import (
@@ -43,6 +44,13 @@ from featcal_core.evaluation.language_model import (
 )
 from featcal_core.evaluation.linear_head import load_linear_head
 from featcal_core.evaluation.prompt_sets import zero_shot_prompts
+from featcal_core.evaluation.result_cache import (
+    classification_keys,
+    device_identity,
+    label_scoring_key,
+    reuse_or_evaluate,
+    store_path,
+)
 from featcal_core.evaluation.zero_shot_head import ZeroShotHead
 from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.io.outputs import guarded_directory, verify_output
@@ -93,8 +101,6 @@ def forward_precision(params: Any, base: str, requested: str | None = None) -> P
     """The precision of the forwards that only read a head's features (evaluation, held-out
     scoring; head calibration passes `featcal.precision` as `requested`) on `featcal.device`
     for checkpoints like `base`: `evaluation.precision`, else `featcal.precision`, resolved."""
-    from featcal_core.evaluation.accuracy import _device
-
     if requested is None:
         requested = params.evaluation.precision or params.featcal.precision
     dtype = Checkpoint(base, role="base model").float_dtype()
@@ -222,6 +228,7 @@ def evaluate_models(
         return _evaluate_harness(params, base, experts, models)
     root = Path(results_dir)
     table: dict[str, dict[str, dict[str, float]]] = {}
+    reused_rows: list[str] = []  # task/row names taken from the evaluation store
     language_model = generation_kind(base) is not None
     chosen = None if language_model else forward_precision(params, base)
     if chosen is not None:
@@ -231,7 +238,14 @@ def evaluate_models(
         data, split = _evaluation_data(task_name, source, root / "evaluation_data")
         if language_model:
             table[task_name] = _evaluate_lm(
-                params, task_name, spec, data, split, base, {"expert": experts[task_name], **models}
+                params,
+                task_name,
+                spec,
+                data,
+                split,
+                base,
+                {"expert": experts[task_name], **models},
+                reused_rows,
             )
             continue
         head, zero_shot = task_head(task_name, spec, Path(base), Path(experts[task_name]), root)
@@ -255,29 +269,45 @@ def evaluate_models(
             surgery = SurgeryHead(head, load_surgery(Path(folder) / task_name))
             groups[name] = (directory, surgery, {name: None})
             order.append(name)
-        found = {}
+        found: dict[str, dict] = {}
+        reused: list[str] = []
         batches = InputBatches()  # the task's rows preprocessed once for all its models
+        stored_as = {
+            "image_column": source.image_column,
+            "text_column": source.text_column,
+            "label_column": source.label_column,
+            "max_examples": settings.max_examples_per_task,
+            "batch_size": settings.batch_size,
+            "precision": chosen.name,
+            "device": device_identity(_device(params.featcal.device)),
+        }
         for directory, model_head, linears in groups.values():
-            found.update(
-                evaluate_linears(
-                    directory,
-                    model_head,
-                    data,
-                    split,
-                    linears,
-                    batch_size=settings.batch_size,
-                    max_examples=settings.max_examples_per_task,
-                    image_column=source.image_column,
-                    text_column=source.text_column,
-                    label_column=source.label_column,
-                    device=params.featcal.device,
-                    progress=sys.stderr.isatty(),  # a bar per model on a terminal
-                    batches=batches,
-                    precision=chosen.name,
-                )
+            evaluate = partial(
+                evaluate_linears,
+                directory,
+                model_head,
+                data,
+                split,
+                linears,
+                batch_size=settings.batch_size,
+                max_examples=settings.max_examples_per_task,
+                image_column=source.image_column,
+                text_column=source.text_column,
+                label_column=source.label_column,
+                device=params.featcal.device,
+                progress=sys.stderr.isatty(),  # a bar per model on a terminal
+                batches=batches,
+                precision=chosen.name,
             )
+            keys = classification_keys(directory, model_head, data, split, linears, stored_as)
+            rows, from_store = reuse_or_evaluate(keys, evaluate)
+            found.update(rows)
+            reused += list(rows) if from_store else []
+        _log_reused(task_name, reused)
+        reused_rows += [f"{task_name}/{name}" for name in reused if name in order]
         row = {name: {**found[name], **chosen.record()} for name in order}
         table[task_name] = _normalize(task_name, row)
+    _log_store(table, len(reused_rows))
     return table
 
 
@@ -336,8 +366,18 @@ def _evaluate_harness(params, base: str, experts: dict[str, str], models: dict[s
     }
 
 
-def _evaluate_lm(params, task_name, spec, data: Path, split, base: str, models: dict[str, str]):
-    """One task of a causal LM: label-continuation accuracy/loss and perplexity per model."""
+def _evaluate_lm(
+    params,
+    task_name,
+    spec,
+    data: Path,
+    split,
+    base: str,
+    models: dict[str, str],
+    reused_rows: list[str],
+):
+    """One task of a causal LM: label-continuation accuracy/loss and perplexity per model; the
+    rows taken from the evaluation store are added to `reused_rows`."""
     source = spec.evaluation
     words = spec.label_words
     if words is None:
@@ -351,8 +391,20 @@ def _evaluate_lm(params, task_name, spec, data: Path, split, base: str, models: 
             )
         words = list(names)
     row = {}
+    reused: list[str] = []
+    stored_as = {
+        "split": split,
+        "label_words": list(words),
+        "prompt": spec.prompt or DEFAULT_TEMPLATE,
+        "text_column": source.text_column or "text",
+        "label_column": source.label_column or "label",
+        "max_examples": params.evaluation.max_examples_per_task,
+        "batch_size": params.evaluation.batch_size,
+        "device": device_identity(_device(params.featcal.device)),
+    }
     for name, directory in {"base": base, **models}.items():
-        row[name] = evaluate_lm_dataset(
+        score = partial(
+            evaluate_lm_dataset,
             directory,
             base,
             data,
@@ -365,10 +417,38 @@ def _evaluate_lm(params, task_name, spec, data: Path, split, base: str, models: 
             batch_size=params.evaluation.batch_size,
             device=params.featcal.device,
         )
+        key = label_scoring_key(directory, base, data, stored_as)
+        found, from_store = reuse_or_evaluate({"row": key}, lambda score=score: {"row": score()})
+        row[name] = found["row"]
+        reused += [name] if from_store else []
         row[name].update(
             precision="float32",
             precision_requested=params.evaluation.precision or params.featcal.precision,
             precision_reason="causal LMs are scored in float32",
             precision_execution="native",
         )
+    _log_reused(task_name, reused)
+    reused_rows += [f"{task_name}/{name}" for name in reused]
     return _normalize(task_name, row)
+
+
+def _log_reused(task_name: str, names: list[str]) -> None:
+    if names:
+        log.info(
+            "evaluate %s: %s reused from the evaluation store",
+            task_name,
+            ", ".join(names),
+            extra=DETAIL,
+        )
+
+
+def _log_store(table: Mapping[str, Mapping[str, Any]], reused: int) -> None:
+    """One line when rows came from the evaluation store: how many, and where it is."""
+    if reused:
+        log.info(
+            "evaluation: %d of %d rows reused from the evaluation store %s (same model files, "
+            "evaluation rows, settings and code; FEATCAL_EVALUATION_CACHE=off evaluates all)",
+            reused,
+            sum(len(row) for row in table.values()),
+            store_path(),
+        )

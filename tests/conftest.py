@@ -107,6 +107,9 @@ def pytest_configure(config):
     if "FEATCAL_DIGEST_CACHE" not in os.environ:
         folder = tempfile.mkdtemp(prefix="featcal-digests-")
         os.environ["FEATCAL_DIGEST_CACHE"] = os.path.join(folder, "digests.sqlite")
+    # the evaluation store (featcal_core/evaluation/result_cache.py): off, so that every test
+    # evaluates what it checks; test_evaluation_store.py turns it on where it tests it
+    os.environ.setdefault("FEATCAL_EVALUATION_CACHE", "off")
     # MLflow: a store per test process (never the checkout's mlruns/) for tests that run featcal
     # steps without naming one; tests that check the default location clear MLFLOW_* themselves
     if "MLFLOW_TRACKING_URI" not in os.environ:

@@ -44,6 +44,8 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
         "PREFECT_HOME": str(tmp_path / "prefect"),
         "MLFLOW_TRACKING_URI": uri,
         "PREFECT_API_URL": prefect_api,
+        # the evaluation store: a second compare of the same file evaluates nothing again
+        "FEATCAL_EVALUATION_CACHE": str(tmp_path / "evaluations.sqlite"),
     }
     cmd = [sys.executable, "-m", "featcal_cli.main", "compare", "--params", str(params_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
@@ -134,6 +136,14 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
 
     _check_prefect(prefect_api, record)
     _check_mlflow(uri, record)
+
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    total = sum(len(row) for row in evaluation.values())
+    assert (
+        f"evaluation: {total} of {total} rows reused from the evaluation store" in again.stderr
+    ), again.stderr[-4000:]
+    assert json.loads((report / "compare.json").read_text())["evaluation"] == evaluation
 
 
 def _check_prefect(api_url: str, record: dict) -> None:

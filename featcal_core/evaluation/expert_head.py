@@ -131,6 +131,18 @@ class ExpertHead(Head):
         kind = "linear head" if self.linear_file is not None else "expert head"
         return f"{kind} {self.class_name} from {self.expert_dir}"
 
+    def own_identity(self) -> dict[str, Any]:
+        """The expert's files (classifier, tokenizer or image processor), the fallback
+        tokenizer's folder and the truncation length."""
+        from featcal_core.evaluation.result_cache import content_digest
+
+        fallback = self.tokenizer_dir
+        return {
+            "expert": content_digest(self.expert_dir),
+            "tokenizer_dir": content_digest(fallback) if fallback is not None else None,
+            "max_length": self.max_length,
+        }
+
     def preprocess(self, rows: list[Any]) -> dict[str, torch.Tensor]:
         if self.modality == "image":
             if self._preprocessor is None:

@@ -89,6 +89,23 @@ class Head(ABC):
     def describe(self) -> str:
         return type(self).__name__
 
+    def identity(self) -> dict[str, Any] | None:
+        """What this head's logits depend on besides the tower, as JSON values: its own inputs
+        (`own_identity`) and its replacement Linear's values. The key of the evaluation store
+        (result_cache); None where the head cannot say, so its rows are evaluated each time."""
+        from featcal_core.evaluation.result_cache import tensors_digest
+
+        own = self.own_identity()
+        if own is None:
+            return None
+        override = tensors_digest(self.linear_override) if self.linear_override else None
+        return {"head": type(self).__name__, **own, "linear_override": override}
+
+    def own_identity(self) -> dict[str, Any] | None:
+        """The files and settings this head reads (digests, prompts), as JSON values; None: not
+        known."""
+        return None
+
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)

@@ -106,6 +106,17 @@ class ZeroShotHead(Head):
     def describe(self) -> str:
         return f"zero-shot head of {self.clip_dir} ({self.num_classes} classes)"
 
+    def own_identity(self) -> dict[str, Any]:
+        """The base's files (text tower, projections, tokenizer, image processor), the class
+        names and the templates."""
+        from featcal_core.evaluation.result_cache import content_digest
+
+        return {
+            "base": content_digest(self.clip_dir),
+            "class_names": list(self.class_names),
+            "templates": list(self.templates),
+        }
+
     def preprocess(self, rows: list[Any]) -> dict[str, torch.Tensor]:
         if self._processor is None:
             self._processor = _image_processor(self.clip_dir, "CLIP base")

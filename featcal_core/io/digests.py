@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from featcal_core.io import cache_store
+
 log = logging.getLogger(__name__)
 
 #: smaller files are hashed again rather than looked up (records, configs: cheaper to read)
@@ -37,25 +39,11 @@ _SCHEMA = """CREATE TABLE IF NOT EXISTS digests (
 
 def store_path() -> Path | None:
     """Where the store lives (None: disabled)."""
-    setting = os.environ.get("FEATCAL_DIGEST_CACHE")
-    if setting is not None:
-        return None if setting.strip().lower() in ("", "off", "0", "false") else Path(setting)
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(cache) / "featcal" / "digests.sqlite"
+    return cache_store.store_path("FEATCAL_DIGEST_CACHE", "digests.sqlite")
 
 
 def _connect() -> sqlite3.Connection | None:
-    path = store_path()
-    if path is None:
-        return None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        connection = sqlite3.connect(path, timeout=10.0)
-        connection.execute(_SCHEMA)
-        return connection
-    except (OSError, sqlite3.Error) as exc:
-        log.debug("digest store %s unavailable (%s): hashing without it", path, exc)
-        return None
+    return cache_store.connect(store_path(), _SCHEMA)
 
 
 def lookup(identity: Identity) -> str | None:

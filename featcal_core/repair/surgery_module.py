@@ -190,6 +190,16 @@ class SurgeryHead(Head):
     def describe(self) -> str:
         return f"{self.head.describe()} with surgery (rank {self.surgery.rank})"
 
+    def own_identity(self) -> dict[str, Any] | None:
+        """The wrapped head's identity and the surgery module's values."""
+        from featcal_core.evaluation.result_cache import tensors_digest
+
+        inner = self.head.identity()
+        if inner is None:
+            return None
+        state = self.surgery.state_dict()
+        return {"inner": inner, "surgery": [sorted(state), tensors_digest(list(state.values()))]}
+
     def parts(self, model_dir: str | Path, device: torch.device) -> tuple[nn.Module, nn.Linear]:
         features, linear = self.head.parts(model_dir, device)
         if linear.in_features != self.surgery.dim:

@@ -1,0 +1,243 @@
+"""Evaluation rows kept across runs, keyed by everything that produced them.
+
+A row (one model's accuracy, loss and counts on one task's evaluation set) is stored under a
+sha256 of: the model's checkpoint files, the head's identity (its checkpoints' files, prompts, a
+replacement Linear's values, a surgery module's values), the evaluation rows' files and split,
+the settings (columns, row limit, batch size, precision, device, CPU threads) and the code
+(featcal_core's sources; the featcal, torch, transformers, datasets and pillow versions). A row is
+reused only when every part is byte for byte what it was; anything else misses, and a miss only
+costs the evaluation. A reused row is the stored result, so a run's `evaluation.json` is the same
+with or without the store.
+
+Checkpoint files are all files below the folder except its model card and featcal's own records
+and marker, which change with each run without changing the model.
+
+The store: `$FEATCAL_EVALUATION_CACHE` (a file path; `off` disables it), else
+`$XDG_CACHE_HOME/featcal/evaluations.sqlite` (default `~/.cache/featcal/`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import sqlite3
+from collections.abc import Callable, Mapping, Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from featcal_core.io import cache_store
+from featcal_core.io.digests import sha256_file
+from featcal_core.io.markers import MARKER
+
+log = logging.getLogger(__name__)
+
+VARIABLE = "FEATCAL_EVALUATION_CACHE"
+#: bump when a stored row's meaning changes
+_VERSION = "featcal-evaluation-row-v1"
+#: files of a checkpoint folder that do not change the model: its card, featcal's marker and
+#: the records of the merge and repairs that wrote it (each run rewrites them: times, paths)
+NOT_CONTENT = frozenset(
+    {"README.md", MARKER, "featcal.json", "merge.json", "regmean.json", "adamerging.json"}
+)
+
+_SCHEMA = """CREATE TABLE IF NOT EXISTS rows (
+    key TEXT PRIMARY KEY, result TEXT NOT NULL)"""
+
+Row = dict[str, Any]
+
+
+def store_path() -> Path | None:
+    """Where the store lives (None: disabled)."""
+    return cache_store.store_path(VARIABLE, "evaluations.sqlite")
+
+
+def content_digest(directory: str | Path) -> str:
+    """sha256 over the relative paths and contents of every file below `directory` but
+    NOT_CONTENT: what a model folder (or an evaluation set) holds."""
+    root = Path(directory)
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        relative = path.relative_to(root)
+        if str(relative) in NOT_CONTENT:
+            continue
+        digest.update(str(relative).encode() + b"\0")
+        digest.update(bytes.fromhex(sha256_file(path)))
+    return digest.hexdigest()
+
+
+def tensors_digest(tensors: Sequence[torch.Tensor | None]) -> str:
+    """sha256 over the dtypes, shapes and values of `tensors` (None: a missing one)."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        if tensor is None:
+            digest.update(b"none\0")
+            continue
+        value = tensor.detach().cpu().contiguous()
+        digest.update(f"{value.dtype}{tuple(value.shape)}\0".encode())
+        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+    return digest.hexdigest()
+
+
+@cache
+def _code() -> dict[str, str]:
+    """featcal_core's sources and the versions of the libraries an evaluation runs."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import featcal_core
+    from featcal_core.version import featcal_version
+
+    package = Path(featcal_core.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*")):
+        if path.suffix in (".py", ".yaml", ".json") and path.is_file():
+            digest.update(str(path.relative_to(package)).encode() + b"\0")
+            digest.update(path.read_bytes())
+    found = {"featcal": featcal_version(), "featcal_core": digest.hexdigest()}
+    for name in ("torch", "transformers", "datasets", "pillow", "numpy"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "absent"
+    return found
+
+
+@cache
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_identity(device: torch.device) -> str:
+    """What ran the forwards: the GPU's name, or the CPU's model and torch's thread count."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"{device.type}:{_cpu()}:threads={torch.get_num_threads()}"
+
+
+def row_key(parts: Mapping[str, Any]) -> str:
+    """sha256 of `parts` (JSON values) with the code's identity."""
+    payload = {"version": _VERSION, "code": _code(), **parts}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def _connect() -> sqlite3.Connection | None:
+    return cache_store.connect(store_path(), _SCHEMA)
+
+
+def lookup(keys: Sequence[str]) -> dict[str, Row]:
+    """{key: stored row} of the `keys` the store holds."""
+    connection = _connect()
+    if connection is None or not keys:
+        return {}
+    try:
+        with connection:
+            marks = ", ".join("?" * len(keys))
+            found = connection.execute(
+                f"SELECT key, result FROM rows WHERE key IN ({marks})", list(keys)
+            ).fetchall()
+    except sqlite3.Error as exc:
+        log.debug("evaluation store: not read (%s)", exc)
+        return {}
+    finally:
+        connection.close()
+    rows: dict[str, Row] = {}
+    for key, text in found:
+        try:
+            rows[key] = json.loads(text)
+        except ValueError:
+            continue  # a damaged entry: evaluated again
+    return rows
+
+
+def record(rows: Mapping[str, Row]) -> None:
+    """Store each row under its key (replacing what the key held)."""
+    entries = []
+    for key, row in rows.items():
+        try:
+            entries.append((key, json.dumps(row, allow_nan=False)))
+        except (TypeError, ValueError):
+            continue  # not plain JSON (or not finite): evaluated again next time
+    connection = _connect() if entries else None
+    if connection is None:
+        return
+    try:
+        with connection:
+            connection.executemany("INSERT OR REPLACE INTO rows VALUES (?, ?)", entries)
+    except sqlite3.Error as exc:
+        log.debug("evaluation store: not recorded (%s)", exc)
+    finally:
+        connection.close()
+
+
+def reuse_or_evaluate(
+    keys: Mapping[str, str | None], evaluate: Callable[[], Mapping[str, Row]]
+) -> tuple[dict[str, Row], bool]:
+    """({name: row}, reused) for rows named in `keys` ({name: row key}; a None key: not
+    storable): the stored rows when the store holds every key, else `evaluate()` (every name at
+    once: they share one pass), whose rows are then stored."""
+    names = list(keys)
+    wanted = [key for key in keys.values() if key is not None]
+    if len(wanted) == len(names):
+        stored = lookup(wanted)
+        if len(stored) == len(set(wanted)):
+            return {name: dict(stored[keys[name]]) for name in names}, True  # type: ignore[index]
+    rows = {name: dict(row) for name, row in evaluate().items()}
+    record({key: rows[name] for name, key in keys.items() if key is not None and name in rows})
+    return rows, False
+
+
+def classification_keys(
+    model_dir: str | Path,
+    head: Any,
+    dataset_dir: str | Path,
+    split: str | None,
+    linears: Mapping[str, tuple[torch.Tensor, torch.Tensor] | None],
+    settings: Mapping[str, Any],
+) -> dict[str, str | None]:
+    """{row name: key} of `evaluate_linears`' rows (the tower in `model_dir` under `head` and each
+    of `linears`, on `dataset_dir`/`split`; `settings`: columns, limits, precision, device as
+    JSON values). Every key None when the store is off or the head has no identity."""
+    identity = head.identity() if store_path() is not None else None
+    if identity is None:
+        return dict.fromkeys(linears)
+    common = {
+        "kind": "classification",
+        "model": content_digest(model_dir),
+        "head": identity,
+        "data": content_digest(dataset_dir),
+        "split": split,
+        **settings,
+    }
+    return {
+        name: row_key({**common, "linear": None if pair is None else tensors_digest(list(pair))})
+        for name, pair in linears.items()
+    }
+
+
+def label_scoring_key(
+    model_dir: str | Path, tokenizer_dir: str | Path, dataset_dir: str | Path, settings: Mapping
+) -> str | None:
+    """The key of a causal LM's label-continuation row (the model in `model_dir`, the tokenizer
+    of `tokenizer_dir`, the rows of `dataset_dir`; `settings`: split, label words, prompt,
+    columns, limits, device as JSON values); None when the store is off."""
+    if store_path() is None:
+        return None
+    return row_key(
+        {
+            "kind": "label-scoring",
+            "model": content_digest(model_dir),
+            "tokenizer": content_digest(tokenizer_dir),
+            "data": content_digest(dataset_dir),
+            **settings,
+        }
+    )

@@ -32,6 +32,7 @@ from featcal_core.provenance.records import (
     REPORTS_ROOT,
     results_layout,
 )
+from featcal_core.repair import reuse
 from featcal_core.repair.registry import Repair, RepairInputs
 from featcal_core.repair.registry import get as get_repair
 
@@ -339,20 +340,29 @@ class Steps:
             for o in repair.options
             if o.in_params
         }
-        return repair.run(
-            RepairInputs(
-                base=base,
-                merged=str(self.paths["merged"]),
-                experts=experts,
-                calibration_sets=self.calibration_set_dirs(),
-                out=str(self.paths["calibrated"]),
-                settings=self.calibration_settings(),
-                options=options,
-                heads=self._task_heads if repair.needs_heads else None,
-                overwrite=True,
-                progress=False,
-            )
+        inputs = RepairInputs(
+            base=base,
+            merged=str(self.paths["merged"]),
+            experts=experts,
+            calibration_sets=self.calibration_set_dirs(),
+            out=str(self.paths["calibrated"]),
+            settings=self.calibration_settings(),
+            options=options,
+            heads=self._task_heads if repair.needs_heads else None,
+            overwrite=True,
+            progress=False,
         )
+        # an output made from these very inputs (and verifying) is reused, as merges are
+        wanted = reuse.fingerprint(repair, inputs)
+        record = reuse.reusable(inputs.out, wanted)
+        if record is not None:
+            log.info(
+                "%s: %s was made from these inputs; reused (verified)", repair.name, inputs.out
+            )
+            return record
+        record = repair.run(inputs)
+        reuse.remember(inputs.out, wanted, record)
+        return record
 
     def _calibrate_blockwise(self) -> dict:
         """FeatCal through the resumable calibration flow, then its model card."""

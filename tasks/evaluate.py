@@ -46,7 +46,6 @@ from featcal_core.evaluation.linear_head import load_linear_head
 from featcal_core.evaluation.prompt_sets import zero_shot_prompts
 from featcal_core.evaluation.result_cache import (
     classification_keys,
-    device_identity,
     label_scoring_key,
     reuse_or_evaluate,
     store_path,
@@ -56,6 +55,7 @@ from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.io.outputs import guarded_directory, verify_output
 from featcal_core.log_detail import DETAIL
 from featcal_core.precision import Precision, resolve_forwards
+from featcal_core.provenance.identity import device_identity
 from featcal_core.provenance.records import EVALUATION_SOURCE, LOCK
 from featcal_core.report.figures import task_normalized
 

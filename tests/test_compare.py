@@ -144,6 +144,13 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
         f"evaluation: {total} of {total} rows reused from the evaluation store" in again.stderr
     ), again.stderr[-4000:]
     assert json.loads((report / "compare.json").read_text())["evaluation"] == evaluation
+    for repair, variant in (
+        ("regmean", "ta-regmean"),
+        ("surgery", "ta-surgery"),
+        ("adamerging", "ta-adamerging"),
+    ):  # the one-go repairs: made from the same inputs, so reused
+        out = results / "variants" / variant / "calibrated"
+        assert f"{repair}: {out} was made from these inputs; reused (verified)" in again.stderr
 
 
 def _check_prefect(api_url: str, record: dict) -> None:

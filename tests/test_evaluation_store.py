@@ -19,6 +19,7 @@ from featcal_core.evaluation import result_cache
 from featcal_core.evaluation.expert_head import ExpertHead
 from featcal_core.evaluation.zero_shot_head import ZeroShotHead
 from featcal_core.params import load_params
+from featcal_core.provenance import identity
 
 
 @pytest.fixture
@@ -96,9 +97,9 @@ def test_the_key_follows_the_code_and_every_part(monkeypatch):
     assert result_cache.row_key(dict(reversed(list(parts.items())))) == key  # order-free
     for name, value in (("model", "m2"), ("data", "d2"), ("batch_size", 8), ("new", None)):
         assert result_cache.row_key({**parts, name: value}) != key
-    code = result_cache._code()
+    code = result_cache.code_identity()
     assert set(code) >= {"featcal_core", "torch", "transformers", "datasets"}
-    monkeypatch.setattr(result_cache, "_code", lambda: {**code, "featcal_core": "edited"})
+    monkeypatch.setattr(result_cache, "code_identity", lambda: {**code, "featcal_core": "edited"})
     assert result_cache.row_key(parts) != key
 
 
@@ -106,25 +107,26 @@ def test_content_digest_skips_the_card_records_and_marker_not_the_model(tmp_path
     from featcal_core.provenance.records import FEATCAL_RECORD, MERGE_RECORD
     from featcal_core.repair.adamerging import ADAMERGING_RECORD
     from featcal_core.repair.regmean import REGMEAN_RECORD
+    from featcal_core.repair.reuse import REUSE_RECORD
 
-    records = {FEATCAL_RECORD, MERGE_RECORD, REGMEAN_RECORD, ADAMERGING_RECORD}
-    assert records <= result_cache.NOT_CONTENT  # every record a repaired checkpoint carries
+    records = {FEATCAL_RECORD, MERGE_RECORD, REGMEAN_RECORD, ADAMERGING_RECORD, REUSE_RECORD}
+    assert records <= identity.NOT_CONTENT  # every record a repaired checkpoint carries
     folder = tmp_path / "model"
     folder.mkdir()
     (folder / "config.json").write_text('{"a": 1}')
     save_file({"w": torch.ones(2, 2)}, str(folder / "model.safetensors"))
-    digest = result_cache.content_digest(folder)
-    for name in result_cache.NOT_CONTENT:
+    digest = identity.content_digest(folder)
+    for name in identity.NOT_CONTENT:
         (folder / name).write_text("changes with each run")
-    assert result_cache.content_digest(folder) == digest
+    assert identity.content_digest(folder) == digest
     (folder / "config.json").write_text('{"a": 2}')
-    changed = result_cache.content_digest(folder)
+    changed = identity.content_digest(folder)
     assert changed != digest
     save_file({"w": 2 * torch.ones(2, 2)}, str(folder / "model.safetensors"))
-    assert result_cache.content_digest(folder) not in (digest, changed)
+    assert identity.content_digest(folder) not in (digest, changed)
     (folder / "sub").mkdir()
     (folder / "sub" / "tokenizer.json").write_text("{}")  # any other file counts
-    assert result_cache.content_digest(folder) != changed
+    assert identity.content_digest(folder) != changed
 
 
 def test_head_identities_follow_their_files_prompts_and_replacement_linear(tmp_path):

@@ -134,7 +134,7 @@ class ExpertHead(Head):
     def own_identity(self) -> dict[str, Any]:
         """The expert's files (classifier, tokenizer or image processor), the fallback
         tokenizer's folder and the truncation length."""
-        from featcal_core.evaluation.result_cache import content_digest
+        from featcal_core.provenance.identity import content_digest
 
         fallback = self.tokenizer_dir
         return {

@@ -93,7 +93,7 @@ class Head(ABC):
         """What this head's logits depend on besides the tower, as JSON values: its own inputs
         (`own_identity`) and its replacement Linear's values. The key of the evaluation store
         (result_cache); None where the head cannot say, so its rows are evaluated each time."""
-        from featcal_core.evaluation.result_cache import tensors_digest
+        from featcal_core.provenance.identity import tensors_digest
 
         own = self.own_identity()
         if own is None:

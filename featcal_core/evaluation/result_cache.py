@@ -10,7 +10,8 @@ costs the evaluation. A reused row is the stored result, so a run's `evaluation.
 with or without the store.
 
 Checkpoint files are all files below the folder except its model card and featcal's own records
-and marker, which change with each run without changing the model.
+and marker, which change with each run without changing the model
+(featcal_core.provenance.identity).
 
 The store: `$FEATCAL_EVALUATION_CACHE` (a file path; `off` disables it), else
 `$XDG_CACHE_HOME/featcal/evaluations.sqlite` (default `~/.cache/featcal/`).
@@ -21,29 +22,25 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import platform
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
-from functools import cache
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from featcal_core.io import cache_store
-from featcal_core.io.digests import sha256_file
-from featcal_core.io.markers import MARKER
+from featcal_core.provenance.identity import (
+    code_identity,
+    content_digest,
+    tensors_digest,
+)
 
 log = logging.getLogger(__name__)
 
 VARIABLE = "FEATCAL_EVALUATION_CACHE"
 #: bump when a stored row's meaning changes
 _VERSION = "featcal-evaluation-row-v1"
-#: files of a checkpoint folder that do not change the model: its card, featcal's marker and
-#: the records of the merge and repairs that wrote it (each run rewrites them: times, paths)
-NOT_CONTENT = frozenset(
-    {"README.md", MARKER, "featcal.json", "merge.json", "regmean.json", "adamerging.json"}
-)
 
 _SCHEMA = """CREATE TABLE IF NOT EXISTS rows (
     key TEXT PRIMARY KEY, result TEXT NOT NULL)"""
@@ -56,77 +53,9 @@ def store_path() -> Path | None:
     return cache_store.store_path(VARIABLE, "evaluations.sqlite")
 
 
-def content_digest(directory: str | Path) -> str:
-    """sha256 over the relative paths and contents of every file below `directory` but
-    NOT_CONTENT: what a model folder (or an evaluation set) holds."""
-    root = Path(directory)
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        relative = path.relative_to(root)
-        if str(relative) in NOT_CONTENT:
-            continue
-        digest.update(str(relative).encode() + b"\0")
-        digest.update(bytes.fromhex(sha256_file(path)))
-    return digest.hexdigest()
-
-
-def tensors_digest(tensors: Sequence[torch.Tensor | None]) -> str:
-    """sha256 over the dtypes, shapes and values of `tensors` (None: a missing one)."""
-    digest = hashlib.sha256()
-    for tensor in tensors:
-        if tensor is None:
-            digest.update(b"none\0")
-            continue
-        value = tensor.detach().cpu().contiguous()
-        digest.update(f"{value.dtype}{tuple(value.shape)}\0".encode())
-        digest.update(value.view(torch.uint8).numpy().tobytes() if value.numel() else b"")
-    return digest.hexdigest()
-
-
-@cache
-def _code() -> dict[str, str]:
-    """featcal_core's sources and the versions of the libraries an evaluation runs."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    import featcal_core
-    from featcal_core.version import featcal_version
-
-    package = Path(featcal_core.__file__).parent
-    digest = hashlib.sha256()
-    for path in sorted(package.rglob("*")):
-        if path.suffix in (".py", ".yaml", ".json") and path.is_file():
-            digest.update(str(path.relative_to(package)).encode() + b"\0")
-            digest.update(path.read_bytes())
-    found = {"featcal": featcal_version(), "featcal_core": digest.hexdigest()}
-    for name in ("torch", "transformers", "datasets", "pillow", "numpy"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = "absent"
-    return found
-
-
-@cache
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def device_identity(device: torch.device) -> str:
-    """What ran the forwards: the GPU's name, or the CPU's model and torch's thread count."""
-    if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    return f"{device.type}:{_cpu()}:threads={torch.get_num_threads()}"
-
-
 def row_key(parts: Mapping[str, Any]) -> str:
     """sha256 of `parts` (JSON values) with the code's identity."""
-    payload = {"version": _VERSION, "code": _code(), **parts}
+    payload = {"version": _VERSION, "code": code_identity(), **parts}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
@@ -227,16 +156,17 @@ def classification_keys(
 def label_scoring_key(
     model_dir: str | Path, tokenizer_dir: str | Path, dataset_dir: str | Path, settings: Mapping
 ) -> str | None:
-    """The key of a causal LM's label-continuation row (the model in `model_dir`, the tokenizer
-    of `tokenizer_dir`, the rows of `dataset_dir`; `settings`: split, label words, prompt,
-    columns, limits, device as JSON values); None when the store is off."""
+    """The key of a causal LM's label-continuation row (the model in `model_dir`; the base in
+    `tokenizer_dir`, whose tokenizer scores and, for a LoRA adapter folder, whose weights it
+    applies to; the rows of `dataset_dir`; `settings`: split, label words, prompt, columns,
+    limits, device as JSON values); None when the store is off."""
     if store_path() is None:
         return None
     return row_key(
         {
             "kind": "label-scoring",
             "model": content_digest(model_dir),
-            "tokenizer": content_digest(tokenizer_dir),
+            "base": content_digest(tokenizer_dir),
             "data": content_digest(dataset_dir),
             **settings,
         }

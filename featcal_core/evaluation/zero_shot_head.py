@@ -109,7 +109,7 @@ class ZeroShotHead(Head):
     def own_identity(self) -> dict[str, Any]:
         """The base's files (text tower, projections, tokenizer, image processor), the class
         names and the templates."""
-        from featcal_core.evaluation.result_cache import content_digest
+        from featcal_core.provenance.identity import content_digest
 
         return {
             "base": content_digest(self.clip_dir),

@@ -192,7 +192,7 @@ class SurgeryHead(Head):
 
     def own_identity(self) -> dict[str, Any] | None:
         """The wrapped head's identity and the surgery module's values."""
-        from featcal_core.evaluation.result_cache import tensors_digest
+        from featcal_core.provenance.identity import tensors_digest
 
         inner = self.head.identity()
         if inner is None:

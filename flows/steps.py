@@ -25,6 +25,7 @@ from featcal_core.io.outputs import (
 )
 from featcal_core.io.run_lock import run_lock
 from featcal_core.params import Params
+from featcal_core.provenance.identity import sources_digest
 from featcal_core.provenance.records import (
     FEATCAL_RECORD,
     MERGE_RECORD,
@@ -353,15 +354,16 @@ class Steps:
             progress=False,
         )
         # an output made from these very inputs (and verifying) is reused, as merges are
-        wanted = reuse.fingerprint(repair, inputs)
-        record = reuse.reusable(inputs.out, wanted)
+        caller = {"flows": sources_digest(__file__)}
+        record = reuse.reusable(inputs.out, reuse.fingerprint(repair, inputs, caller))
         if record is not None:
             log.info(
                 "%s: %s was made from these inputs; reused (verified)", repair.name, inputs.out
             )
             return record
         record = repair.run(inputs)
-        reuse.remember(inputs.out, wanted, record)
+        # taken again: the run may have cached what a head reads (class embeddings)
+        reuse.remember(inputs.out, reuse.fingerprint(repair, inputs, caller), record)
         return record
 
     def _calibrate_blockwise(self) -> dict:

@@ -55,7 +55,7 @@ from featcal_core.io.checkpoint import Checkpoint
 from featcal_core.io.outputs import guarded_directory, verify_output
 from featcal_core.log_detail import DETAIL
 from featcal_core.precision import Precision, resolve_forwards
-from featcal_core.provenance.identity import device_identity
+from featcal_core.provenance.identity import device_identity, sources_digest
 from featcal_core.provenance.records import EVALUATION_SOURCE, LOCK
 from featcal_core.report.figures import task_normalized
 
@@ -280,6 +280,7 @@ def evaluate_models(
             "batch_size": settings.batch_size,
             "precision": chosen.name,
             "device": device_identity(_device(params.featcal.device)),
+            "tasks": sources_digest(__file__),
         }
         for directory, model_head, linears in groups.values():
             evaluate = partial(
@@ -299,8 +300,10 @@ def evaluate_models(
                 batches=batches,
                 precision=chosen.name,
             )
-            keys = classification_keys(directory, model_head, data, split, linears, stored_as)
-            rows, from_store = reuse_or_evaluate(keys, evaluate)
+            key_of = partial(classification_keys, directory, model_head, data, split, linears)
+            rows, from_store = reuse_or_evaluate(
+                key_of(stored_as), evaluate, partial(key_of, stored_as)
+            )
             found.update(rows)
             reused += list(rows) if from_store else []
         _log_reused(task_name, reused)
@@ -401,6 +404,7 @@ def _evaluate_lm(
         "max_examples": params.evaluation.max_examples_per_task,
         "batch_size": params.evaluation.batch_size,
         "device": device_identity(_device(params.featcal.device)),
+        "tasks": sources_digest(__file__),
     }
     for name, directory in {"base": base, **models}.items():
         score = partial(

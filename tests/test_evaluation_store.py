@@ -83,11 +83,19 @@ def test_a_damaged_or_non_json_row_is_evaluated_again(store):
     for count in (1, 2):  # NaN is not stored: evaluated each time
         result_cache.reuse_or_evaluate({"a": key}, not_json)
         assert len(calls) == count
-    result_cache.record({key: {"accuracy": 1.0}})
     import sqlite3
 
-    with sqlite3.connect(store) as connection:
-        connection.execute("UPDATE rows SET result = ? WHERE key = ?", ("{broken", key))
+    for text in ("{broken", '{"accuracy": 0.25}', "[1, 2]"):  # damaged, edited, not a row
+        result_cache.record({key: {"accuracy": 1.0}})
+        assert result_cache.lookup([key]) == {key: {"accuracy": 1.0}}
+        with sqlite3.connect(store) as connection:
+            connection.execute("UPDATE evaluation_rows SET result = ? WHERE key = ?", (text, key))
+        assert result_cache.lookup([key]) == {}, text
+    with sqlite3.connect(store) as connection:  # a row that is JSON but no object, its digest right
+        connection.execute(
+            "UPDATE evaluation_rows SET result = ?, sha256 = ? WHERE key = ?",
+            ("[1, 2]", result_cache._sha256("[1, 2]"), key),
+        )
     assert result_cache.lookup([key]) == {}
 
 
@@ -283,3 +291,62 @@ def test_label_scoring_rows_are_reused_and_follow_the_prompt(tmp_path, store, mo
     path.write_text(yaml.safe_dump(document))
     evaluate()
     assert len(calls) == 4  # alpha's four models; beta's rows reused
+
+
+def test_the_key_says_how_the_own_head_ran_and_what_the_device_computes_in(tmp_path, store):
+    """The own head alone runs as one classifier, beside refit Linears through the features
+    (other bits in bfloat16); torch's float32 matmul precision and CPU threads name the device."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+
+    class Head:
+        def identity(self):
+            return {"head": "stub"}
+
+    pair = (torch.ones(2, 3), torch.zeros(2))
+    alone = result_cache.classification_keys(folder, Head(), folder, None, {"own": None}, {})
+    beside = result_cache.classification_keys(
+        folder, Head(), folder, None, {"own": None, "refit": pair}, {}
+    )
+    assert alone["own"] != beside["own"]
+
+    cpu = torch.device("cpu")
+    first = identity.device_identity(cpu)
+    was = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("medium" if was != "medium" else "highest")
+        assert identity.device_identity(cpu) != first
+    finally:
+        torch.set_float32_matmul_precision(was)
+    assert identity.device_identity(cpu) == first
+    code = identity.code_identity()
+    assert {"torchvision", "tokenizers", "safetensors", "cuda", "cudnn"} <= set(code)
+
+
+def test_content_digest_reads_through_symlinked_folders(tmp_path):
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "labels.arrow").write_bytes(b"1 2 3")
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "test").symlink_to(target, target_is_directory=True)
+    (target / "loop").symlink_to(data, target_is_directory=True)  # a cycle is walked once
+    digest = identity.content_digest(data)
+    (target / "labels.arrow").write_bytes(b"1 2 4")
+    assert identity.content_digest(data) != digest
+
+
+def test_a_zero_shot_head_names_its_cached_class_embeddings(tmp_path):
+    import factories
+
+    base = factories.tiny_clip_model(tmp_path / "base")
+    head = ZeroShotHead(base, ["cat", "dog"], ["a {}."], cache_dir=tmp_path / "heads")
+    assert head.identity()["embeddings"] is None  # none cached yet
+    head.class_embeddings()
+    cached = head.identity()["embeddings"]
+    assert cached is not None
+    save_file({"embeddings": torch.zeros(2, 8)}, str(head.cache_path()))  # another file there
+    assert ZeroShotHead(base, ["cat", "dog"], ["a {}."], tmp_path / "heads").identity()[
+        "embeddings"
+    ] not in (None, cached)

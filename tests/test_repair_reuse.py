@@ -97,6 +97,22 @@ def test_an_output_is_reused_only_for_the_same_inputs_and_while_it_verifies(tmp_
         is None
     )
 
+    # a file written into the output since (refit heads travel with a calibrated model), the
+    # marker updated: the output verifies, but it is no longer what the repair wrote
+    from featcal_core.io.outputs import write_json
+
+    write_json(out / "heads.json", {"alpha": "head"})
+    assert reuse.reusable(out, wanted) is None
+    (out / "heads.json").unlink()
+    _write_output(out, record)
+    reuse.remember(out, wanted, record)
+    assert reuse.reusable(out, wanted) == record
+
+    # the tasks' order (the repairs sum over the tasks in it)
+    reordered = dict(reversed(list(inputs.experts.items())))
+    other = reuse.fingerprint(repair, _inputs(zoo, sets, out, experts=reordered))
+    assert reuse.reusable(out, other) is None
+
     # the output itself: a changed file, or one the marker does not list
     save_file({"w": torch.zeros(3)}, str(out / "model.safetensors"))
     assert reuse.reusable(out, wanted) is None

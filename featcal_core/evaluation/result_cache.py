@@ -42,8 +42,8 @@ VARIABLE = "FEATCAL_EVALUATION_CACHE"
 #: bump when a stored row's meaning changes
 _VERSION = "featcal-evaluation-row-v1"
 
-_SCHEMA = """CREATE TABLE IF NOT EXISTS rows (
-    key TEXT PRIMARY KEY, result TEXT NOT NULL)"""
+_SCHEMA = """CREATE TABLE IF NOT EXISTS evaluation_rows (
+    key TEXT PRIMARY KEY, result TEXT NOT NULL, sha256 TEXT NOT NULL)"""
 
 Row = dict[str, Any]
 
@@ -59,6 +59,10 @@ def row_key(parts: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def _connect() -> sqlite3.Connection | None:
     return cache_store.connect(store_path(), _SCHEMA)
 
@@ -72,7 +76,8 @@ def lookup(keys: Sequence[str]) -> dict[str, Row]:
         with connection:
             marks = ", ".join("?" * len(keys))
             found = connection.execute(
-                f"SELECT key, result FROM rows WHERE key IN ({marks})", list(keys)
+                f"SELECT key, result, sha256 FROM evaluation_rows WHERE key IN ({marks})",
+                list(keys),
             ).fetchall()
     except sqlite3.Error as exc:
         log.debug("evaluation store: not read (%s)", exc)
@@ -80,11 +85,15 @@ def lookup(keys: Sequence[str]) -> dict[str, Row]:
     finally:
         connection.close()
     rows: dict[str, Row] = {}
-    for key, text in found:
+    for key, text, digest in found:
+        if _sha256(text) != digest:
+            continue  # changed since it was stored: evaluated again
         try:
-            rows[key] = json.loads(text)
+            row = json.loads(text)
         except ValueError:
-            continue  # a damaged entry: evaluated again
+            continue
+        if isinstance(row, dict):
+            rows[key] = row
     return rows
 
 
@@ -93,7 +102,8 @@ def record(rows: Mapping[str, Row]) -> None:
     entries = []
     for key, row in rows.items():
         try:
-            entries.append((key, json.dumps(row, allow_nan=False)))
+            text = json.dumps(row, allow_nan=False)
+            entries.append((key, text, _sha256(text)))
         except (TypeError, ValueError):
             continue  # not plain JSON (or not finite): evaluated again next time
     connection = _connect() if entries else None
@@ -101,7 +111,9 @@ def record(rows: Mapping[str, Row]) -> None:
         return
     try:
         with connection:
-            connection.executemany("INSERT OR REPLACE INTO rows VALUES (?, ?)", entries)
+            connection.executemany(
+                "INSERT OR REPLACE INTO evaluation_rows VALUES (?, ?, ?)", entries
+            )
     except sqlite3.Error as exc:
         log.debug("evaluation store: not recorded (%s)", exc)
     finally:
@@ -109,11 +121,15 @@ def record(rows: Mapping[str, Row]) -> None:
 
 
 def reuse_or_evaluate(
-    keys: Mapping[str, str | None], evaluate: Callable[[], Mapping[str, Row]]
+    keys: Mapping[str, str | None],
+    evaluate: Callable[[], Mapping[str, Row]],
+    keys_after: Callable[[], Mapping[str, str | None]] | None = None,
 ) -> tuple[dict[str, Row], bool]:
     """({name: row}, reused) for rows named in `keys` ({name: row key}; a None key: not
     storable): the stored rows when the store holds every key, else `evaluate()` (every name at
-    once: they share one pass), whose rows are then stored."""
+    once: they share one pass), whose rows are then stored under `keys_after()` (default
+    `keys`: the keys as they read once the evaluation has written what it caches, such as a
+    head's class embeddings)."""
     names = list(keys)
     wanted = [key for key in keys.values() if key is not None]
     if len(wanted) == len(names):
@@ -121,7 +137,8 @@ def reuse_or_evaluate(
         if len(stored) == len(set(wanted)):
             return {name: dict(stored[keys[name]]) for name in names}, True  # type: ignore[index]
     rows = {name: dict(row) for name, row in evaluate().items()}
-    record({key: rows[name] for name, key in keys.items() if key is not None and name in rows})
+    after = keys_after() if keys_after is not None else keys
+    record({key: rows[name] for name, key in after.items() if key is not None and name in rows})
     return rows, False
 
 
@@ -141,6 +158,9 @@ def classification_keys(
         return dict.fromkeys(linears)
     common = {
         "kind": "classification",
+        # the own head alone runs as one classifier (its Linear under autocast); beside others,
+        # the features go through each Linear in float32: not the same bits in bfloat16
+        "pass": "classifier" if list(linears.values()) == [None] else "features",
         "model": content_digest(model_dir),
         "head": identity,
         "data": content_digest(dataset_dir),

@@ -108,13 +108,16 @@ class ZeroShotHead(Head):
 
     def own_identity(self) -> dict[str, Any]:
         """The base's files (text tower, projections, tokenizer, image processor), the class
-        names and the templates."""
+        names and templates, and the cached class embeddings' file when there is one."""
+        from featcal_core.io.digests import sha256_file
         from featcal_core.provenance.identity import content_digest
 
+        cached = self.cache_path()  # the class embeddings as read from there, where they are
         return {
             "base": content_digest(self.clip_dir),
             "class_names": list(self.class_names),
             "templates": list(self.templates),
+            "embeddings": sha256_file(cached) if cached is not None and cached.is_file() else None,
         }
 
     def preprocess(self, rows: list[Any]) -> dict[str, torch.Tensor]:

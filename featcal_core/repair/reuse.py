@@ -4,7 +4,8 @@ go: RegMean, Surgery, AdaMerging; FeatCal resumes block by block instead).
 After a repair has written its output folder, `remember` adds `REUSE_RECORD` to it (through the
 guarded writer, so the folder's marker lists it): the repair's inputs as digests, and the record
 the repair returned. `reusable` gives that record back when the folder still verifies against
-its markers and the inputs asked for now are the recorded ones: the repair, its options and run
+its markers, holds no file written into it since (refit heads), and the inputs asked for now
+are the recorded ones: the repair, its options and run
 settings (the device resolved to the GPU's name, or the CPU model and thread count), the base,
 merged and expert folders' files, the calibration sets' files, the heads it fits to, and the
 code (featcal_core's sources, library versions). Anything else runs the repair again.
@@ -29,16 +30,19 @@ log = logging.getLogger(__name__)
 REUSE_RECORD = "repair_inputs.json"
 
 
-def fingerprint(repair: Repair, inputs: RepairInputs) -> dict[str, Any] | None:
-    """What `repair` reads from `inputs`, as JSON values (None: a head it fits to cannot say
-    what it reads, so the output is never reused)."""
+def fingerprint(
+    repair: Repair, inputs: RepairInputs, caller: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """What `repair` reads from `inputs`, as JSON values, with `caller`'s own (its code); None:
+    a head it fits to cannot say what it reads, so the output is never reused. Tasks keep their
+    order (the repairs sum over them in it)."""
     from featcal_core.evaluation.accuracy import _device
 
     heads = inputs.task_heads() if repair.needs_heads else None
     identities = None
     if heads is not None:
-        identities = {task: head.identity() for task, head in sorted(heads.items())}
-        if any(identity is None for identity in identities.values()):
+        identities = [[task, head.identity()] for task, head in heads.items()]
+        if any(identity is None for _, identity in identities):
             return None
     settings = dataclasses.asdict(inputs.settings)
     settings["device"] = device_identity(_device(inputs.settings.device))
@@ -48,13 +52,18 @@ def fingerprint(repair: Repair, inputs: RepairInputs) -> dict[str, Any] | None:
         "settings": settings,
         "base": content_digest(inputs.base) if inputs.base is not None else None,
         "merged": content_digest(inputs.merged),
-        "experts": {t: content_digest(p) for t, p in sorted(inputs.experts.items())},
-        "calibration_sets": {
-            t: content_digest(p) for t, p in sorted(inputs.calibration_sets.items())
-        },
+        "experts": [[t, content_digest(p)] for t, p in inputs.experts.items()],
+        "calibration_sets": [[t, content_digest(p)] for t, p in inputs.calibration_sets.items()],
         "heads": identities,
         "code": code_identity(),
+        "caller": caller,
     }
+
+
+def _listed(out: Path) -> list[str]:
+    """The files the marker of `out` lists, but REUSE_RECORD."""
+    marker = read_marker(out) or {"files": {}}
+    return sorted(name for name in marker["files"] if name != REUSE_RECORD)
 
 
 def _verifies(out: Path) -> str | None:
@@ -75,10 +84,12 @@ def reusable(out: str | Path, wanted: dict[str, Any] | None) -> dict | None:
         return None
     try:
         saved = json.loads(path.read_text())
-        inputs, record = saved["inputs"], saved["record"]
+        inputs, record, files = saved["inputs"], saved["record"], saved["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if json.loads(json.dumps(wanted)) != inputs:
+        return None
+    if _listed(Path(out)) != files:  # written into since (refit heads): the repair runs again
         return None
     problem = _verifies(Path(out))
     if problem is not None:
@@ -92,8 +103,9 @@ def remember(out: str | Path, wanted: dict[str, Any] | None, record: dict) -> No
     or the record is not plain JSON)."""
     if wanted is None:
         return
+    saved = {"inputs": wanted, "record": record, "files": _listed(Path(out))}
     try:
-        payload = json.loads(json.dumps({"inputs": wanted, "record": record}, allow_nan=False))
+        payload = json.loads(json.dumps(saved, allow_nan=False))
     except (TypeError, ValueError):
         return
     write_json(Path(out) / REUSE_RECORD, payload, "repair inputs record")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from featcal_core.io.outputs import (
     write_json,
 )
 from featcal_core.io.run_lock import run_lock
+from featcal_core.memory import peak_rss_bytes
 from featcal_core.params import Params
 from featcal_core.provenance.identity import sources_digest
 from featcal_core.provenance.records import (
@@ -89,6 +91,9 @@ class Steps:
         self.requested = self.params
         #: the select step's record whose winner these steps run (None: no select: or no choice)
         self.selection: dict | None = None
+        #: a reused one-go repair's computing cost as recorded when it ran ({"seconds",
+        #: "peak_rss_mb"}); None: the repair ran here (or none was asked for)
+        self.reused_cost: dict | None = None
         self.apply_selection()
 
     def apply_selection(self) -> None:
@@ -357,13 +362,16 @@ class Steps:
         caller = {"flows": sources_digest(__file__)}
         record = reuse.reusable(inputs.out, reuse.fingerprint(repair, inputs, caller))
         if record is not None:
+            self.reused_cost = reuse.recorded_cost(inputs.out)
             log.info(
                 "%s: %s was made from these inputs; reused (verified)", repair.name, inputs.out
             )
             return record
+        started = time.perf_counter()
         record = repair.run(inputs)
+        cost = {"seconds": time.perf_counter() - started, "peak_rss_mb": peak_rss_bytes() / 2**20}
         # taken again: the run may have cached what a head reads (class embeddings)
-        reuse.remember(inputs.out, reuse.fingerprint(repair, inputs, caller), record)
+        reuse.remember(inputs.out, reuse.fingerprint(repair, inputs, caller), record, cost)
         return record
 
     def _calibrate_blockwise(self) -> dict:

@@ -73,18 +73,25 @@ def repair(steps: Steps, heads: bool = False) -> dict:
     no repair), "repair_seconds", "peak_rss_mb", "heads"}. heads: with featcal.heads true, also refit
     the task heads on the repaired model (on the merge when there is no repair; not for a repair
     of per-task modules, which feed the tasks' own heads), as `featcal run` does: "heads" {task: folder},
-    else None. The seconds and the peak RSS cover both."""
+    else None. The seconds and the peak RSS cover both; a reused one-go repair counts the cost
+    recorded when it ran (Steps.reused_cost)."""
     output = steps.repair.output
     reset_peak_rss()
     started = time.perf_counter()
     if output != "none":
         steps.calibrate()
+    repaired = time.perf_counter()
     refit = None
     if heads and steps.params.featcal.heads and output != "task_modules":
         refit = steps.heads("merged" if output == "none" else "calibrated")
     seconds = time.perf_counter() - started
     path = None if output == "none" else str(steps.paths["calibrated"])
     peak = peak_rss_bytes() / _MIB if path is not None or refit else None
+    reused = steps.reused_cost
+    if reused is not None:  # what the repair cost when it ran, not what reusing it took
+        seconds = float(reused["seconds"]) + time.perf_counter() - repaired
+        if reused.get("peak_rss_mb") is not None:
+            peak = max(peak or 0.0, float(reused["peak_rss_mb"]))
     return {"path": path, "repair_seconds": seconds, "peak_rss_mb": peak, "heads": refit}
 
 

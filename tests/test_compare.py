@@ -143,7 +143,8 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
     assert (
         f"evaluation: {total} of {total} rows reused from the evaluation store" in again.stderr
     ), again.stderr[-4000:]
-    assert json.loads((report / "compare.json").read_text())["evaluation"] == evaluation
+    reran = json.loads((report / "compare.json").read_text())
+    assert reran["evaluation"] == evaluation
     for repair, variant in (
         ("regmean", "ta-regmean"),
         ("surgery", "ta-surgery"),
@@ -151,6 +152,16 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
     ):  # the one-go repairs: made from the same inputs, so reused
         out = results / "variants" / variant / "calibrated"
         assert f"{repair}: {out} was made from these inputs; reused (verified)" in again.stderr
+        # its cost is what it cost when it ran (the first compare's, less its checks), not the
+        # reuse's
+        recorded = json.loads((out / "repair_inputs.json").read_text())["cost"]
+        second = {v["name"]: v for v in reran["variants"]}[variant]["cost"]
+        assert (
+            recorded["seconds"]
+            <= second["repair_seconds"]
+            <= rows[variant]["cost"]["repair_seconds"]
+        )
+        assert second["peak_rss_mb"] >= recorded["peak_rss_mb"] > 0
 
 
 def _check_prefect(api_url: str, record: dict) -> None:

@@ -68,8 +68,9 @@ def test_an_output_is_reused_only_for_the_same_inputs_and_while_it_verifies(tmp_
     wanted = reuse.fingerprint(repair, inputs)
     assert reuse.reusable(out, wanted) is None  # nothing there yet
     record = _write_output(out, {"method": "adamerging", "coefficients": [0.3, 0.4]})
-    reuse.remember(out, wanted, record)
+    reuse.remember(out, wanted, record, {"seconds": 12.5, "peak_rss_mb": 900.0})
     assert reuse.reusable(out, reuse.fingerprint(repair, _inputs(zoo, sets, out))) == record
+    assert reuse.recorded_cost(out) == {"seconds": 12.5, "peak_rss_mb": 900.0}
 
     changed = {
         "options": {"steps": 6},
@@ -124,6 +125,7 @@ def test_an_output_is_reused_only_for_the_same_inputs_and_while_it_verifies(tmp_
 
 
 def test_a_head_that_cannot_say_what_it_reads_is_never_reused(tmp_path, pool):
+    assert reuse.recorded_cost(tmp_path / "nothing") is None
     zoo, sets = pool
     out = tmp_path / "calibrated"
     heads = lambda: {"alpha": _Head(None), "beta": _Head({"h": 2})}  # noqa: E731

@@ -98,12 +98,27 @@ def reusable(out: str | Path, wanted: dict[str, Any] | None) -> dict | None:
     return record
 
 
-def remember(out: str | Path, wanted: dict[str, Any] | None, record: dict) -> None:
-    """Write REUSE_RECORD into the repair's output folder `out` (nothing when `wanted` is None
-    or the record is not plain JSON)."""
+def recorded_cost(out: str | Path) -> dict[str, Any] | None:
+    """The computing cost REUSE_RECORD holds ({"seconds", "peak_rss_mb"}), or None."""
+    try:
+        cost = json.loads((Path(out) / REUSE_RECORD).read_text())["cost"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return cost if isinstance(cost, dict) and "seconds" in cost else None
+
+
+def remember(
+    out: str | Path,
+    wanted: dict[str, Any] | None,
+    record: dict,
+    cost: dict[str, Any] | None = None,
+) -> None:
+    """Write REUSE_RECORD into the repair's output folder `out`, with what the repair cost
+    (`cost`: {"seconds", "peak_rss_mb"}); nothing when `wanted` is None or the record is not
+    plain JSON."""
     if wanted is None:
         return
-    saved = {"inputs": wanted, "record": record, "files": _listed(Path(out))}
+    saved = {"inputs": wanted, "record": record, "files": _listed(Path(out)), "cost": cost}
     try:
         payload = json.loads(json.dumps(saved, allow_nan=False))
     except (TypeError, ValueError):

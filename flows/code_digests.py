@@ -6,11 +6,11 @@ an installed featcal as for this checkout: the modules are found through the imp
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import featcal_core
 from featcal_core.io.outputs import prepare_root, write_file
+from featcal_core.provenance.identity import sources_digest
 
 #: the root marker's kind of a digest folder
 KIND = "code-digests"
@@ -75,12 +75,7 @@ def stage_digest(stage: str) -> str:
     """sha256 over the sources `stage` runs (names relative to their package, then contents)."""
     roots = _roots()
     files = dict(item for name in (*COMMON, *STAGE_CODE[stage]) for item in _files(name, roots))
-    digest = hashlib.sha256()
-    for name, path in sorted(files.items()):
-        data = path.read_bytes()
-        digest.update(f"{name}\0{len(data)}\0".encode())
-        digest.update(data)
-    return digest.hexdigest()
+    return sources_digest(files)
 
 
 def write_code_digests(folder: str | Path) -> dict[str, str]:

@@ -359,14 +359,14 @@ class Steps:
             progress=False,
         )
         # an output made from these very inputs (and verifying) is reused, as merges are
-        caller = {"flows": sources_digest(__file__)}
-        record = reuse.reusable(inputs.out, reuse.fingerprint(repair, inputs, caller))
-        if record is not None:
-            self.reused_cost = reuse.recorded_cost(inputs.out)
+        caller = {"flows": sources_digest({"flows/steps.py": Path(__file__)})}
+        saved = reuse.reusable(inputs.out, reuse.fingerprint(repair, inputs, caller))
+        if saved is not None:
+            self.reused_cost = saved.get("cost")
             log.info(
                 "%s: %s was made from these inputs; reused (verified)", repair.name, inputs.out
             )
-            return record
+            return saved["record"]
         started = time.perf_counter()
         record = repair.run(inputs)
         cost = {"seconds": time.perf_counter() - started, "peak_rss_mb": peak_rss_bytes() / 2**20}

@@ -21,7 +21,6 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE, CachePolicy
 
-import featcal_core
 from featcal_core.io.checkpoint import sha256_file, sha256_tree
 from featcal_core.io.outputs import temp_path
 from featcal_core.io.safetensors_io import save_tensors
@@ -40,6 +39,7 @@ from featcal_core.method.state import (
     verify,
 )
 from featcal_core.method.streams import HiddenStreams, stream_file_name
+from featcal_core.provenance.identity import core_sources, sources_digest
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +66,8 @@ def code_version(more: dict[str, Path] | None = None) -> str:
     """Digest of all code that shapes a state: featcal_core's sources, this module, and `more`
     ({project path: file}; the calibration flow adds its own module): a change invalidates every
     block. Files are named by their path in the project, never an absolute one."""
-    root = Path(featcal_core.__file__).parent
-    files = [(f"featcal_core/{p.relative_to(root).as_posix()}", p) for p in root.rglob("*.py")]
-    files += [("tasks/calibration.py", Path(__file__)), *(more or {}).items()]
-    digest = hashlib.sha256()
-    for name, path in sorted(files):
-        data = path.read_bytes()
-        digest.update(f"{name}\0{len(data)}\0".encode())
-        digest.update(data)
-    return digest.hexdigest()
+    files = {**core_sources(), "tasks/calibration.py": Path(__file__), **(more or {})}
+    return sources_digest(files)
 
 
 def inputs_digest(spec: dict, code: dict[str, Path] | None = None) -> str:

@@ -280,7 +280,7 @@ def evaluate_models(
             "batch_size": settings.batch_size,
             "precision": chosen.name,
             "device": device_identity(_device(params.featcal.device)),
-            "tasks": sources_digest(__file__),
+            "tasks": sources_digest({"tasks/evaluate.py": Path(__file__)}),
         }
         for directory, model_head, linears in groups.values():
             evaluate = partial(
@@ -404,7 +404,7 @@ def _evaluate_lm(
         "max_examples": params.evaluation.max_examples_per_task,
         "batch_size": params.evaluation.batch_size,
         "device": device_identity(_device(params.featcal.device)),
-        "tasks": sources_digest(__file__),
+        "tasks": sources_digest({"tasks/evaluate.py": Path(__file__)}),
     }
     for name, directory in {"base": base, **models}.items():
         score = partial(

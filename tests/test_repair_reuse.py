@@ -69,8 +69,8 @@ def test_an_output_is_reused_only_for_the_same_inputs_and_while_it_verifies(tmp_
     assert reuse.reusable(out, wanted) is None  # nothing there yet
     record = _write_output(out, {"method": "adamerging", "coefficients": [0.3, 0.4]})
     reuse.remember(out, wanted, record, {"seconds": 12.5, "peak_rss_mb": 900.0})
-    assert reuse.reusable(out, reuse.fingerprint(repair, _inputs(zoo, sets, out))) == record
-    assert reuse.recorded_cost(out) == {"seconds": 12.5, "peak_rss_mb": 900.0}
+    saved = reuse.reusable(out, reuse.fingerprint(repair, _inputs(zoo, sets, out)))
+    assert saved["record"] == record and saved["cost"] == {"seconds": 12.5, "peak_rss_mb": 900.0}
 
     changed = {
         "options": {"steps": 6},
@@ -84,7 +84,7 @@ def test_an_output_is_reused_only_for_the_same_inputs_and_while_it_verifies(tmp_
     (sets["beta"] / "rows.json").write_text(json.dumps(["beta", 1, 3]))  # a set's rows
     assert reuse.reusable(out, reuse.fingerprint(repair, _inputs(zoo, sets, out))) is None
     (sets["beta"] / "rows.json").write_text(json.dumps(["beta", 1, 2]))
-    assert reuse.reusable(out, wanted) == record
+    assert reuse.reusable(out, wanted)["record"] == record
 
     # an expert's weights
     copy = shutil.copytree(zoo.experts["beta"], tmp_path / "beta-copy")
@@ -107,7 +107,7 @@ def test_an_output_is_reused_only_for_the_same_inputs_and_while_it_verifies(tmp_
     (out / "heads.json").unlink()
     _write_output(out, record)
     reuse.remember(out, wanted, record)
-    assert reuse.reusable(out, wanted) == record
+    assert reuse.reusable(out, wanted)["record"] == record
 
     # the tasks' order (the repairs sum over the tasks in it)
     reordered = dict(reversed(list(inputs.experts.items())))
@@ -125,7 +125,6 @@ def test_an_output_is_reused_only_for_the_same_inputs_and_while_it_verifies(tmp_
 
 
 def test_a_head_that_cannot_say_what_it_reads_is_never_reused(tmp_path, pool):
-    assert reuse.recorded_cost(tmp_path / "nothing") is None
     zoo, sets = pool
     out = tmp_path / "calibrated"
     heads = lambda: {"alpha": _Head(None), "beta": _Head({"h": 2})}  # noqa: E731

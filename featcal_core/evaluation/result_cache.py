@@ -1,17 +1,16 @@
 """Evaluation rows kept across runs, keyed by everything that produced them.
 
 A row (one model's accuracy, loss and counts on one task's evaluation set) is stored under a
-sha256 of: the model's checkpoint files, the head's identity (its checkpoints' files, prompts, a
-replacement Linear's values, a surgery module's values), the evaluation rows' files and split,
-the settings (columns, row limit, batch size, precision, device, CPU threads) and the code
-(featcal_core's sources; the featcal, torch, transformers, datasets and pillow versions). A row is
-reused only when every part is byte for byte what it was; anything else misses, and a miss only
-costs the evaluation. A reused row is the stored result, so a run's `evaluation.json` is the same
-with or without the store.
+sha256 of: the model's checkpoint files, the head's identity (`Head.identity`), the evaluation
+rows' files and split, the settings the caller passes (columns, row limit, batch size, precision,
+the device: featcal_core.provenance.identity.device_identity) and the code (`code_identity`). A
+row is reused only when every part is byte for byte what it was; anything else misses, and a miss
+only costs the evaluation. A reused row is the stored result, so a run's `evaluation.json` is the
+same with or without the store; each row is stored with its sha256 and one that changed since is
+evaluated again.
 
 Checkpoint files are all files below the folder except its model card and featcal's own records
-and marker, which change with each run without changing the model
-(featcal_core.provenance.identity).
+and marker, which change with each run without changing the model (`content_digest`).
 
 The store: `$FEATCAL_EVALUATION_CACHE` (a file path; `off` disables it), else
 `$XDG_CACHE_HOME/featcal/evaluations.sqlite` (default `~/.cache/featcal/`).

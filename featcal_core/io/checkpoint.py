@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -232,10 +233,28 @@ class Checkpoint:
         return paths
 
 
-def sha256_tree(directory: Path) -> str:
-    """One digest over every file below `directory` (relative paths and contents, sorted)."""
+def tree_files(directory: Path) -> list[Path]:
+    """Every file below `directory`, sorted, through symlinked folders too (as the loaders read
+    them), each real folder once."""
+    found: list[Path] = []
+    seen: set[str] = set()
+    for folder, names, files in os.walk(directory, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            names[:] = []  # a link back up the tree: walked already
+            continue
+        seen.add(real)
+        found += [Path(folder) / name for name in files]
+    return sorted(path for path in found if path.is_file())
+
+
+def sha256_tree(directory: Path, skip: frozenset[str] = frozenset()) -> str:
+    """One digest over every file below `directory` (`tree_files`: relative paths and contents,
+    sorted), but the relative paths in `skip`."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        digest.update(str(path.relative_to(directory)).encode())
-        digest.update(bytes.fromhex(sha256_file(path)))
+    for path in tree_files(directory):
+        relative = str(path.relative_to(directory))
+        if relative not in skip:
+            digest.update(relative.encode())
+            digest.update(bytes.fromhex(sha256_file(path)))
     return digest.hexdigest()

@@ -6,15 +6,14 @@ name for the device that runs it.
 from __future__ import annotations
 
 import hashlib
-import os
 import platform
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from featcal_core.io.digests import sha256_file
+from featcal_core.io.checkpoint import sha256_tree
 from featcal_core.io.markers import MARKER
 
 #: files of a checkpoint folder that do not change the model: its card, featcal's marker and
@@ -32,32 +31,10 @@ NOT_CONTENT = frozenset(
 )
 
 
-def _files(root: Path) -> list[Path]:
-    """Every file below `root`, through symlinked folders too (as the loaders read them), each
-    real folder once."""
-    found, seen = [], set()
-    for folder, names, files in os.walk(root, followlinks=True):
-        real = os.path.realpath(folder)
-        if real in seen:
-            names[:] = []  # a link back up the tree: walked already
-            continue
-        seen.add(real)
-        found += [Path(folder) / name for name in files]
-    return sorted(path for path in found if path.is_file())
-
-
 def content_digest(directory: str | Path) -> str:
-    """sha256 over the relative paths and contents of every file below `directory` (through
-    symlinks) but NOT_CONTENT: what a model folder (or an evaluation set) holds."""
-    root = Path(directory)
-    digest = hashlib.sha256()
-    for path in _files(root):
-        relative = path.relative_to(root)
-        if str(relative) in NOT_CONTENT:
-            continue
-        digest.update(str(relative).encode() + b"\0")
-        digest.update(bytes.fromhex(sha256_file(path)))
-    return digest.hexdigest()
+    """`sha256_tree` of `directory` but NOT_CONTENT: what a model folder (or an evaluation set)
+    holds."""
+    return sha256_tree(Path(directory), skip=NOT_CONTENT)
 
 
 def tensors_digest(tensors: Sequence[torch.Tensor | None]) -> str:
@@ -93,10 +70,9 @@ def code_identity() -> dict[str, str]:
     """featcal_core's sources, the versions of LIBRARIES and torch's CUDA and cuDNN builds."""
     from importlib.metadata import PackageNotFoundError, version
 
-    import featcal_core
     from featcal_core.version import featcal_version
 
-    found = {"featcal": featcal_version(), "featcal_core": sources_digest(featcal_core.__file__)}
+    found = {"featcal": featcal_version(), "featcal_core": sources_digest(core_sources())}
     for name in LIBRARIES:
         try:
             found[name] = version(name)
@@ -109,15 +85,23 @@ def code_identity() -> dict[str, str]:
     return found
 
 
-def sources_digest(anchor: str | Path) -> str:
-    """sha256 over the Python, YAML and JSON files below the folder of `anchor` (a package's
-    `__file__`, or a module's: its package folder)."""
-    package = Path(anchor).parent
+def core_sources() -> dict[str, Path]:
+    """featcal_core's Python sources: {path in the project ("featcal_core/..."): file}."""
+    import featcal_core
+
+    root = Path(featcal_core.__file__).parent
+    return {f"featcal_core/{p.relative_to(root).as_posix()}": p for p in root.rglob("*.py")}
+
+
+def sources_digest(files: Mapping[str, Path]) -> str:
+    """sha256 over source files ({path in the project: file}), in order of their paths: each
+    path and length, then its bytes. Paths in the project, never absolute ones, so that an
+    installed featcal and a checkout agree."""
     digest = hashlib.sha256()
-    for path in sorted(package.rglob("*")):
-        if path.suffix in (".py", ".yaml", ".json") and path.is_file():
-            digest.update(str(path.relative_to(package)).encode() + b"\0")
-            digest.update(path.read_bytes())
+    for name, path in sorted(files.items()):
+        data = path.read_bytes()
+        digest.update(f"{name}\0{len(data)}\0".encode())
+        digest.update(data)
     return digest.hexdigest()
 
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from featcal_core.io.checkpoint import sha256_file
+from featcal_core.io.checkpoint import sha256_file, tree_files
 from featcal_core.io.outputs import MARKER
 from featcal_core.provenance.records import SET_RECORD
 from featcal_core.provenance.text import as_dict
@@ -46,7 +46,7 @@ def _tree_digests(directory: Path, exclude: str) -> tuple[str, str]:
     `exclude` and the guarded writer's marker: what calibration_set.json's digest covers); every
     file is read once."""
     full, without = hashlib.sha256(), hashlib.sha256()
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
+    for path in tree_files(directory):
         relative = str(path.relative_to(directory)).encode()
         content = bytes.fromhex(sha256_file(path))
         full.update(relative)

@@ -3,7 +3,7 @@ go: RegMean, Surgery, AdaMerging; FeatCal resumes block by block instead).
 
 After a repair has written its output folder, `remember` adds `REUSE_RECORD` to it (through the
 guarded writer, so the folder's marker lists it): the repair's inputs as digests, and the record
-the repair returned. `reusable` gives that record back when the folder still verifies against
+the repair returned, and what the repair cost. `reusable` gives them back when the folder still verifies against
 its markers, holds no file written into it since (refit heads), and the inputs asked for now
 are the recorded ones: the repair, its options and run
 settings (the device resolved to the GPU's name, or the CPU model and thread count), the base,
@@ -77,14 +77,15 @@ def _verifies(out: Path) -> str | None:
 
 
 def reusable(out: str | Path, wanted: dict[str, Any] | None) -> dict | None:
-    """The record of the repair at `out` when it was made from `wanted` and verifies; else None
+    """What REUSE_RECORD at `out` holds ({"record": the repair's record, "cost": {"seconds",
+    "peak_rss_mb"} or None, ...}) when the output was made from `wanted` and verifies; else None
     (the reason logged)."""
     path = Path(out) / REUSE_RECORD
     if wanted is None or not path.is_file():
         return None
     try:
         saved = json.loads(path.read_text())
-        inputs, record, files = saved["inputs"], saved["record"], saved["files"]
+        inputs, files, _ = saved["inputs"], saved["files"], saved["record"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if json.loads(json.dumps(wanted)) != inputs:
@@ -95,16 +96,7 @@ def reusable(out: str | Path, wanted: dict[str, Any] | None) -> dict | None:
     if problem is not None:
         log.warning("repair: %s does not verify (%s); repairing again", out, problem)
         return None
-    return record
-
-
-def recorded_cost(out: str | Path) -> dict[str, Any] | None:
-    """The computing cost REUSE_RECORD holds ({"seconds", "peak_rss_mb"}), or None."""
-    try:
-        cost = json.loads((Path(out) / REUSE_RECORD).read_text())["cost"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return cost if isinstance(cost, dict) and "seconds" in cost else None
+    return saved
 
 
 def remember(

@@ -8,14 +8,30 @@ import sys
 EXIT_PROBLEMS = 2
 
 
-def preflight(params, name: str, notes: bool = True) -> int:
+def preflight(
+    params,
+    name: str,
+    notes: bool = True,
+    strict: bool = False,
+    unchecked: list[tuple[str, str]] | None = None,
+) -> int:
     """Print the check of `params` (loaded from `name`) on stderr: its problems, one line each,
     and a count; its notes too unless `notes` is False (`featcal run`: the steps say the same
-    as they go). Returns 0, or EXIT_PROBLEMS."""
+    as they go). `strict`: every item not checked is a problem too; `unchecked` receives
+    (params key, why) of each such item. Returns 0, or EXIT_PROBLEMS."""
     from featcal_core.preflight import check
 
     problems, found = check(params)
-    for key, text in found if notes else ():
+    if unchecked is not None:
+        unchecked.extend(found.unchecked)
+    skipped = dict(found.unchecked) if strict else {}
+    problems += [
+        (key, f"{text} (--strict: every item must be checked)")
+        for key, text in found
+        if key in skipped
+    ]
+    shown = [(key, text) for key, text in found if key not in skipped] if notes else []
+    for key, text in shown:
         print(f"featcal: note: {key}: {text}", file=sys.stderr)
     for key, text in problems:
         print(f"featcal: error: {key}: {text}", file=sys.stderr)

@@ -8,10 +8,12 @@ products, evaluation forwards, RegMean's Grams), chosen per device.
   accumulated and returned in float32; on CPU each chunk's product is rounded to bfloat16 before
   it is added to the float64 sums); sums, solves and written weights as in float32;
 - "auto": bfloat16 where the hardware runs it natively (CUDA with compute capability ≥ 8.0; a CPU
-  with avx512_bf16 or AMX whose bfloat16 matmul also measures at least `BF16_MIN_SPEEDUP` times
-  as fast as its float32 one, timed once per process), float32 elsewhere. A CPU without those
-  flags emulates bfloat16 (measured on an avx2-only EPYC: a bfloat16 `torch.mm` at 1.3 against 171
-  GFLOP/s in float32, block passes 7× slower), so it is not timed.
+  with avx512_bf16 or AMX and oneDNN), float32 elsewhere. The choice is the machine's, never the
+  load of the moment: nothing is timed, so one machine always makes the same choice and every
+  record of it reruns to the same bytes. `$FEATCAL_CPU_BFLOAT16` (1 or 0) overrides what the CPU
+  flags say (a CPU whose flagged bfloat16 is slow, or a test of either outcome). A CPU without
+  those flags emulates bfloat16 (measured on an avx2-only EPYC: a bfloat16 `torch.mm` at 1.3
+  against 171 GFLOP/s in float32, block passes 7× slower).
 Float64 checkpoints always run in float64 (they compute in float64 whatever is asked).
 """
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import time
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,11 +47,8 @@ PRODUCT_DTYPES: dict[str, torch.dtype] = {
 BF16_MIN_LAM = 0.01
 #: CPU flags that mean native bfloat16 dot products (oneDNN's fast path)
 CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-#: on a CPU with those flags, auto picks bfloat16 only if its bfloat16 matmul measures at least
-#: this many times as fast as its float32 one (`cpu_bfloat16_speedup`)
-BF16_MIN_SPEEDUP = 1.25
-#: the side of the square matmul that `cpu_bfloat16_speedup` times
-PROBE_SIZE = 256
+#: the environment variable that overrides the CPU flags' answer (1: native, 0: emulated)
+CPU_BF16_ENV = "FEATCAL_CPU_BFLOAT16"
 
 
 @dataclass(frozen=True)
@@ -90,25 +89,6 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_bfloat16_speedup() -> float:
-    """float32 time ÷ bfloat16 time of one PROBE_SIZE³ matmul on this CPU (best of three each,
-    after one warm-up; a few milliseconds where bfloat16 is native)."""
-
-    def best(dtype: torch.dtype) -> float:
-        left = torch.full((PROBE_SIZE, PROBE_SIZE), 0.5, dtype=dtype)
-        right = left.clone()
-        torch.mm(left, right)
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            torch.mm(left, right)
-            times.append(time.perf_counter() - start)
-        return max(min(times), 1e-9)
-
-    return best(torch.float32) / best(torch.bfloat16)
-
-
 def native_bfloat16(device: torch.device) -> tuple[bool, str]:
     """(whether `device` runs bfloat16 products natively, the evidence in words)."""
     if device.type == "cuda":
@@ -116,6 +96,11 @@ def native_bfloat16(device: torch.device) -> tuple[bool, str]:
         name = torch.cuda.get_device_name(device)
         return major >= 8, f"{name}, compute capability {major}.{minor}"
     if device.type == "cpu":
+        override = os.environ.get(CPU_BF16_ENV, "").strip()
+        if override in ("0", "1"):
+            return override == "1", f"{CPU_BF16_ENV}={override}"
+        if override:
+            raise FeatCalError(f"{CPU_BF16_ENV} must be 1 or 0 (got {override!r}); unset it")
         found = [flag for flag in CPU_BF16_FLAGS if flag in _cpu_flags()]
         if found and torch.backends.mkldnn.is_available():
             return True, f"this CPU has {'/'.join(found)}"
@@ -132,16 +117,6 @@ def resolve(requested: str, device: torch.device, model_dtype: torch.dtype) -> P
         return Precision("float64", "the checkpoints are float64", requested)
     native, evidence = native_bfloat16(device)
     if requested == "auto":
-        if native and device.type == "cpu":
-            speedup = cpu_bfloat16_speedup()
-            evidence += f"; its bfloat16 matmul measured ×{speedup:.2f} the float32 speed"
-            if speedup < BF16_MIN_SPEEDUP:
-                return Precision(
-                    "float32",
-                    f"auto: bfloat16 measured no faster than float32 ({evidence}; bfloat16 "
-                    f"needs ×{BF16_MIN_SPEEDUP:g})",
-                    requested,
-                )
         if native:
             return Precision("bfloat16", f"auto: native bfloat16 ({evidence})", requested)
         return Precision("float32", f"auto: no native bfloat16 ({evidence})", requested)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +37,25 @@ log = logging.getLogger(__name__)
 Finding = tuple[str, str]  # (params key, one line: what is wrong and the fix / the note)
 
 
-def check(
-    params: Any, *, cache_dir: str | Path | None = None
-) -> tuple[list[Finding], list[Finding]]:
-    """(problems, notes) of the models and datasets of `params` (featcal_core.params.Params)."""
+class Notes(list[Finding]):
+    """The notes of a check, and among them the items it could not check: `unchecked` holds
+    (params key, why: "offline", "unreachable" or "not read")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unchecked: list[Finding] = []
+
+    def skip(self, key: str, text: str, why: str) -> None:
+        """Note that `key` was not checked, and why."""
+        self.append((key, text))
+        self.unchecked.append((key, why))
+
+
+def check(params: Any, *, cache_dir: str | Path | None = None) -> tuple[list[Finding], Notes]:
+    """(problems, notes) of the models and datasets of `params` (featcal_core.params.Params);
+    `notes.unchecked` names the items that could not be checked."""
     problems: list[Finding] = []
-    notes: list[Finding] = []
+    notes = Notes()
     harness = params.evaluation.harness
     if harness is not None:  # lm-eval installed (else one line, now), its tasks known
         from featcal_core.evaluation.harness import check_settings, require_lm_eval
@@ -72,6 +86,7 @@ def check(
             )
     _check_structure(roles, families, problems)
     _check_hub_configs(configs, families, problems)
+    _check_hub_vocabularies(roles, families, configs, problems)
     if harness is not None and base is not None and base is not _ADAPTER and not base.causal:
         problems.append(
             (
@@ -114,7 +129,7 @@ def _check_model(
     ref: Any,
     cache_dir,
     problems: list[Finding],
-    notes: list[Finding],
+    notes: Notes,
     configs: dict[str, Path] | None = None,
 ):
     """The model's architecture adapter (None when it cannot be known); problems appended; a Hub
@@ -222,14 +237,74 @@ def _check_hub_configs(configs: dict[str, Path], families: dict, problems: list[
             )
 
 
+@dataclass
+class _Snapshot:
+    """A Hub model's snapshot folder as far as `featcal check` fetched it (config.json and
+    tokenizer files), or a local folder: what featcal_core.io.vocabulary reads."""
+
+    directory: Path
+    config: dict
+    role: str
+
+
+def _check_hub_vocabularies(
+    roles: dict[str, Any], families: dict, configs: dict[str, Path], problems: list[Finding]
+) -> None:
+    """Each expert's token ids against the base's (featcal_core.io.vocabulary) where either is a
+    Hub model, from its fetched config.json and tokenizer files (local pairs: `_check_structure`)."""
+    from featcal_core.architectures.base import require_tokenizer
+    from featcal_core.io.vocabulary import check_same_vocabulary
+
+    def snapshot(role: str) -> _Snapshot | None:
+        ref = roles[role]
+        folder = configs[role].parent if role in configs else None
+        if folder is None and ref.kind == "local" and ref.format == "hf":
+            folder = Path(ref.path).expanduser()
+        if folder is None:
+            return None
+        try:
+            config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None  # not fetched, or reported already
+        what = "base model" if role == "models.base" else "expert"
+        return _Snapshot(folder, config, what) if isinstance(config, dict) else None
+
+    base_family = families.get("models.base")
+    if base_family is None or base_family is _ADAPTER:
+        return
+    base = snapshot("models.base")
+    if base is not None and "models.base" in configs and base_family.modality == "text":
+        try:  # the run's calibration and evaluation tokenize with the base's tokenizer
+            require_tokenizer(base.directory, f"Hub model {roles['models.base'].ref!r}")
+        except FeatCalError as exc:
+            problems.append(("models.base", str(exc)))
+    for role in roles:
+        family = families.get(role)
+        if (
+            base is None
+            or role == "models.base"
+            or getattr(family, "name", None) != base_family.name
+        ):
+            continue
+        if role not in configs and "models.base" not in configs:
+            continue  # two local folders: compared with their weights
+        other = snapshot(role)
+        try:
+            if other is not None:
+                check_same_vocabulary(base, other)
+        except FeatCalError as exc:
+            problems.append((role, str(exc)))
+
+
 def _check_structure(roles: dict[str, Any], families: dict, problems: list[Finding]) -> None:
     """Local models of a known family, opened as every command opens them (config.json and the
     safetensors headers, no weights), and each expert compared with the base
     (featcal_core.io.structure); a model whose family differs from the base's is reported
     already."""
+    from featcal_core.architectures.base import require_tokenizer
     from featcal_core.io.adapters import is_adapter, open_expert
     from featcal_core.io.checkpoint import Checkpoint
-    from featcal_core.io.structure import check_same_structure
+    from featcal_core.io.structure import check_fine_tune
 
     opened: dict[str, Checkpoint] = {}
     adapters = {}
@@ -245,6 +320,12 @@ def _check_structure(roles: dict[str, Any], families: dict, problems: list[Findi
         except FeatCalError as exc:
             problems.append((role, str(exc)))
     base = opened.pop("models.base", None)
+    family = families.get("models.base")
+    if base is not None and getattr(family, "modality", "") == "text":
+        try:  # the run's calibration and evaluation tokenize with the base's tokenizer
+            require_tokenizer(base.directory)
+        except FeatCalError as exc:
+            problems.append(("models.base", str(exc)))
     for role, path in adapters.items():  # its config, weights and shapes against the base's
         if base is None:
             continue
@@ -256,7 +337,7 @@ def _check_structure(roles: dict[str, Any], families: dict, problems: list[Findi
         if base is None or families[role].name != families["models.base"].name:
             continue
         try:
-            check_same_structure(base, checkpoint)
+            check_fine_tune(base, checkpoint)
         except FeatCalError as exc:
             problems.append((role, str(exc)))
 
@@ -288,7 +369,7 @@ def _unreachable(exc: BaseException) -> bool:
     return _is_transient(exc)
 
 
-def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: list[Finding]):
+def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: Notes):
     """(top-level file names, local config.json or None, where) of a Hub model, or None after
     appending the problem. Online: the Hub's listing and config.json; offline: the cache."""
     from huggingface_hub import HfApi, hf_hub_download, try_to_load_from_cache
@@ -339,8 +420,12 @@ def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: l
             )
             files = [*files, "model.safetensors"]  # checked when the conversion is fetched
     if "config.json" in files and config is None:
-        try:
-            config = hf_hub_download(repo_id, "config.json", revision=revision, cache_dir=cache_dir)
+        from featcal_core.io.vocabulary import TOKENIZER_FILES
+
+        try:  # config.json and the tokenizer's small files, compared with the base's
+            for name in ["config.json", *(n for n in files if n in TOKENIZER_FILES)]:
+                path = hf_hub_download(repo_id, name, revision=revision, cache_dir=cache_dir)
+                config = path if name == "config.json" else config
         except Exception as exc:
             _hub_failure(exc, role, ref, offline, "config.json not fetched", problems, notes)
             return None
@@ -354,19 +439,18 @@ def _hub_failure(
     offline: bool,
     unanswered: str,
     problems: list[Finding],
-    notes: list[Finding],
+    notes: Notes,
 ) -> None:
     """A Hub look-up that failed: a note when the Hub did not answer (the download step retries
     those), else a problem worded as the download step words it (hub._hub_error)."""
     from featcal_core.provenance.hub import _hub_error
 
     if _unreachable(exc):
-        notes.append(
-            (
-                role,
-                f"Hub model {ref.ref!r}: {unanswered} ({type(exc).__name__}); not "
-                "checked (the download step retries)",
-            )
+        notes.skip(
+            role,
+            f"Hub model {ref.ref!r}: {unanswered} ({type(exc).__name__}); not checked (the "
+            "download step retries)",
+            "unreachable",
         )
         return
     error = _hub_error(exc, role, ref.ref, ref.repo_id, offline)
@@ -393,7 +477,7 @@ def _check_source(
     source: Any,
     family,
     problems: list[Finding],
-    notes: list[Finding],
+    notes: Notes,
     hub: dict,
 ) -> None:
     """Problems of one data source: missing, no such split, missing columns, no class names.
@@ -494,7 +578,7 @@ def _remembered(memo: dict, key: tuple, call):
     return value
 
 
-def _hub_features(key: str, source: Any, problems: list[Finding], notes: list[Finding], memo: dict):
+def _hub_features(key: str, source: Any, problems: list[Finding], notes: Notes, memo: dict):
     """The features a Hub dataset's card lists for its config (no rows are downloaded), or None
     after recording a problem (no such dataset, config or split) or a note (offline, the Hub not
     answering, no features listed). `memo`: lookups already made, by dataset, config and
@@ -502,12 +586,10 @@ def _hub_features(key: str, source: Any, problems: list[Finding], notes: list[Fi
     from featcal_core.data.source_rows import _datasets_offline
 
     if _datasets_offline():
-        notes.append(
-            (
-                key,
-                f"{source.describe()}: not checked offline (the run opens it from "
-                "the datasets cache)",
-            )
+        notes.skip(
+            key,
+            f"{source.describe()}: not checked offline (the run opens it from the datasets cache)",
+            "offline",
         )
         return None
     from huggingface_hub import HfApi
@@ -520,7 +602,11 @@ def _hub_features(key: str, source: Any, problems: list[Finding], notes: list[Fi
         )
     except Exception as exc:
         if _unreachable(exc):
-            notes.append((key, f"Hub dataset {source.hub!r}: the Hub did not answer; not checked"))
+            notes.skip(
+                key,
+                f"Hub dataset {source.hub!r}: the Hub did not answer; not checked",
+                "unreachable",
+            )
             return None
         status = getattr(getattr(exc, "response", None), "status_code", None)
         what = "does not exist or is private" if status in (401, 404) else f"cannot be read ({exc})"
@@ -544,12 +630,11 @@ def _hub_features(key: str, source: Any, problems: list[Finding], notes: list[Fi
     except Exception as exc:
         message = " ".join(str(exc).split())
         if _unreachable(exc):
-            notes.append(
-                (
-                    key,
-                    f"{source.describe()}: the Hub did not answer; not checked "
-                    f"({type(exc).__name__}: {message[:160]})",
-                )
+            notes.skip(
+                key,
+                f"{source.describe()}: the Hub did not answer; not checked "
+                f"({type(exc).__name__}: {message[:160]})",
+                "unreachable",
             )
         elif "config" in message.lower():
             problems.append(
@@ -580,12 +665,11 @@ def _hub_features(key: str, source: Any, problems: list[Finding], notes: list[Fi
         )
         return None
     if builder.info.features is None:
-        notes.append(
-            (
-                key,
-                f"{source.describe()}: the dataset card lists no features; columns are "
-                "checked when the run loads it",
-            )
+        notes.skip(
+            key,
+            f"{source.describe()}: the dataset card lists no features; columns are checked "
+            "when the run loads it",
+            "not read",
         )
         return None
     return builder.info.features

@@ -45,6 +45,7 @@ from featcal_core.evaluation.language_model import (
 from featcal_core.evaluation.linear_head import load_linear_head
 from featcal_core.evaluation.prompt_sets import zero_shot_prompts
 from featcal_core.evaluation.result_cache import (
+    check_outside,
     classification_keys,
     label_scoring_key,
     reuse_or_evaluate,
@@ -62,14 +63,21 @@ from featcal_core.report.figures import task_normalized
 log = logging.getLogger(__name__)
 
 
+def _data_folder(task_name: str, source: Any, data_root: Path) -> Path:
+    """The save_to_disk directory of a task's evaluation rows (Hub splits: below `data_root`)."""
+    if source.hub is None:
+        return Path(source.path).expanduser()
+    return data_root / task_name
+
+
 def _evaluation_data(task_name: str, source: Any, data_root: Path) -> tuple[Path, str | None]:
     """(save_to_disk directory, split) of a task's evaluation rows. Hub splits are saved once,
     with EVALUATION_SOURCE (the source, its identity, its commit where known), and saved again
     when the folder does not verify or the params name another source (id, config, split,
     revision)."""
+    target = _data_folder(task_name, source, data_root)
     if source.hub is None:
-        return Path(source.path).expanduser(), source.split
-    target = data_root / task_name
+        return target, source.split
     core = as_data_source(source, f"tasks.{task_name}.evaluation")
     identity = list(core.identity())
     record = target / EVALUATION_SOURCE
@@ -227,6 +235,29 @@ def evaluate_models(
     if settings.harness is not None:
         return _evaluate_harness(params, base, experts, models)
     root = Path(results_dir)
+    check_outside(
+        {
+            "models.base": base,
+            **{f"expert {task!r}": path for task, path in experts.items()},
+            **{f"model {name!r}": path for name, path in models.items()},
+            **{
+                f"{name} head of {task!r}": path
+                for name, heads in (refit_heads or {}).items()
+                for task, path in heads.items()
+            },
+            **{
+                f"{name} {kind}": path
+                for name, pair in (surgeries or {}).items()
+                for kind, path in zip(("checkpoint", "surgery folder"), pair, strict=True)
+            },
+            **{
+                f"evaluation set of {task!r}": _data_folder(
+                    task, spec.evaluation, root / "evaluation_data"
+                )
+                for task, spec in params.tasks.items()
+            },
+        }
+    )
     table: dict[str, dict[str, dict[str, float]]] = {}
     reused_rows: list[str] = []  # task/row names taken from the evaluation store
     language_model = generation_kind(base) is not None

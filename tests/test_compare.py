@@ -46,6 +46,9 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
         "PREFECT_API_URL": prefect_api,
         # the evaluation store: a second compare of the same file evaluates nothing again
         "FEATCAL_EVALUATION_CACHE": str(tmp_path / "evaluations.sqlite"),
+        # auto's bfloat16 outcome on any host (test_dvc forces the float32 one): the records of
+        # two compares are equal byte for byte whichever way the machine decides
+        "FEATCAL_CPU_BFLOAT16": "1",
     }
     cmd = [sys.executable, "-m", "featcal_cli.main", "compare", "--params", str(params_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)

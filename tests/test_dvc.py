@@ -33,6 +33,8 @@ def _env(tmp_path: Path, api_url: str) -> dict[str, str]:
         "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
         "PREFECT_HOME": str(tmp_path / "prefect"),
         "DVC_NO_ANALYTICS": "1",
+        # auto's float32 outcome on any host (test_compare forces the bfloat16 one)
+        "FEATCAL_CPU_BFLOAT16": "0",
         "DVC_SITE_CACHE_DIR": str(tmp_path / "dvc-site"),
         "GIT_AUTHOR_NAME": "t",
         "GIT_AUTHOR_EMAIL": "t@t",

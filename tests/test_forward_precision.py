@@ -100,7 +100,7 @@ def test_head_calibration_feature_pass_in_bfloat16(bert, record_property):  # no
 def test_forward_precision_follows_the_calibration_rules(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.setattr(precision, "_cpu_flags", lambda: frozenset({"avx512_bf16"}))
-    monkeypatch.setattr(precision, "cpu_bfloat16_speedup", lambda: 2.0)
+    monkeypatch.delenv(precision.CPU_BF16_ENV, raising=False)
     assert precision.resolve_forwards("auto", cpu).name == "bfloat16"
     assert precision.resolve_forwards("float32", cpu).name == "float32"
     asked = precision.resolve_forwards("float64", cpu)

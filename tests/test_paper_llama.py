@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -270,6 +271,45 @@ def test_the_paper_llama_file_names_each_planted_mistake_in_one_line(stand_ins, 
             "account has no access; accept its terms on https://huggingface.co/meta-llama/"
             "Llama-3.2-3B and log in (`hf auth login` or HF_TOKEN)"
         ]
+        assert _downloads(hub) == []
+
+
+def test_another_vocabulary_and_a_base_without_tokenizer_are_named_before_any_download(
+    stand_ins, tmp_path
+):
+    """What the run would refuse once the weights are there, named by `featcal check` from the
+    small files alone: an expert whose tokenizer.json gives two tokens each other's ids (the
+    same vocab_size in its config) and a base saved without tokenizer files, one line each."""
+    papers, models, data = stand_ins
+    paper = PAPERS["paper-llama"]
+    other = shutil.copytree(
+        models["paper-llama"]["MergeBench/Llama-3.2-3B_safety"], tmp_path / "other"
+    )
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = sorted(vocab, key=vocab.get)[-2:]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    bare = shutil.copytree(models["paper-llama"]["meta-llama/Llama-3.2-3B"], tmp_path / "bare")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (bare / name).unlink(missing_ok=True)
+    with MockHub() as hub:
+        serve(hub, models["paper-llama"], data)
+        hub.add("org/other-vocabulary", other)
+        hub.add("org/bare-base", bare)
+        for setting, key, words in (
+            (
+                "models.experts.safety=org/other-vocabulary",
+                "models.experts.safety",
+                "its tokenizer.json vocabulary differs from the base's",
+            ),
+            ("models.base=org/bare-base", "models.base", "no tokenizer files"),
+        ):
+            checked = featcal_check(hub, tmp_path / key, "--params", str(paper), "--set", setting)
+            assert checked.returncode == 2, checked.stderr[-4000:]
+            errors = _errors(checked.stderr)
+            assert len(errors) == 1 and errors[0].startswith(f"featcal: error: {key}: "), errors
+            assert words in errors[0], errors
         assert _downloads(hub) == []
 
 

@@ -171,13 +171,22 @@ def test_the_paper_file_checks_unchanged_against_stand_in_hub_repositories(
 
     assert main(["check", "--params", str(PAPER)]) == 0
     out, err = capsys.readouterr()
-    assert "no problems found (8 tasks)" in out
+    # the Hub datasets are not checkable offline: the headline says so, never "no problems found"
+    assert "no problems found (8 tasks)" not in out
+    assert (
+        "no problems found in what was checked (8 tasks); 16 items not checked (16 offline)" in out
+    )
     assert (
         "featcal: note: models.base: Hub model 'openai/clip-vit-base-patch32' has pickled "
         "weights only on its default branch; the run uses its safetensors conversion "
         "refs/pr/66" in err
     )
     assert err.count("not checked offline") == 16  # calibration and evaluation of 8 tasks
+
+    # --strict: each item not checked is one problem line, exit 2
+    assert main(["check", "--params", str(PAPER), "--strict"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 16 and all("--strict" in line for line in errors), errors
 
     shutil.rmtree(cache / "models--tanganke--clip-vit-base-patch32_dtd")
     assert main(["check", "--params", str(PAPER)]) == 2

@@ -334,3 +334,42 @@ def test_a_full_tracking_store_is_one_line(tmp_path, monkeypatch, capsys):
         assert "full" in err[0]
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_users_file_listed_by_an_edited_marker_is_never_deleted(tmp_path):
+    """A marker edited to list the user's own file, beside damaged weights: the replacement is
+    refused in one line naming that file, which keeps its bytes; damaged weights alone are
+    replaced (a rerun heals them)."""
+    import json
+
+    from featcal_core.io.markers import MARKER
+    from featcal_core.io.outputs import guarded_directory
+
+    out = tmp_path / "merged"
+    for _ in range(2):  # written, then replaced: featcal's own files
+        with guarded_directory(out, overwrite=True) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"weights")
+            (tmp / "README.md").write_text("card\n")
+    weights = out / "model.safetensors"
+    weights.write_bytes(b"damaged")
+    notes = out / "my_notes.txt"
+    notes.write_text("the user's notes\n")
+    marker = json.loads((out / MARKER).read_text())
+    marker["files"]["my_notes.txt"] = "0" * 64
+    (out / MARKER).write_text(json.dumps(marker))
+    with pytest.raises(FeatCalError, match=r"holds .*my_notes\.txt, which featcal did not write"):
+        with guarded_directory(out, overwrite=True) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"weights")
+    assert notes.read_text() == "the user's notes\n" and weights.read_bytes() == b"damaged"
+    # a card the user edited is theirs too
+    notes.unlink()
+    del marker["files"]["my_notes.txt"]
+    (out / MARKER).write_text(json.dumps(marker))
+    (out / "README.md").write_text("my edits\n")
+    with pytest.raises(FeatCalError, match=r"README\.md, which featcal did not write"):
+        with guarded_directory(out, overwrite=True):
+            pass
+    (out / "README.md").write_text("card\n")
+    with guarded_directory(out, overwrite=True) as tmp:  # damaged weights alone: replaced
+        (tmp / "model.safetensors").write_bytes(b"weights")
+    assert weights.read_bytes() == b"weights"

@@ -222,6 +222,15 @@ def has_tokenizer(directory: str | Path) -> bool:
     return any((Path(directory) / name).is_file() for name in TOKENIZER_FILES)
 
 
+def require_tokenizer(directory: str | Path, what: str = "base model") -> None:
+    """Refuse a local `directory` without tokenizer files (one line naming it and the fix)."""
+    if Path(directory).is_dir() and not has_tokenizer(directory):
+        raise FeatCalError(
+            f"{what} {directory}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); save "
+            "the model's tokenizer there with tokenizer.save_pretrained"
+        )
+
+
 def load_tokenizer(directory: str | Path, what: str = "base model", right_padded: bool = False):
     """The tokenizer saved in `directory` (a clear FeatCalError when there is none).
 
@@ -229,12 +238,7 @@ def load_tokenizer(directory: str | Path, what: str = "base model", right_padded
     (causal LMs)."""
     from transformers import AutoTokenizer
 
-    local = Path(directory)
-    if local.is_dir() and not has_tokenizer(local):
-        raise FeatCalError(
-            f"{what} {directory}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); save "
-            "the model's tokenizer there with tokenizer.save_pretrained"
-        )
+    require_tokenizer(directory, what)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except Exception as exc:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from featcal_core.errors import FeatCalError
+from featcal_core.io.saved_datasets import check_saved_dataset
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ def load_calibration_set(
         raise FeatCalError(
             f"--calib {task}={path}: directory does not exist; pass a datasets save_to_disk directory"
         )
+    check_saved_dataset(path, f"--calib {task}={path}")
     if _saved_without_rows(path):
         raise FeatCalError(f"--calib {task}={path}: the calibration set is empty; add rows")
     try:

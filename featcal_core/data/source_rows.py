@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from featcal_core.data.source import DataSource, as_data_source
 from featcal_core.errors import FeatCalError
+from featcal_core.io.saved_datasets import check_saved_dataset
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +217,7 @@ def _open_local(source: DataSource, key: str) -> tuple[datasets.Dataset, str | N
             f"{key}.path: {path} does not exist; pass a datasets save_to_disk directory "
             "(or fetch it first, e.g. dvc pull)"
         )
+    check_saved_dataset(path, f"{key}.path")
     target = path
     dict_file = path / "dataset_dict.json"
     if dict_file.is_file():  # a DatasetDict: each split is a Dataset directory below it

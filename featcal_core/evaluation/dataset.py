@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from featcal_core.errors import FeatCalError
+from featcal_core.io.saved_datasets import check_saved_dataset
 
 
 def _load_split(dataset_dir: str | Path, split: str | None) -> Any:
@@ -21,6 +22,7 @@ def _load_split(dataset_dir: str | Path, split: str | None) -> Any:
         raise FeatCalError(
             f"evaluation set {path} does not exist; pass a datasets save_to_disk directory"
         )
+    check_saved_dataset(path, f"evaluation set {path}")
     try:
         data = datasets.load_from_disk(str(path))
     except Exception as exc:

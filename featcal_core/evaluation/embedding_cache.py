@@ -1,7 +1,8 @@
 """The on-disk cache of zero-shot class embeddings: its key, reading and atomic writing.
 
 One safetensors file per key; the key is a sha256 over a version string, the files the
-embeddings derive from (weights, tokenizer or config), the class names and the templates. Shared
+embeddings derive from (weights, tokenizer or config), the model's configuration as canonical
+JSON where one is given, the class names and the templates. Shared
 by the CLIP (`featcal_core.evaluation.zero_shot_head`) and open_clip
 (`featcal_core.open_clip.zero_shot`) zero-shot heads.
 """
@@ -11,8 +12,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,15 +28,22 @@ __all__ = ["embedding_cache_key", "read_embedding_cache", "write_embedding_cache
 
 
 def embedding_cache_key(
-    version: str, files: Sequence[Path], class_names: Sequence[str], templates: Sequence[str]
+    version: str,
+    files: Sequence[Path],
+    class_names: Sequence[str],
+    templates: Sequence[str],
+    config: Mapping[str, Any] | None = None,
 ) -> str:
-    """Key of a class-embedding cache: sha256 over `version`, each file's name and sha256, the
-    class names and the templates."""
+    """Key of a class-embedding cache: sha256 over `version`, each file's name and sha256,
+    `config`, the class names and the templates (as JSON with sorted keys: the same content gives
+    the same key whatever its layout in the file)."""
     digest = hashlib.sha256(version.encode())
     for path in files:
         digest.update(path.name.encode() + b"\0" + bytes.fromhex(sha256_file(path)))
-    payload = {"class_names": list(class_names), "templates": list(templates)}
-    digest.update(json.dumps(payload, ensure_ascii=False).encode())
+    payload: dict[str, Any] = {"class_names": list(class_names), "templates": list(templates)}
+    if config is not None:
+        payload["config"] = dict(config)
+    digest.update(json.dumps(payload, ensure_ascii=False, sort_keys=True).encode())
     return digest.hexdigest()
 
 

@@ -13,7 +13,10 @@ Checkpoint files are all files below the folder except its model card and featca
 and marker, which change with each run without changing the model (`content_digest`).
 
 The store: `$FEATCAL_EVALUATION_CACHE` (a file path; `off` disables it), else
-`$XDG_CACHE_HOME/featcal/evaluations.sqlite` (default `~/.cache/featcal/`).
+`$XDG_CACHE_HOME/featcal/evaluations.sqlite` (default `~/.cache/featcal/`). It never lies inside
+an evaluation's inputs (`check_outside`). A stored row whose fields do not have their types
+(ROW_FIELDS) is evaluated again; a store another process keeps locked is skipped
+(featcal_core.io.cache_store).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -28,6 +33,7 @@ from typing import Any
 
 import torch
 
+from featcal_core.errors import FeatCalError
 from featcal_core.io import cache_store
 from featcal_core.provenance.identity import (
     code_identity,
@@ -45,6 +51,18 @@ _SCHEMA = """CREATE TABLE IF NOT EXISTS evaluation_rows (
     key TEXT PRIMARY KEY, result TEXT NOT NULL, sha256 TEXT NOT NULL)"""
 
 Row = dict[str, Any]
+
+#: the fields a row may hold and their types: a stored row with another field, or one of these
+#: of another type, is evaluated again ("accuracy" is required)
+ROW_FIELDS: dict[str, type] = {
+    "accuracy": float,
+    "loss": float,
+    "examples": int,
+    "split_rows": int,
+    "perplexity": float,
+    "nll": float,
+    "tokens": int,
+}
 
 
 def store_path() -> Path | None:
@@ -66,6 +84,27 @@ def _connect() -> sqlite3.Connection | None:
     return cache_store.connect(store_path(), _SCHEMA)
 
 
+def row_problem(row: Any) -> str | None:
+    """Why a stored row cannot be used (None: it can): not an object, no accuracy, a field
+    outside ROW_FIELDS, or a field of another type (a float field takes a finite number, an int
+    field an integer; accuracy lies in [0, 1])."""
+    if not isinstance(row, dict):
+        return f"a {type(row).__name__}, not an object"
+    if "accuracy" not in row:
+        return "no accuracy"
+    for name, value in row.items():
+        kind = ROW_FIELDS.get(name)
+        if kind is None:
+            return f"unknown field {name!r}"
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+            return f"{name} holds {type(value).__name__} {value!r:.40}, not {kind.__name__}"
+        if not math.isfinite(value):
+            return f"{name} is {value!r}"
+    if not 0.0 <= row["accuracy"] <= 1.0:
+        return f"accuracy {row['accuracy']!r} is outside [0, 1]"
+    return None
+
+
 def lookup(keys: Sequence[str]) -> dict[str, Row]:
     """{key: stored row} of the `keys` the store holds."""
     connection = _connect()
@@ -79,11 +118,12 @@ def lookup(keys: Sequence[str]) -> dict[str, Row]:
                 list(keys),
             ).fetchall()
     except sqlite3.Error as exc:
-        log.debug("evaluation store: not read (%s)", exc)
+        cache_store.failed(store_path(), exc, "read")
         return {}
     finally:
         connection.close()
     rows: dict[str, Row] = {}
+    malformed: list[str] = []
     for key, text, digest in found:
         if _sha256(text) != digest:
             continue  # changed since it was stored: evaluated again
@@ -91,8 +131,18 @@ def lookup(keys: Sequence[str]) -> dict[str, Row]:
             row = json.loads(text)
         except ValueError:
             continue
-        if isinstance(row, dict):
+        problem = row_problem(row)
+        if problem is None:
             rows[key] = row
+        else:
+            malformed.append(problem)
+    if malformed:
+        log.warning(
+            "evaluation store %s: %d stored row(s) malformed (%s); evaluated again",
+            store_path(),
+            len(malformed),
+            malformed[0],
+        )
     return rows
 
 
@@ -114,7 +164,7 @@ def record(rows: Mapping[str, Row]) -> None:
                 "INSERT OR REPLACE INTO evaluation_rows VALUES (?, ?, ?)", entries
             )
     except sqlite3.Error as exc:
-        log.debug("evaluation store: not recorded (%s)", exc)
+        cache_store.failed(store_path(), exc, "written")
     finally:
         connection.close()
 
@@ -190,3 +240,25 @@ def label_scoring_key(
             **settings,
         }
     )
+
+
+def check_outside(inputs: Mapping[str, str | Path]) -> None:
+    """Refuse a store that lies inside one of `inputs` ({what it is, e.g. "expert 'alpha'":
+    its folder}): writing it there would change the input (its digests, its files)."""
+    path = store_path()
+    if path is None:
+        return
+    store = path.resolve()
+    for role, folder in inputs.items():
+        root = Path(folder).expanduser().resolve()
+        if store == root or root in store.parents:
+            setting = (
+                f"{VARIABLE}={os.environ[VARIABLE]}"
+                if os.environ.get(VARIABLE) is not None
+                else f"the default store {path} (XDG_CACHE_HOME)"
+            )
+            raise FeatCalError(
+                f"{setting} lies inside {role} {folder}; the evaluation store is never written "
+                f"into an input: point {VARIABLE} at a file outside the models and datasets "
+                f"(or set {VARIABLE}=off)"
+            )

@@ -50,6 +50,9 @@ _TOKENIZER_FILES = (
     "merges.txt",
     "special_tokens_map.json",
     "added_tokens.json",
+    "tokenizer.model",
+    "spiece.model",
+    "sentencepiece.bpe.model",
 )
 
 _CACHE_VERSION = "featcal-zeroshot-v1"
@@ -60,8 +63,8 @@ class ZeroShotHead(Head):
 
     class_names: one name per label id (label i is class_names[i]); templates: prompts with one
     "{}" for the class name. The class embeddings are written to `cache_dir` (None: not cached)
-    as safetensors, keyed by a sha256 of the base's weight and tokenizer files, the class names and
-    the templates.
+    as safetensors, keyed by a sha256 of the base's weight and tokenizer files, its config.json
+    content, the class names and the templates.
     """
 
     modality = "image"
@@ -127,11 +130,14 @@ class ZeroShotHead(Head):
 
     # ----- class embeddings -------------------------------------------------------------------
     def cache_key(self) -> str:
-        """sha256 over the base's weight (and tokenizer) files, class names and templates."""
+        """sha256 over the base's weight and tokenizer files, its config.json content (the text
+        tower's architecture: width, layers, activation, ...), class names and templates."""
         if self._key is None:
             files = list(self.base.weight_paths())
             files += [self.clip_dir / n for n in _TOKENIZER_FILES if (self.clip_dir / n).is_file()]
-            self._key = embedding_cache_key(_CACHE_VERSION, files, self.class_names, self.templates)
+            self._key = embedding_cache_key(
+                _CACHE_VERSION, files, self.class_names, self.templates, config=self.base.config
+            )
         return self._key
 
     def cache_path(self) -> Path | None:

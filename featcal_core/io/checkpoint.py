@@ -2,7 +2,8 @@
 
 A `Checkpoint` reads only headers when opened: tensor names, shapes, dtypes and which shard holds
 each. Opening refuses a folder that is not one consistent checkpoint: an index naming a shard
-outside the folder or a tensor its shard does not hold, a tensor stored twice, a shard whose
+outside the folder or a tensor its shard does not hold, an index beside a `model.safetensors` it
+does not name alone (transformers loads the single file), a tensor stored twice, a shard whose
 header is malformed or truncated or whose tensors overlap, leave the file or leave bytes unowned
 (`read_header`). featcal_core.io.structure compares a checkpoint with its base. Tensors are read
 on demand with `read(names)`, which copies exactly the requested tensors' bytes with plain file
@@ -102,6 +103,14 @@ class Checkpoint:
                 )
             self.weight_map = weight_map
             files = sorted(set(weight_map.values()))
+            if files != [SINGLE_NAME] and (self.directory / SINGLE_NAME).is_file():
+                # transformers' from_pretrained loads the single file, the index names others
+                raise FeatCalError(
+                    f"{self.role} {self.directory} holds both {SINGLE_NAME} and {INDEX_NAME} "
+                    f"(which names {', '.join(files[:3])}{', ...' if len(files) > 3 else ''}); "
+                    "transformers would load the single file, featcal the index: remove one of them "
+                    f"({SINGLE_NAME}, or the index with its shards)"
+                )
             for name in files:
                 self._check_shard_name(index_path, name)
                 if not (self.directory / name).is_file():

@@ -10,7 +10,8 @@ another inode and is read again too.
 
 The store: `$FEATCAL_DIGEST_CACHE` (a file path; `off` disables it), else
 `$XDG_CACHE_HOME/featcal/digests.sqlite` (default `~/.cache/featcal/`). Concurrent processes share
-it through SQLite's own locking; any failure to read or write it only costs a re-hash.
+it through SQLite's own locking; any failure to read or write it only costs a re-hash (a store
+another process keeps locked is skipped: featcal_core.io.cache_store).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def lookup(identity: Identity) -> str | None:
                 "SELECT size, mtime_ns, ctime_ns, sha256 FROM digests WHERE dev = ? AND ino = ?",
                 identity[:2],
             ).fetchone()
-    except sqlite3.Error:
+    except sqlite3.Error as exc:
+        cache_store.failed(store_path(), exc, "read")
         return None
     finally:
         connection.close()
@@ -77,7 +79,7 @@ def record(identity: Identity, sha256: str) -> None:
                 "INSERT OR REPLACE INTO digests VALUES (?, ?, ?, ?, ?, ?)", (*identity, sha256)
             )
     except sqlite3.Error as exc:
-        log.debug("digest store: not recorded (%s)", exc)
+        cache_store.failed(store_path(), exc, "written")
     finally:
         connection.close()
 

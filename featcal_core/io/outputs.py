@@ -92,6 +92,10 @@ def _owner_alive(name: str, tag: str) -> bool:
 
 
 def _remove(path: Path) -> None:
+    """Remove `path` (a folder with what it holds); a missing one is left alone (unlinking it on a
+    read-only filesystem fails with EROFS, which would hide the write's own error)."""
+    if not os.path.lexists(path):
+        return
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
     else:
@@ -216,12 +220,33 @@ def check_replaceable(out: Path, flag: str = "--out") -> None:
             f"{flag} {out} exists and was not written by featcal (no {MARKER}); move it away "
             f"or choose another {flag} (left untouched)"
         )
-    foreign = foreign_files(out)
+    foreign = foreign_files(out) or _changed_small_files(out)
     if foreign:
         raise FeatCalError(
             f"{flag} {out} holds {foreign[0]}, which featcal did not write; move that file away "
             f"or choose another {flag} (left untouched)"
         )
+
+
+#: the kinds of file a rerun replaces even when they no longer match their recorded sha256
+#: (damaged weights, tensors, records and data shards are what a rerun heals)
+HEALED_SUFFIXES = (".safetensors", ".json", ".arrow")
+
+
+def _changed_small_files(out: Path) -> list[Path]:
+    """Files a marker lists but whose bytes are no longer those recorded, other than the kinds
+    a rerun heals (`HEALED_SUFFIXES`): a user's file listed by an edited marker, or a file the
+    user edited since, is never deleted by a replacement."""
+    changed: list[Path] = []
+    for folder in [out, *(d for d in sorted(out.rglob("*")) if d.is_dir())]:
+        marker = read_marker(folder)
+        for name, digest in sorted((marker or {}).get("files", {}).items()):
+            path = folder / name
+            if path.suffix in HEALED_SUFFIXES or not path.is_file() or path.is_symlink():
+                continue
+            if sha256_file(path) != digest:
+                changed.append(path)
+    return changed
 
 
 def _absolute(path: Path) -> Path:
@@ -481,10 +506,12 @@ def atomic_file(path: str | Path, flag: str = "output file") -> Iterator[Path]:
             files = dict(marker["files"], **{path.name: sha256_file(path)})
             _write_marker(path.parent, files, marker.get("kind"))
     except OSError as exc:
-        _remove(tmp)
+        with contextlib.suppress(OSError):  # the write's error is the one to report
+            _remove(tmp)
         raise oserror(exc, path, flag) from exc
     except BaseException:
-        _remove(tmp)
+        with contextlib.suppress(OSError):
+            _remove(tmp)
         raise
 
 

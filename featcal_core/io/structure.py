@@ -196,3 +196,13 @@ def _tower(arch: Architecture, checkpoint: Checkpoint, prefix: str, source) -> d
             "are of different models: re-save the checkpoint"
         )
     return tower
+
+
+def check_fine_tune(base: Checkpoint, other: Checkpoint, role: str | None = None) -> None:
+    """Refuse `other` unless it is a fine-tune of `base`: its structure
+    (`check_same_structure`) and its token ids (featcal_core.io.vocabulary), as every command
+    and `featcal check` compare them."""
+    from featcal_core.io.vocabulary import check_same_vocabulary
+
+    check_same_structure(base, other)
+    check_same_vocabulary(base, other, role)

@@ -30,10 +30,9 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from featcal_core.errors import FeatCalError
-from featcal_core.io.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +65,7 @@ SPECIAL_KEYS = (
 #: tokenizer.json sections that decide which ids a text becomes
 _VOCABULARY_SECTIONS = ("model", "normalizer", "pre_tokenizer")
 #: every file whose presence means the folder was saved with its tokenizer
-_TOKENIZER_FILES = (
+TOKENIZER_FILES = (
     TOKENIZER_JSON,
     TOKENIZER_CONFIG,
     SPECIAL_TOKENS_MAP,
@@ -77,6 +76,15 @@ _FIX = (
     "its token ids would mean other tokens than the base's; pass an expert fine-tuned from this "
     "base with the base's tokenizer (same vocabulary and added tokens)"
 )
+
+
+class Saved(Protocol):
+    """A saved model's folder as read here: a Checkpoint, or a Hub snapshot holding only its
+    config.json and tokenizer files (`featcal check`)."""
+
+    directory: Path
+    config: dict
+    role: str
 
 
 @dataclass(frozen=True)
@@ -103,7 +111,7 @@ class Vocabulary:
     saved: bool = False  # the folder holds tokenizer files
 
 
-def check_same_vocabulary(base: Checkpoint, other: Checkpoint, role: str | None = None) -> None:
+def check_same_vocabulary(base: Saved, other: Saved, role: str | None = None) -> None:
     """Refuse `other` (an expert or merged model; `role` names it, default `other.role`) when
     its token ids are not the base's; warn when its special tokens or chat template differ."""
     role = role or other.role
@@ -162,7 +170,7 @@ def check_same_vocabulary(base: Checkpoint, other: Checkpoint, role: str | None 
         _warn_framing(base, mine, theirs, where)
 
 
-def _warn_framing(base: Checkpoint, mine: Vocabulary, theirs: Vocabulary, where: str) -> None:
+def _warn_framing(base: Saved, mine: Vocabulary, theirs: Vocabulary, where: str) -> None:
     """A warning per kind: special tokens, chat template."""
     roles = sorted(mine.special.keys() | theirs.special.keys())
     differ = [r for r in roles if mine.special.get(r) != theirs.special.get(r)]
@@ -204,7 +212,7 @@ def _first_difference(base: dict[int, str], other: dict[int, str]) -> str | None
 # ----------------------------------------------------------------------------------- reading
 
 
-def read_vocabulary(checkpoint: Checkpoint) -> Vocabulary:
+def read_vocabulary(checkpoint: Saved) -> Vocabulary:
     """The vocabulary of `checkpoint`'s config and of the tokenizer files in its folder."""
     directory = checkpoint.directory
     found = Vocabulary()
@@ -212,7 +220,7 @@ def read_vocabulary(checkpoint: Checkpoint) -> Vocabulary:
     for key, inner in [("", config), ("text_config.", config.get("text_config"))]:
         if isinstance(inner, dict) and isinstance(inner.get("vocab_size"), int):
             found.sizes[f"{key}vocab_size"] = inner["vocab_size"]
-    found.saved = any((directory / name).is_file() for name in _TOKENIZER_FILES)
+    found.saved = any((directory / name).is_file() for name in TOKENIZER_FILES)
     if not found.saved:
         return found
     tokenizer = directory / TOKENIZER_JSON
@@ -222,7 +230,7 @@ def read_vocabulary(checkpoint: Checkpoint) -> Vocabulary:
         found.added[TOKENIZER_JSON] = added
     for name in VOCAB_FILES:
         if (directory / name).is_file():
-            found.files[name] = _file_digest(*_stat(directory / name))
+            found.files[name] = _file_digest(name, *_stat(directory / name))
     settings = (
         _json(directory / TOKENIZER_CONFIG) if (directory / TOKENIZER_CONFIG).is_file() else {}
     )
@@ -297,7 +305,9 @@ def _json(path: Path) -> dict:
 
 
 def _stat(path: Path) -> tuple[str, int, int]:
-    """(path, mtime, size): the key the digests below are cached by (a changed file is re-read)."""
+    """(the file it reads, mtime, size): the key the digests below are cached by (a changed file
+    is re-read). The file is the symlink's target (a Hub cache's hash-named blob): what it holds
+    is decided by the name in the folder, never by the target's."""
     info = path.stat()
     return str(path.resolve()), info.st_mtime_ns, info.st_size
 
@@ -341,23 +351,23 @@ def _in_vocab(vocab: Any, token_id: int, text: str) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _file_digest(path: str, mtime: int, size: int) -> str:
-    """A vocabulary file's content digest: JSON canonically, text line by line (line endings,
-    trailing blank lines and merges.txt's `#version` header aside), anything else byte for
-    byte."""
+def _file_digest(name: str, path: str, mtime: int, size: int) -> str:
+    """The content digest of the vocabulary file `name` (read from `path`, its symlink's target
+    where it is one): JSON canonically, text line by line (line endings, trailing blank lines and
+    merges.txt's `#version` header aside), anything else byte for byte."""
     raw = Path(path).read_bytes()
-    if path.endswith(".json"):
+    if name.endswith(".json"):
         try:
             raw = json.dumps(json.loads(raw), sort_keys=True, ensure_ascii=False).encode()
         except (UnicodeDecodeError, json.JSONDecodeError):
             pass  # compared byte for byte
-    elif path.endswith(".txt"):
+    elif name.endswith(".txt"):
         try:
             lines = raw.decode("utf-8").splitlines()
         except UnicodeDecodeError:
             lines = None
         if lines is not None:
-            if path.endswith("merges.txt"):
+            if name.endswith("merges.txt"):
                 lines = [line for line in lines if not line.startswith("#version")]
             while lines and not lines[-1].strip():
                 lines.pop()

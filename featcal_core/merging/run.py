@@ -45,8 +45,7 @@ from featcal_core.io.outputs import check_output, guarded_directory
 from featcal_core.io.safetensors_io import DTYPES, Reader, SafetensorsFormatError
 from featcal_core.io.shard_size import parse_shard_size
 from featcal_core.io.shards import Layout, plan_layout, write_layout
-from featcal_core.io.structure import check_same_structure
-from featcal_core.io.vocabulary import check_same_vocabulary
+from featcal_core.io.structure import check_fine_tune
 from featcal_core.memory import peak_rss_bytes
 from featcal_core.merging import get
 from featcal_core.merging.base import MergeMethod, Place, as_compute
@@ -104,8 +103,8 @@ def merge_checkpoints(
         task: open_expert(path, f"expert {task!r}", base_ckpt) for task, path in experts.items()
     }
     for expert in expert_ckpts.values():
-        check_same_structure(base_ckpt, expert)
-        check_same_vocabulary(base_ckpt, expert)
+        check_fine_tune(base_ckpt, expert)
+    _warn_without_tokenizer(base_ckpt)
     key_maps = {task: _key_map(base_ckpt, c) for task, c in expert_ckpts.items()}
     log.info(
         "merging %d experts into %s with %s %s (%d tensors)",
@@ -165,6 +164,24 @@ def _write_card(record: dict, base: Checkpoint, name: str, out_dir: Path) -> Non
         architecture = None
     text = merge_card(record, base.config, name, architecture)
     (out_dir / CARD_NAME).write_text(text, encoding="utf-8")
+
+
+def _warn_without_tokenizer(base: Checkpoint) -> None:
+    """One warning when the base reads text (a text model, or a CLIP with its text tower) and its
+    folder holds no tokenizer files: the merged model is written without one too."""
+    from featcal_core.architectures.base import has_tokenizer
+
+    try:
+        reads_text = detect(base.config).modality == "text" or "text_config" in base.config
+    except FeatCalError:  # a family featcal merges but does not calibrate
+        return
+    if reads_text and not has_tokenizer(base.directory):
+        log.warning(
+            "base model %s has no tokenizer files: the merged model is written without them, "
+            "and calibrate and evaluate refuse it; save the base's tokenizer into its folder "
+            "with tokenizer.save_pretrained",
+            base.directory,
+        )
 
 
 def _is_float(dtype: str) -> bool:

@@ -166,8 +166,9 @@ class FeatCalSettings(_Section):
         "dtype of the block passes and of the token products feeding the statistics "
         "(bfloat16: autocast passes and bfloat16 products, where the device has them natively; "
         "float32: each chunk's product added to the float64 sums; float64: the audit path; "
-        "auto: bfloat16 on a CPU with avx512_bf16/AMX whose bfloat16 matmul measures at least "
-        "×1.25 as fast as float32, or a CUDA GPU of compute capability ≥ 8.0, else float32; "
+        "auto: bfloat16 on a CPU with avx512_bf16/AMX (by its flags, never timed; "
+        "$FEATCAL_CPU_BFLOAT16=1/0 overrides) or a CUDA GPU of compute capability ≥ 8.0, else "
+        "float32; "
         "under float32 and float64, bfloat16/float16 checkpoints run float32 passes); sums and "
         "solves are float64 whatever runs",
     )

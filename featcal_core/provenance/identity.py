@@ -15,6 +15,7 @@ import torch
 
 from featcal_core.io.checkpoint import sha256_tree
 from featcal_core.io.markers import MARKER
+from featcal_core.io.saved_datasets import data_file_names
 
 #: files of a checkpoint folder that do not change the model: its card, featcal's marker and
 #: the records of the merge and repairs that wrote it (each run rewrites them: times, paths)
@@ -33,8 +34,8 @@ NOT_CONTENT = frozenset(
 
 def content_digest(directory: str | Path) -> str:
     """`sha256_tree` of `directory` but NOT_CONTENT: what a model folder (or an evaluation set)
-    holds."""
-    return sha256_tree(Path(directory), skip=NOT_CONTENT)
+    holds. A data file a dataset's `state.json` names is content whatever its name."""
+    return sha256_tree(Path(directory), skip=NOT_CONTENT - set(data_file_names(directory)))
 
 
 def tensors_digest(tensors: Sequence[torch.Tensor | None]) -> str:

@@ -33,6 +33,7 @@ from typing import Any
 from featcal_core.errors import FeatCalError
 from featcal_core.io import failpoints
 from featcal_core.io.outputs import swap_in, sweep, temp_path
+from featcal_core.io.saved_datasets import check_saved_dataset
 from featcal_core.provenance.records import ZOO_MANIFEST
 from featcal_core.zoo import hub_cache
 
@@ -233,6 +234,7 @@ def _load_task_data(task: str, source: str, spec: ZooSpec):
             f"zoo {spec.name}: task {task!r}: {source!r} is neither a built-in source "
             f"({', '.join(sorted(SOURCES))}) nor a save_to_disk directory; fix the task's source"
         )
+    check_saved_dataset(path, f"zoo {spec.name}: task {task!r}")
     try:
         data = datasets.load_from_disk(str(path))
     except Exception as exc:

@@ -94,9 +94,48 @@ def test_a_damaged_or_non_json_row_is_evaluated_again(store):
     with sqlite3.connect(store) as connection:  # a row that is JSON but no object, its digest right
         connection.execute(
             "UPDATE evaluation_rows SET result = ?, sha256 = ? WHERE key = ?",
-            ("[1, 2]", result_cache._sha256("[1, 2]"), key),
+            ("[1, 2]", result_cache._sha256(key, "[1, 2]"), key),
         )
     assert result_cache.lookup([key]) == {}
+
+
+def test_a_forged_row_is_not_a_result(store, tmp_path, monkeypatch):
+    """A row written into the store by another hand, its plain sha256 recomputed, is evaluated
+    again: rows are signed with a key only this user can read; a key file others can read turns
+    the store off."""
+    import hashlib
+    import sqlite3
+
+    key = result_cache.row_key({"x": 2})
+    result_cache.record({key: {"accuracy": 0.5}})
+    assert result_cache.lookup([key]) == {key: {"accuracy": 0.5}}
+    forged = '{"accuracy": 0.99}'
+    with sqlite3.connect(store) as connection:
+        connection.execute(
+            "UPDATE evaluation_rows SET result = ?, sha256 = ? WHERE key = ?",
+            (forged, hashlib.sha256(forged.encode()).hexdigest(), key),
+        )
+    assert result_cache.lookup([key]) == {}
+    # a row signed for another key does not verify under this one
+    other = result_cache.row_key({"x": 3})
+    with sqlite3.connect(store) as connection:
+        connection.execute(
+            "UPDATE evaluation_rows SET result = ?, sha256 = ? WHERE key = ?",
+            (forged, result_cache._sha256(other, forged), key),
+        )
+    assert result_cache.lookup([key]) == {}
+    # the key: made once, mode 0600; another user's readable key means no store
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    result_cache._signing_key.cache_clear()
+    signing = tmp_path / "cache" / "featcal" / result_cache.SIGNING_KEY
+    assert result_cache._signing_key() == signing.read_bytes().strip()
+    assert signing.stat().st_mode & 0o777 == 0o600
+    signing.chmod(0o644)
+    result_cache._signing_key.cache_clear()
+    assert result_cache._signing_key() is None
+    result_cache.record({key: {"accuracy": 0.5}})
+    assert result_cache.lookup([key]) == {}
+    result_cache._signing_key.cache_clear()
 
 
 def test_the_key_follows_the_code_and_every_part(monkeypatch):

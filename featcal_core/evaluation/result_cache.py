@@ -6,8 +6,9 @@ rows' files and split, the settings the caller passes (columns, row limit, batch
 the device: featcal_core.provenance.identity.device_identity) and the code (`code_identity`). A
 row is reused only when every part is byte for byte what it was; anything else misses, and a miss
 only costs the evaluation. A reused row is the stored result, so a run's `evaluation.json` is the
-same with or without the store; each row is stored with its sha256 and one that changed since is
-evaluated again.
+same with or without the store; each row is stored signed (HMAC-SHA256 of its key and text under
+a key only this user can read, `SIGNING_KEY`), and one that changed since, or that another writer
+put there with its digest recomputed, is evaluated again.
 
 Checkpoint files are all files below the folder except its model card and featcal's own records
 and marker, which change with each run without changing the model (`content_digest`).
@@ -21,12 +22,16 @@ an evaluation's inputs (`check_outside`). A stored row whose fields do not have 
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import hmac
 import json
 import logging
 import math
 import os
+import secrets
 import sqlite3
+import stat
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,11 +81,54 @@ def row_key(parts: Mapping[str, Any]) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
-def _sha256(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+#: the file, in this user's featcal cache folder, holding the key that signs the store's rows
+SIGNING_KEY = "evaluation-store.key"
+
+
+@functools.lru_cache(maxsize=1)
+def _signing_key() -> bytes | None:
+    """This user's key for the store's rows (made once, mode 0600, linked into place so that
+    concurrent first runs share one), or None when it cannot be had (the store is then unused).
+    A row another writer put into the store, its digest recomputed, does not verify without it:
+    the store holds no more authority than the user's own files."""
+    folder = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "featcal"
+    path = folder / SIGNING_KEY
+    try:
+        if not path.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            draft = folder / f".{SIGNING_KEY}.{os.getpid()}-{secrets.token_hex(4)}"
+            descriptor = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w") as handle:
+                handle.write(secrets.token_hex(32))
+            try:
+                os.link(draft, path)
+            except FileExistsError:
+                pass  # another process made it first: theirs is the key
+            finally:
+                draft.unlink()
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+            log.warning(
+                "evaluation store: %s is not a file of this user's that only they can read; "
+                "working without the store (remove it to have a new one made)",
+                path,
+            )
+            return None
+        return path.read_bytes().strip()
+    except OSError as exc:
+        log.debug("evaluation store: no signing key (%s); working without the store", exc)
+        return None
+
+
+def _sha256(key: str, text: str) -> str:
+    """The row's signature: HMAC-SHA256 of its key and text under this user's key."""
+    secret = _signing_key() or b""
+    return hmac.new(secret, f"{key}\n{text}".encode(), hashlib.sha256).hexdigest()
 
 
 def _connect() -> sqlite3.Connection | None:
+    if _signing_key() is None:
+        return None
     return cache_store.connect(store_path(), _SCHEMA)
 
 
@@ -125,8 +173,8 @@ def lookup(keys: Sequence[str]) -> dict[str, Row]:
     rows: dict[str, Row] = {}
     malformed: list[str] = []
     for key, text, digest in found:
-        if _sha256(text) != digest:
-            continue  # changed since it was stored: evaluated again
+        if not hmac.compare_digest(_sha256(key, text), digest):
+            continue  # changed since it was stored, or not stored by this user: evaluated again
         try:
             row = json.loads(text)
         except ValueError:
@@ -152,7 +200,7 @@ def record(rows: Mapping[str, Row]) -> None:
     for key, row in rows.items():
         try:
             text = json.dumps(row, allow_nan=False)
-            entries.append((key, text, _sha256(text)))
+            entries.append((key, text, _sha256(key, text)))
         except (TypeError, ValueError):
             continue  # not plain JSON (or not finite): evaluated again next time
     connection = _connect() if entries else None

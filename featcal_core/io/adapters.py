@@ -8,7 +8,7 @@ base's (`modules_to_save`, biases trained with `bias: all | lora_only`, a saved 
 `Checkpoint`: the base's config, tensor names, shapes and dtypes, and on `read` each tensor
 materialised as peft's `merge_and_unload` computes it,
 
-    W' = W + s · (B · A)      (d_out, d_in); transposed for `fan_in_fan_out` and embeddings
+    W' = W + s · (B · A)      (d_out, d_in); transposed for Conv1D layers and embeddings
     s  = α / r, or α / √r with `use_rslora`  (r, α per module: `rank_pattern`, `alpha_pattern`)
 
 in float32 (or the base tensor's dtype when wider), then cast to the base tensor's dtype, one
@@ -21,11 +21,26 @@ evaluated as a language model is loaded over its base (featcal_core.evaluation.l
 Where an expert is read as a full model of its own (an expert's classification head, the trained
 repairs) an adapter is refused.
 
-Refused in one line naming the file: other `peft_type`s (IA3, LoHa, LoKr, ...), DoRA
-(`use_dora`), `layer_replication`, LoRA variants whose merge is not W + s·BA (`target_parameters`,
-trainable tokens, aLoRA, QA-LoRA, ...), initialisations relative to a residual base (PiSSA,
-OLoRA, CorDA, LoRA-GA, LoftQ) and LoRA on convolutions. The adapter's `base_model_name_or_path`
-is compared with the run's base; a difference is logged as a warning (not refused).
+`fan_in_fan_out` is applied as peft applies it, by the module's type: ignored for a
+torch.nn.Linear, always applied to a transformers Conv1D (weight (d_in, d_out): GPT-2's c_attn,
+c_proj, c_fc), with one warning per adapter where the config says otherwise. The type comes from
+the base's model_type (`_CONV1D`; featcal's families are Linear throughout); for another base,
+from the weight's shape, the config's flag deciding for a square weight.
+
+The patterns of adapter_config.json (target_modules, exclude_modules, modules_to_save,
+layers_pattern, rank_pattern and alpha_pattern keys) are matched in bounded time
+(featcal_core.io.patterns): an invalid one, or one that backtracks catastrophically, is refused in
+one line naming the file, the field and the pattern.
+
+Refused in one line naming the file: a folder holding both an adapter and a full model
+(`is_adapter`), an adapter that changes no tensor of the base (its tensors all name modules the
+base lacks), one whose target_modules selects none of its LoRA modules (as peft refuses it),
+other `peft_type`s (IA3, LoHa, LoKr, ...), DoRA (`use_dora`), `layer_replication`, LoRA variants
+whose merge is not W + s·BA (`target_parameters`, trainable tokens, aLoRA, QA-LoRA, ...),
+initialisations relative to a residual base (PiSSA, OLoRA, CorDA, LoRA-GA, LoftQ) and LoRA on
+convolutions. The adapter's
+`base_model_name_or_path` is compared with the run's base; a difference is logged as a warning
+(not refused).
 """
 
 from __future__ import annotations
@@ -37,7 +52,7 @@ import re
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,12 +60,16 @@ from featcal_core.errors import FeatCalError
 from featcal_core.finite import all_finite
 from featcal_core.io.checkpoint import INDEX_NAME, SINGLE_NAME, Checkpoint
 from featcal_core.io.outputs import sha256_file
+from featcal_core.io.patterns import Patterns
 from featcal_core.io.safetensors_io import (
     DTYPES,
     Reader,
     SafetensorsFormatError,
     read_header,
 )
+
+if TYPE_CHECKING:
+    from featcal_core.architectures.base import Architecture
 
 log = logging.getLogger(__name__)
 
@@ -121,16 +140,35 @@ _FACTOR = re.compile(
 _EMBEDDING_FACTOR = re.compile(
     r"(?P<module>.+)\.(?P<part>lora_embedding_A|lora_embedding_B)(?:\.(?P<adapter>[^.]+))?"
 )
+#: transformers' Conv1D layers (weight (d_in, d_out)) by the base's model_type; the other layers of
+#: these models, and all of featcal's families, are torch.nn.Linear
+_CONV1D = {
+    "gpt2": ("c_attn", "q_attn", "c_proj", "c_fc"),
+    "openai-gpt": ("c_attn", "c_proj", "c_fc"),
+    "decision_transformer": ("c_attn", "q_attn", "c_proj", "c_fc"),
+    "imagegpt": ("c_attn", "q_attn", "c_proj", "c_fc"),
+    "clvp": ("c_fc", "c_proj"),
+    "clvp_decoder": ("c_fc", "c_proj"),
+}
 #: key segments of PEFT tensors featcal does not apply (DoRA magnitudes, AdaLoRA, tokens, ...)
 _OTHER_PEFT = re.compile(r"(^|\.)(lora_\w+|token_adapter|trainable_tokens_\w+)(\.|$)")
 
 
 def is_adapter(directory: str | Path) -> bool:
-    """True for a peft adapter folder: adapter_config.json and no full model weights."""
+    """True for a peft adapter folder (adapter_config.json). A folder that also holds a full
+    model's weights is refused: which of the two is meant cannot be told."""
     path = Path(directory)
     if not (path / ADAPTER_CONFIG).is_file():
         return False
-    return not ((path / SINGLE_NAME).is_file() or (path / INDEX_NAME).is_file())
+    full = [name for name in (SINGLE_NAME, INDEX_NAME) if (path / name).is_file()]
+    if full:
+        adapter = [n for n in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if (path / n).is_file()]
+        raise FeatCalError(
+            f"{path} holds both a LoRA adapter ({', '.join(adapter)}) and a full model "
+            f"({', '.join(full)}); keep the adapter and the model in separate folders and pass "
+            "the one you mean"
+        )
+    return True
 
 
 def open_expert(
@@ -210,6 +248,7 @@ class AdapterCheckpoint(Checkpoint):
             )
         self.config_path = self.directory / ADAPTER_CONFIG
         self.weights_path = self.directory / ADAPTER_WEIGHTS
+        self._patterns = Patterns(self.config_path, "correct it in that file")
         self.adapter_config = self._read_config()
         self._check_config()
         self._check_base()
@@ -227,7 +266,9 @@ class AdapterCheckpoint(Checkpoint):
                 f"{self.weights_path} is not a readable safetensors file ({exc}); re-download or "
                 f"re-save the {role}"
             ) from exc
-        self._prefixes = _tower_prefix(base)
+        family = _family(base)
+        self._known_family = family is not None
+        self._prefixes = _tower_prefix(base, family)
         self.edits: dict[str, _Edit] = self._plan()
 
     # ----- adapter_config.json --------------------------------------------------------------
@@ -282,6 +323,7 @@ class AdapterCheckpoint(Checkpoint):
                     f"{source}: {key} is not a map of module patterns to numbers; re-save the "
                     f"{self.role}"
                 )
+        self._check_patterns()
         unknown = sorted(k for k, v in config.items() if v and k not in _KNOWN_FIELDS)
         unknown = [k for k in unknown if k not in _REFUSED_FIELDS]
         if unknown:
@@ -290,6 +332,28 @@ class AdapterCheckpoint(Checkpoint):
                 source,
                 ", ".join(unknown),
             )
+
+    def _check_patterns(self) -> None:
+        """Compile every pattern of the config as peft compiles it (an invalid one is refused)."""
+        config, compile_ = self.adapter_config, self._patterns.compile
+        for key in ("target_modules", "exclude_modules", "layers_pattern", "modules_to_save"):
+            value = config.get(key)
+            if value is not None and not isinstance(value, str | list):
+                raise FeatCalError(
+                    f"{self.config_path}: {key} is {value!r}, not a pattern or a list of module "
+                    f"names; re-save the {self.role} with peft"
+                )
+        for key in ("target_modules", "exclude_modules"):
+            if isinstance(config.get(key), str):
+                compile_(key, config[key])
+        patterns = config.get("layers_pattern") or []
+        for pattern in [patterns] if isinstance(patterns, str) else patterns:
+            compile_("layers_pattern", str(pattern), _layers_regex(pattern))
+        for module in config.get("modules_to_save") or []:
+            compile_("modules_to_save entry", str(module), _saved_regex(module))
+        for key in ("rank_pattern", "alpha_pattern"):
+            for pattern in config.get(key) or {}:
+                compile_(f"{key} key", pattern, _pattern_regex(pattern))
 
     def _check_base(self) -> None:
         """Warn when `base_model_name_or_path` does not name the run's base."""
@@ -367,10 +431,38 @@ class AdapterCheckpoint(Checkpoint):
         for target, (_, key) in replaced.items():
             self._check_shape(key, target, self.adapter_entries[key].shape)
             edits[target] = _Edit(replace=key, sources=[key])
+        untargeted: list[str] = []
+        flipped: dict[bool, list[str]] = {True: [], False: []}  # fan_in_fan_out applied: modules
         for module, parts in factors.items():
-            self._add_factors(edits, module, parts, embedding=False, outside=outside)
+            self._add_factors(
+                edits,
+                module,
+                parts,
+                embedding=False,
+                outside=outside,
+                untargeted=untargeted,
+                flipped=flipped,
+            )
         for module, parts in embeddings.items():
-            self._add_factors(edits, module, parts, embedding=True, outside=outside)
+            self._add_factors(
+                edits,
+                module,
+                parts,
+                embedding=True,
+                outside=outside,
+                untargeted=untargeted,
+                flipped=flipped,
+            )
+        if untargeted and len(untargeted) == len(factors) + len(embeddings):
+            raise FeatCalError(
+                f"{self.config_path}: target_modules {self.adapter_config.get('target_modules')!r} "
+                f"selects none of the {len(untargeted)} LoRA module(s) of {self.weights_path} "
+                f"(e.g. {untargeted[0]!r}); peft refuses such an adapter too: correct "
+                "target_modules (and exclude_modules, modules_to_save)"
+            )
+        if not edits:
+            self._refuse_empty(outside)
+        self._warn_fan_in_fan_out(flipped)
         if outside:
             log.info(
                 "%s %s: %d adapter tensor(s) for modules the base %s lacks (a task head; neither "
@@ -383,6 +475,37 @@ class AdapterCheckpoint(Checkpoint):
             )
         return edits
 
+    def _refuse_empty(self, outside: list[str]) -> None:
+        """Refuse an adapter that changes no tensor of the base (its task vector would be 0)."""
+        if outside:
+            named = self.adapter_config.get("base_model_name_or_path")
+            trained = f" (it names {named!r})" if isinstance(named, str) and named else ""
+            raise FeatCalError(
+                f"{self.role} {self.directory}: its {len(outside)} adapter tensor(s) name modules "
+                f"the base {self.base.directory} lacks (e.g. {outside[0]!r}), so it changes no "
+                f"tensor of the base; the adapter is for another model: pass the base it was "
+                f"trained on{trained}"
+            )
+        raise FeatCalError(
+            f"{self.weights_path} holds no tensor that changes the base {self.base.directory}; "
+            f"re-save the {self.role} with peft"
+        )
+
+    def _warn_fan_in_fan_out(self, flipped: dict[bool, list[str]]) -> None:
+        """One warning per adapter where fan_in_fan_out is overridden by the module type."""
+        for applied, modules in flipped.items():
+            if modules:
+                log.warning(
+                    "%s: fan_in_fan_out is %s but %d adapted module(s) (e.g. %r) are %s layers; "
+                    "it is %s for them, as peft does",
+                    self.config_path,
+                    "false" if applied else "true",
+                    len(modules),
+                    modules[0],
+                    "transformers Conv1D" if applied else "torch.nn.Linear",
+                    "applied" if applied else "ignored",
+                )
+
     def _add_factors(
         self,
         edits: dict[str, _Edit],
@@ -391,8 +514,11 @@ class AdapterCheckpoint(Checkpoint):
         *,
         embedding: bool,
         outside: list[str],
+        untargeted: list[str],
+        flipped: dict[bool, list[str]],
     ) -> None:
-        """Add module `module`'s s·(B·A) (and lora_B bias) to `edits`."""
+        """Add module `module`'s s·(B·A) (and lora_B bias) to `edits`; record it in `outside`
+        (not in the base), `untargeted` (ignored) or `flipped` (fan_in_fan_out overridden)."""
         if "A" not in parts or "B" not in parts:
             have = next(iter(parts.values()))
             raise FeatCalError(
@@ -401,6 +527,7 @@ class AdapterCheckpoint(Checkpoint):
                 f"{self.role} with peft"
             )
         if not self._targets(module):
+            untargeted.append(module)
             log.warning(
                 "%s: module %r is not among the target_modules of %s; its LoRA weights are "
                 "ignored, as peft ignores them",
@@ -425,11 +552,13 @@ class AdapterCheckpoint(Checkpoint):
                 f"{self.weights_path} holds lora_A {list(a_shape)} and lora_B {list(b_shape)}; "
                 f"re-save the {self.role} with peft"
             )
+        rows, cols = (b_shape[0], a_shape[1])
         if embedding:  # lora_embedding_A (r, vocab), lora_embedding_B (d, r): (B·A)ᵀ
             transpose = True
         else:
-            transpose = bool(self.adapter_config.get("fan_in_fan_out"))
-        rows, cols = (b_shape[0], a_shape[1])
+            transpose = self._conv1d(module, target, (rows, cols))
+            if transpose != bool(self.adapter_config.get("fan_in_fan_out")):
+                flipped[transpose].append(module)
         self._check_shape(a_key, target, (cols, rows) if transpose else (rows, cols))
         edit = edits.setdefault(target, _Edit())
         edit.factors = (a_key, b_key)
@@ -451,6 +580,20 @@ class AdapterCheckpoint(Checkpoint):
             bias_edit.bias = parts["Bbias"]
             bias_edit.scaling = edit.scaling
             bias_edit.sources.append(parts["Bbias"])
+
+    def _conv1d(self, module: str, target: str, shape: tuple[int, int]) -> bool:
+        """Whether `module` is a transformers Conv1D (weight (d_in, d_out), the transpose of
+        `shape`) rather than a torch.nn.Linear: by the base's model_type (`_CONV1D`; Linear in
+        featcal's families), else by the base weight's shape, fan_in_fan_out deciding if square."""
+        model_type = self.base.config.get("model_type")
+        if isinstance(model_type, str) and model_type in _CONV1D:
+            return module.rsplit(".", 1)[-1] in _CONV1D[model_type]
+        if self._known_family:
+            return False
+        rows, cols = shape
+        if rows != cols:
+            return tuple(self.tensors[target].shape) == (cols, rows)
+        return bool(self.adapter_config.get("fan_in_fan_out"))
 
     def _unsupported(self, key: str, what: str) -> FeatCalError:
         return FeatCalError(
@@ -489,17 +632,23 @@ class AdapterCheckpoint(Checkpoint):
 
     def _targets(self, module: str) -> bool:
         """peft's target-module rule (check_target_module_exists) for module name `module`."""
-        config = self.adapter_config
-        if _matches(config.get("exclude_modules"), module):
+        config, match = self.adapter_config, self._patterns.match
+        excluded = config.get("exclude_modules")
+        if isinstance(excluded, str):
+            if match("exclude_modules", excluded, module, full=True):
+                return False
+        elif excluded and (module in excluded or any(module.endswith(f".{p}") for p in excluded)):
             return False
         saved = config.get("modules_to_save") or []
-        if any(re.match(rf"(^|.*\.){m}($|\..*)", module) for m in saved):
+        if any(
+            match("modules_to_save entry", str(m), module, pattern=_saved_regex(m)) for m in saved
+        ):
             return False
         targets = config.get("target_modules")
         if targets is None or targets == "all-linear":
             return True
         if isinstance(targets, str):
-            return re.fullmatch(targets, module) is not None
+            return match("target_modules", targets, module, full=True) is not None
         if module in targets:
             return True
         if not any(module.endswith(f".{t}") for t in targets):
@@ -508,29 +657,39 @@ class AdapterCheckpoint(Checkpoint):
         if layers is None or layers == []:
             return True
         patterns = config.get("layers_pattern")
-        match = None
+        found = None
         if not patterns:
-            match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+            found = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
         else:
             for pattern in [patterns] if isinstance(patterns, str) else patterns:
-                match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
-                if match is not None:
+                found = match(
+                    "layers_pattern", str(pattern), module, pattern=_layers_regex(pattern)
+                )
+                if found is not None:
                     break
-        if match is None:
+        if found is None:
             return False
-        index = int(match["idx"])
+        index = int(found["idx"])
         return index == layers if isinstance(layers, int) else index in layers
+
+    def _pattern_key(self, field: str, module: str) -> str:
+        """peft's get_pattern_key: the first key of `field` (rank_pattern, alpha_pattern) that
+        matches the end of `module`, else `module`."""
+        for key in self.adapter_config.get(field) or {}:
+            if self._patterns.match(f"{field} key", key, module, pattern=_pattern_regex(key)):
+                return key
+        return module
 
     def _rank(self, module: str) -> int:
         config = self.adapter_config
         pattern = config.get("rank_pattern") or {}
-        return int(pattern.get(_pattern_key(pattern, module), config["r"]))
+        return int(pattern.get(self._pattern_key("rank_pattern", module), config["r"]))
 
     def _scaling(self, module: str) -> float:
         """s = α / r (α / √r with use_rslora), r and α by rank_pattern and alpha_pattern."""
         config = self.adapter_config
         pattern = config.get("alpha_pattern") or {}
-        alpha = float(pattern.get(_pattern_key(pattern, module), config["lora_alpha"]))
+        alpha = float(pattern.get(self._pattern_key("alpha_pattern", module), config["lora_alpha"]))
         rank = self._rank(module)
         return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
@@ -654,37 +813,41 @@ class _AdapterReader:
 
 
 # ----- helpers ------------------------------------------------------------------------------
-def _pattern_key(pattern: dict, module: str) -> str:
-    """peft's get_pattern_key: the first pattern matching the end of `module` (else `module`)."""
-    for key in pattern:
-        if re.match(rf"(.*\.)?({key})$", module):
-            return key
-    return module
+def _pattern_regex(key: str) -> str:
+    """The regex peft's get_pattern_key makes of a rank_pattern / alpha_pattern key."""
+    return rf"(.*\.)?({key})$"
 
 
-def _matches(patterns: Any, module: str) -> bool:
-    """peft's exclude_modules rule: a regex (fullmatch) or names matched by suffix."""
-    if not patterns:
-        return False
-    if isinstance(patterns, str):
-        return re.fullmatch(patterns, module) is not None
-    return module in patterns or any(module.endswith(f".{p}") for p in patterns)
+def _saved_regex(module: Any) -> str:
+    """The regex peft makes of a modules_to_save entry (matched at the start of a name)."""
+    return rf"(^|.*\.){module}($|\..*)"
 
 
-def _tower_prefix(base: Checkpoint) -> tuple[str, tuple[str, ...]]:
-    """(the base's tower prefix, the prefixes an adapted model may use) when the base's family
-    is known, else ("", ())."""
+def _layers_regex(pattern: Any) -> str:
+    """The regex peft makes of a layers_pattern entry (group `idx`: the layer index)."""
+    return rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\."
+
+
+def _family(base: Checkpoint) -> type[Architecture] | None:
+    """The featcal family (an Architecture class) whose `matches` accepts the base, or None."""
     from featcal_core.architectures import REGISTRY, supported
 
     supported()
-    for cls in REGISTRY.values():
-        if cls.matches(base.config):
-            try:
-                arch = cls(base.config)
-                return arch.resolve_prefix(base), tuple(arch.prefix_candidates)
-            except FeatCalError:
-                return "", ()
-    return "", ()
+    return next((cls for cls in REGISTRY.values() if cls.matches(base.config)), None)
+
+
+def _tower_prefix(
+    base: Checkpoint, family: type[Architecture] | None
+) -> tuple[str, tuple[str, ...]]:
+    """(the base's tower prefix, the prefixes an adapted model may use) when the base's family
+    is known, else ("", ())."""
+    if family is None:
+        return "", ()
+    try:
+        arch = family(base.config)
+        return arch.resolve_prefix(base), tuple(arch.prefix_candidates)
+    except FeatCalError:
+        return "", ()
 
 
 def same_base(named: str, base: Checkpoint) -> bool:

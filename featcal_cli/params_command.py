@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--overwrite",
         action="store_true",
         help="replace an existing --out file whose settings differ (never a file inside a "
-        "model folder the params name)",
+        "model, dataset or task folder the params name, nor inside a folder featcal wrote)",
     )
 
 
@@ -115,9 +115,10 @@ def _list() -> int:
 def _section(path: Path, section: str) -> object:
     """The top-level `section` of the params file at `path` (None: missing, empty or unread)."""
     from featcal_core.params.base import load_yaml
+    from featcal_core.params.loading import read_params_text
 
     try:
-        data = load_yaml(path.read_text(encoding="utf-8"))
+        data = load_yaml(read_params_text(path, str(path)))
     except Exception:  # a broken file still lists; `show` and the commands report it
         return None
     return data.get(section) if isinstance(data, dict) else None
@@ -126,10 +127,11 @@ def _section(path: Path, section: str) -> object:
 def _show(name: str) -> int:
     """The params file `name` names (a shipped name or a path), as it is, comments included."""
     from featcal_core.params.installed import installed_hint, resolve_params
+    from featcal_core.params.loading import read_params_text
 
     path = resolve_params(name)
     try:
-        sys.stdout.write(path.read_text(encoding="utf-8"))
+        sys.stdout.write(read_params_text(path, f"featcal params show {name}"))
     except FileNotFoundError:
         raise FeatCalError(
             f"featcal params show {name}: no such params file; {installed_hint()}"
@@ -146,7 +148,7 @@ def _show(name: str) -> int:
 def _export(args: argparse.Namespace) -> int:
     from featcal_core.io.outputs import write_file
     from featcal_core.params import dump, load_params
-    from featcal_core.params.export import model_folder_holding
+    from featcal_core.params.export import check_export_out
 
     params = load_params(args.params, args.set)
     text = dump(params)
@@ -154,14 +156,7 @@ def _export(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         return 0
     out = Path(args.out)
-    found = model_folder_holding(out, params)
-    if found is not None:
-        folder, named = found
-        raise FeatCalError(
-            f"--out {out} lies inside the model folder {folder}, which the params name as "
-            f"{named}; featcal never writes into a model's folder, --overwrite included; choose "
-            "another --out (left untouched)"
-        )
+    check_export_out(out, params)
     if out.is_dir():
         raise FeatCalError(f"--out {out}: is a directory; name the file to write (params.yaml)")
     if out.exists() and not args.overwrite:

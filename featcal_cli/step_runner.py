@@ -44,7 +44,9 @@ def experiment_set(params_path: str | Path) -> list[str]:
         return []
     import yaml
 
+    from featcal_core.errors import FeatCalError
     from featcal_core.params.base import load_yaml
+    from featcal_core.params.loading import read_params_text
 
     path = Path(params_path).resolve()
     try:
@@ -56,8 +58,8 @@ def experiment_set(params_path: str | Path) -> list[str]:
             timeout=60,
             check=True,
         )
-        before, now = load_yaml(shown.stdout), load_yaml(path.read_text("utf-8"))
-    except (OSError, subprocess.SubprocessError, yaml.YAMLError) as exc:
+        before, now = load_yaml(shown.stdout), load_yaml(read_params_text(path, str(path)))
+    except (OSError, ValueError, subprocess.SubprocessError, yaml.YAMLError, FeatCalError) as exc:
         log.warning("%s: cannot read the experiment's baseline params (%s)", path, exc)
         return []
     changed = changed_variant_keys(before, now)

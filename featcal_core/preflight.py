@@ -70,8 +70,10 @@ def check(params: Any, *, cache_dir: str | Path | None = None) -> tuple[list[Fin
     roles = {"models.base": params.models.base}
     roles.update({f"models.experts.{t}": r for t, r in params.models.experts.items()})
     configs: dict[str, Path] = {}  # role → config.json of a Hub model (compared below)
+    offline = bool(params.models.hub_offline)  # the run reads the cache only
+    cache_dir = cache_dir or params.models.hub_cache
     for role, ref in roles.items():
-        families[role] = _check_model(role, ref, cache_dir, problems, notes, configs)
+        families[role] = _check_model(role, ref, cache_dir, problems, notes, configs, offline)
     base = families.get("models.base")
     for role, family in families.items():
         if family is _ADAPTER:
@@ -131,6 +133,7 @@ def _check_model(
     problems: list[Finding],
     notes: Notes,
     configs: dict[str, Path] | None = None,
+    offline: bool = False,
 ):
     """The model's architecture adapter (None when it cannot be known); problems appended; a Hub
     model's config.json recorded in `configs` by role."""
@@ -157,7 +160,7 @@ def _check_model(
         config = path / "config.json" if "config.json" in files else None
         where = str(path)
     else:
-        found = _hub_model(role, ref, cache_dir, problems, notes)
+        found = _hub_model(role, ref, cache_dir, problems, notes, offline)
         if found is None:
             return None
         files, config, where = found
@@ -369,7 +372,9 @@ def _unreachable(exc: BaseException) -> bool:
     return _is_transient(exc)
 
 
-def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: Notes):
+def _hub_model(
+    role: str, ref: Any, cache_dir, problems: list[Finding], notes: Notes, offline: bool = False
+):
     """(top-level file names, local config.json or None, where) of a Hub model, or None after
     appending the problem. Online: the Hub's listing and config.json; offline: the cache."""
     from huggingface_hub import HfApi, hf_hub_download, try_to_load_from_cache
@@ -380,7 +385,7 @@ def _hub_model(role: str, ref: Any, cache_dir, problems: list[Finding], notes: N
 
     repo_id, revision = ref.repo_id, ref.revision
     where = f"Hub model {ref.ref!r}"
-    offline = _offline()
+    offline = offline or _offline()
     try:
         if offline:
             config = try_to_load_from_cache(

@@ -87,10 +87,10 @@ def dataset_commit(source: DataSource) -> str | None:
 
 
 def _datasets_offline() -> bool:
-    """True under HF_HUB_OFFLINE or HF_DATASETS_OFFLINE (the Hub is not asked)."""
-    from featcal_core.provenance.hub import _TRUE, _offline
+    """True when `datasets` runs offline (`datasets_offline_cause`: the Hub is not asked)."""
+    from featcal_core.provenance.hub import datasets_offline_cause
 
-    return _offline() or (os.environ.get("HF_DATASETS_OFFLINE") or "").upper() in _TRUE
+    return datasets_offline_cause() is not None
 
 
 def _open_hub(source: DataSource, key: str, trust_remote_code: bool) -> datasets.Dataset:
@@ -106,10 +106,12 @@ def _open_hub(source: DataSource, key: str, trust_remote_code: bool) -> datasets
             trust_remote_code=trust_remote_code,
         )
     except Exception as exc:
+        from featcal_core.provenance.hub import datasets_offline_cause
+
         if _datasets_offline():
             raise FeatCalError(
                 f"{key}: Hub dataset {source.describe()} is not in the datasets cache and "
-                "offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE); unset it to download "
+                f"offline mode is on ({datasets_offline_cause()}); unset it to download "
                 f"the dataset, or load it once online with the same HF_HOME ({type(exc).__name__}:"
                 f" {_one_line(exc)})"
             ) from exc

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from featcal_core.errors import FeatCalError
 
@@ -23,21 +24,43 @@ _UNITS = {
     "TIB": 2**40,
 }
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", re.IGNORECASE)
+#: the largest shard size taken, in bytes (1024TiB: far above any model's weights)
+MAX_SHARD_BYTES = 2**50
+
+
+def _bytes(value: int | str) -> Decimal | None:
+    """The exact number of bytes `value` says (None: not a size)."""
+    if isinstance(value, int):
+        return Decimal(value)
+    match = _SIZE.fullmatch(value)
+    if match is None:
+        return None
+    return Decimal(match[1]) * _UNITS[(match[2] or "").upper()]
+
+
+def _shown(value: object) -> str:
+    """`value` as a message shows it (a long one cut in the middle)."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        return f"a {value.bit_length()}-bit number"
+    if isinstance(value, str) and len(value) > 32:
+        return f"{value[:16]!r}... ({len(value)} characters)"
+    return repr(value)
 
 
 def shard_size_problem(value: object) -> str | None:
     """Why `value` is not a shard size (None: it is one): a number of bytes, or one with a unit
-    as transformers writes them (500MB, 5GB, 2GiB; KB/MB/GB/TB are powers of 1000)."""
+    as transformers writes them (500MB, 5GB, 2GiB; KB/MB/GB/TB are powers of 1000), from one
+    byte to `MAX_SHARD_BYTES`."""
     if isinstance(value, bool) or not isinstance(value, int | str):
-        return f"{value!r} is not a size"
-    if isinstance(value, str):
-        match = _SIZE.fullmatch(value)
-        if match is None:
-            return f"{value!r} is not a size (write bytes, or a number with a unit: 500MB, 5GB)"
-        size = float(match[1]) * _UNITS[(match[2] or "").upper()]
-    else:
-        size = value
-    return None if size >= 1 else f"{value!r} is below one byte"
+        return f"{_shown(value)} is not a size"
+    size = _bytes(value)
+    if size is None:
+        return f"{_shown(value)} is not a size (write bytes, or a number with a unit: 500MB, 5GB)"
+    if size < 1:
+        return f"{_shown(value)} is below one byte"
+    if size > MAX_SHARD_BYTES:
+        return f"{_shown(value)} is above the largest shard size, 1024TiB"
+    return None
 
 
 def parse_shard_size(value: int | str | None, flag: str = "--max-shard-size") -> int:
@@ -48,8 +71,6 @@ def parse_shard_size(value: int | str | None, flag: str = "--max-shard-size") ->
     problem = shard_size_problem(value)
     if problem is not None:
         raise FeatCalError(f"{flag}: {problem}, e.g. 5GB, 500MB or 2GiB")
-    if isinstance(value, int):
-        return value
-    match = _SIZE.fullmatch(value)
-    assert match is not None  # checked by shard_size_problem
-    return int(float(match[1]) * _UNITS[(match[2] or "").upper()])
+    size = _bytes(value)
+    assert size is not None  # checked by shard_size_problem
+    return int(size)

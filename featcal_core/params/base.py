@@ -72,11 +72,24 @@ class Yaml12Loader(yaml.SafeLoader):
     text: `'0.5'` is not a number."""
 
 
+#: the most digits an integer in params or on the command line may have (Python refuses to read
+#: more than 4300 decimal digits; no setting needs more than a few)
+MAX_DIGITS = 100
+
+
+def _integer(text: str, base: int = 10) -> int:
+    """`text` read as an integer, refused (yaml.YAMLError: the value is not one featcal reads)
+    beyond MAX_DIGITS digits."""
+    if len(text.lstrip("+-")) > MAX_DIGITS:
+        raise yaml.YAMLError(f"an integer of {len(text)} characters (at most {MAX_DIGITS} digits)")
+    return int(text, base)
+
+
 def _yaml12_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
     text = str(loader.construct_scalar(node))
     lowered = text.lower()
     base = 16 if "0x" in lowered else 8 if "0o" in lowered else 10
-    return int(lowered.replace("0o", "") if base == 8 else lowered, base)
+    return _integer(lowered.replace("0o", "") if base == 8 else lowered, base)
 
 
 Yaml12Loader.yaml_implicit_resolvers = {
@@ -124,7 +137,7 @@ def read_value(text: str) -> Any:
     if not stripped:
         return ""
     if _NUMBER_RE.match(stripped):  # as YAML 1.2 and Python read it (`010` is 10, not 8)
-        return int(stripped) if _INTEGER_RE.match(stripped) else float(stripped)
+        return _integer(stripped) if _INTEGER_RE.match(stripped) else float(stripped)
     value = load_yaml(text)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if not _YAML12_OTHER_RE.match(stripped):

@@ -1,5 +1,6 @@
-"""Params as YAML (`dump`), as flat MLflow params (`flatten`), and the model folder the params
-name that holds a path (`model_folder_holding`: an exported file never lands in one)."""
+"""Params as YAML (`dump`), as flat MLflow params (`flatten`), and where an exported params file
+may go (`check_export_out`: never inside an input the params name, `input_folder_holding`, nor
+inside a folder featcal wrote)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pydantic import (
     BaseModel,
 )
 
+from featcal_core.errors import FeatCalError
 from featcal_core.params.base import _MAX_FLAT_LIST_CHARS
 from featcal_core.params.models import ModelRef
 from featcal_core.params.schema import Params
@@ -85,12 +87,17 @@ def flatten(params: Params) -> dict[str, str | int | float | bool]:
     return out
 
 
+def _place(path: str | Path) -> Path:
+    """`path` with its folder resolved, the file itself not followed (a link is replaced, never
+    written through)."""
+    return Path(os.path.realpath(Path(path).expanduser().parent)) / Path(path).name
+
+
 def model_folder_holding(path: str | Path, params: Params) -> tuple[Path, str] | None:
     """(folder, how the params name it) of the model folder the params name that holds `path`
-    (its folder resolved, the file itself not followed: a link is replaced, never written
-    through): a local base or expert, a Hub model's snapshot or folder in the Hub cache, or the
+    (`_place`): a local base or expert, a Hub model's snapshot or folder in the Hub cache, or the
     zoo's folder; None when no such folder holds it."""
-    place = Path(os.path.realpath(Path(path).expanduser().parent)) / Path(path).name
+    place = _place(path)
     folders = []
     if params.models is not None:
         folders += [(folder, f"{key} ({ref.ref})") for key, ref, folder in params.models.folders()]
@@ -105,3 +112,55 @@ def model_folder_holding(path: str | Path, params: Params) -> tuple[Path, str] |
                 return snapshots / inner, named
             return folder, named
     return None
+
+
+def input_folder_holding(path: str | Path, params: Params) -> tuple[Path, str, str] | None:
+    """(folder, how the params name it, what it is) of an input the params name that is or holds
+    `path` (`_place`): a model folder (`model_folder_holding`), a local dataset
+    (`tasks.<t>.calibration/evaluation/validation.path`) or lm-eval's task folder
+    (`evaluation.harness.include_path`); None when none is or holds it."""
+    found = model_folder_holding(path, params)
+    if found is not None:
+        return found[0], found[1], "model folder"
+    place = _place(path)
+    inputs: list[tuple[str, str, str]] = []
+    for task, spec in (params.tasks or {}).items():
+        for role in ("calibration", "evaluation", "validation"):
+            source = getattr(spec, role)
+            if source is not None and source.path is not None:
+                inputs.append((source.path, f"tasks.{task}.{role}.path", "dataset"))
+    harness = params.evaluation.harness
+    if harness is not None and harness.include_path:
+        inputs.append((harness.include_path, "evaluation.harness.include_path", "task folder"))
+    for where, key, kind in inputs:
+        folder = Path(where).expanduser().resolve()
+        if place == folder or folder in place.parents:
+            return folder, f"{key} ({where})", kind
+    return None
+
+
+def check_export_out(out: str | Path, params: Params) -> None:
+    """Refuse (one FeatCalError line, `--overwrite` or not) an exported params file at `out`
+    that lies inside an input the params name (`input_folder_holding`) or inside a folder
+    featcal wrote (a marked results folder, model or cache: its marker lists the files that
+    lineage verifies)."""
+    from featcal_core.io.markers import MARKER, read_marker
+    from featcal_core.io.outputs import owner_of
+
+    found = input_folder_holding(out, params)
+    if found is not None:
+        folder, named, kind = found
+        raise FeatCalError(
+            f"--out {out} lies inside the {kind} {folder}, which the params name as {named}; "
+            "featcal never writes into an input the params read, --overwrite included; choose "
+            "another --out (left untouched)"
+        )
+    owner = owner_of(out) or owner_of(_place(out))
+    if owner is not None:
+        root = (read_marker(owner) or {}).get("kind")
+        what = f"featcal {root} folder" if root else "folder featcal wrote"
+        raise FeatCalError(
+            f"--out {out} lies inside the {what} {owner} (its {MARKER} records the files "
+            "`featcal lineage` verifies); params export never writes there, --overwrite "
+            "included; write params.yaml elsewhere, e.g. the project root (left untouched)"
+        )

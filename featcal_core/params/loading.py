@@ -3,6 +3,9 @@ by the params sections' own models."""
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -52,6 +55,46 @@ def settings_from_flags(model: type[_M], section: str, values: Mapping[str, Any]
 
 # --------------------------------------------------------------------------------------- loading
 
+#: the largest params file read, in bytes (the shipped ones are under 10 KB)
+MAX_PARAMS_BYTES = 4 * 2**20
+
+
+def read_params_text(path: str | Path, name: str) -> str:
+    """The UTF-8 text of the params file at `path`, read only when it is a regular file of at most
+    `MAX_PARAMS_BYTES` (a device, a pipe or a larger file is one FeatCalError line starting with
+    `name`). Raises OSError (IsADirectoryError for a folder) and UnicodeDecodeError as reading
+    does."""
+    limit = f"{MAX_PARAMS_BYTES // 2**20} MiB"
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO opens at once
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+        if not stat.S_ISREG(info.st_mode):
+            _fail(
+                f"{name}: is not a regular file (a {_file_kind(info.st_mode)}); featcal reads "
+                f"params only from a YAML file of at most {limit}; save the params to a file and "
+                "pass its path"
+            )
+        data = handle.read(MAX_PARAMS_BYTES + 1)
+    if len(data) > MAX_PARAMS_BYTES:
+        _fail(
+            f"{name}: is {max(info.st_size, len(data))} bytes, over the {limit} limit of a "
+            "params file; pass the params YAML file (a few KB), not a data file"
+        )
+    return data.decode("utf-8")
+
+
+def _file_kind(mode: int) -> str:
+    """What a file that is no regular file is, in words."""
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device"
+    if stat.S_ISFIFO(mode):
+        return "pipe"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    return "special file"
+
 
 def load_params(path: str | Path, overrides: Iterable[str] = ()) -> Params:
     """Read, override and validate a params file; any problem is one FeatCalError line. A bare
@@ -60,7 +103,7 @@ def load_params(path: str | Path, overrides: Iterable[str] = ()) -> Params:
     path = resolve_params(path)
     name = str(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_params_text(path, name)
     except FileNotFoundError:
         _fail(
             f"{name}: file not found; pass its path, or start from an example: {installed_hint()}"

@@ -4,9 +4,11 @@ reads, retried on transient failures, and every other failure as one `FeatCalErr
 Only configs, safetensors weights, tokenizer/processor files and the model card (README.md: the
 license a merged model's card names) of the repository's top folder are fetched
 (`ALLOW_PATTERNS`); pickled weights (.bin, .pt, .pth, .ckpt) never are, unless a caller
-names the files itself (an open_clip checkpoint). HF_HUB_OFFLINE=1 (or TRANSFORMERS_OFFLINE=1)
-makes a download a cache-only look-up. Transient failures (connection errors, timeouts, HTTP 429
-and 5xx) are retried with exponential backoff.
+names the files itself (an open_clip checkpoint). Offline mode, as huggingface_hub reads it
+(HF_HUB_OFFLINE, else TRANSFORMERS_OFFLINE, on when 1/ON/YES/TRUE: `offline_cause`), or
+`models.hub_offline`, makes a download a cache-only look-up; a message names what made it
+offline. Transient failures (connection errors, timeouts, HTTP 429 and 5xx) are retried with
+exponential backoff.
 """
 
 from __future__ import annotations
@@ -69,14 +71,49 @@ _TRUE = {"1", "ON", "YES", "TRUE"}
 _MAX_BACKOFF_S = 60.0
 
 
-def _offline() -> bool:
-    """HF_HUB_OFFLINE as huggingface_hub read it at import, or as the environment says now."""
+#: the variables huggingface_hub reads offline mode from: the first one set decides
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def offline_cause() -> str | None:
+    """What puts the Hub offline, as huggingface_hub parses it (the first of `OFFLINE_VARIABLES`
+    set to a non-empty value decides: on for 1, ON, YES or TRUE in any case, off for anything
+    else, so HF_HUB_OFFLINE=0 wins over TRANSFORMERS_OFFLINE=1): `NAME=value`, or the value
+    huggingface_hub read at import; None when online."""
+    for name in OFFLINE_VARIABLES:
+        value = os.environ.get(name)
+        if value:
+            if value.upper() in _TRUE:
+                return f"{name}={value}"
+            break
     if hf_constants.HF_HUB_OFFLINE:
-        return True
-    return any(
-        (os.environ.get(name) or "").upper() in _TRUE
-        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-    )
+        return "HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE as set when huggingface_hub was imported"
+    return None
+
+
+def _offline() -> bool:
+    """Whether the environment puts the Hub offline (`offline_cause`)."""
+    return offline_cause() is not None
+
+
+def datasets_offline_cause() -> str | None:
+    """What puts `datasets` offline, as it parses it: HF_DATASETS_OFFLINE, when set, decides
+    (on for 1, ON, YES or TRUE), else the Hub's `offline_cause`; None when online."""
+    value = os.environ.get("HF_DATASETS_OFFLINE")
+    if value is not None:
+        return f"HF_DATASETS_OFFLINE={value}" if value.upper() in _TRUE else None
+    return offline_cause()
+
+
+def _offline_why(offline: bool) -> tuple[str, str]:
+    """(what made a look-up offline, how to turn that off): the environment's `offline_cause`,
+    else the params' `models.hub_offline` (the caller asked for the cache only)."""
+    cause = offline_cause() if offline else None
+    if cause is None:
+        return "models.hub_offline is true", "set models.hub_offline: false"
+    if cause.startswith("TRANSFORMERS_OFFLINE="):
+        return cause, "unset TRANSFORMERS_OFFLINE (or set HF_HUB_OFFLINE=0, which overrides it)"
+    return cause, "set HF_HUB_OFFLINE=0"
 
 
 def _one_line(exc: BaseException, limit: int = 240) -> str:
@@ -134,17 +171,21 @@ def _hub_error(exc: BaseException, role: str, reference: str, repo_id: str, offl
         )
     if isinstance(exc, DisabledRepoError):
         return FeatCalError(f"{at}: repository {repo_id} is disabled; use another model")
+    why, fix = _offline_why(offline)
     if isinstance(exc, IncompleteSnapshotError):
+        if offline:
+            return FeatCalError(
+                f"{at}: the cached snapshot is incomplete and offline mode is on ({why}); {fix} "
+                f"and re-run with network access, or complete the cache with {fetch}"
+            )
         return FeatCalError(
-            f"{at}: the cached snapshot is incomplete and the Hub cannot be reached"
-            f"{' (offline mode)' if offline else ''}; set HF_HUB_OFFLINE=0 and re-run with network "
-            f"access, or complete the cache with {fetch}"
+            f"{at}: the cached snapshot is incomplete and the Hub cannot be reached; re-run "
+            f"with network access, or complete the cache with {fetch}"
         )
     if isinstance(exc, LocalEntryNotFoundError) and offline:
         return FeatCalError(
-            f"{at} is not in the local Hugging Face cache and offline mode is on "
-            f"(HF_HUB_OFFLINE=1); set HF_HUB_OFFLINE=0 to download it, or pre-download it with "
-            f"{fetch} (same HF_HOME/cache_dir)"
+            f"{at} is not in the local Hugging Face cache and offline mode is on ({why}); "
+            f"{fix} to download it, or pre-download it with {fetch} (same HF_HOME/cache_dir)"
         )
     if isinstance(exc, LocalEntryNotFoundError):
         return FeatCalError(

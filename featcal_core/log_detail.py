@@ -18,6 +18,16 @@ def is_detail(record: logging.LogRecord) -> bool:
     return bool(getattr(record, "featcal_detail", False))
 
 
+#: the attribute set on a record of a failure that the featcal command reports in its own
+#: one `featcal: error:` line (flows.environment): featcal's console leaves such a record out
+REPORTED = "featcal_reported"
+
+
+def is_reported(record: logging.LogRecord) -> bool:
+    """Whether `record` tells of a failure the command reports in its own line (REPORTED)."""
+    return bool(getattr(record, REPORTED, False))
+
+
 #: featcal's loggers recorded beside a run (flows and tasks; the library)
 RUN_LOGGERS = ("featcal", "featcal_core")
 

@@ -179,14 +179,16 @@ def calibration_flow_fn(spec: dict, out: str, overwrite: bool = False) -> dict:
             # records the path it was computed at, elsewhere once the directory is moved or copied
             path = state_dir(results_dir, key)
             valid = verify(path) is not None
-            if not valid and runner is not None and kwargs["stage"] == "block":
-                kwargs["work"] = distributed_statistics(key, index, Path(kwargs["previous"]))
-            state = task_fn.with_options(refresh_cache=not valid, result_storage=storage)(
-                spec=spec, index=index, digest=digest, return_state=True, **kwargs
-            )
-            result = state.result()
-            if "work" in kwargs:
-                shutil.rmtree(kwargs["work"], ignore_errors=True)
+            try:
+                if not valid and runner is not None and kwargs["stage"] == "block":
+                    kwargs["work"] = distributed_statistics(key, index, Path(kwargs["previous"]))
+                state = task_fn.with_options(refresh_cache=not valid, result_storage=storage)(
+                    spec=spec, index=index, digest=digest, return_state=True, **kwargs
+                )
+                result = state.result()
+            finally:  # the block's per-task results, also when it fails (a full disk)
+                if runner is not None:
+                    shutil.rmtree(results_dir / WORK / key, ignore_errors=True)
             return path, state.name == "Cached" or result["reused"]
 
         previous, _ = run(stems_task, -1, stage="stems")

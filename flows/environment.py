@@ -21,14 +21,16 @@ it prints from WARNING, as the CLI's quiet console does.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 from featcal_core.errors import FeatCalError
-from featcal_core.log_detail import RUN_LOGGERS, record_from_info
+from featcal_core.log_detail import REPORTED, RUN_LOGGERS, record_from_info
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +55,16 @@ DEFAULTS = {
 
 def configure(prefect_home: str | Path | None = None) -> None:
     """Set Prefect's environment defaults (not overriding what the user set) and RUN_LOGGERS'
-    level, where none is set, to INFO."""
+    level, where none is set, to INFO. Prefect's warning at import that it cannot create
+    PREFECT_HOME is left out: where featcal needs that folder (its local server) it names it in
+    one line (`prefect_server.check_home`)."""
+    warnings.filterwarnings(
+        "ignore", message="Failed to create the Prefect home directory", category=UserWarning
+    )
     for name in ("prefect.flow_runs", "prefect.task_runs"):
         logger = logging.getLogger(name)
-        if not any(isinstance(f, _NoTracebackForBadInput) for f in logger.filters):
-            logger.addFilter(_NoTracebackForBadInput())
+        if not any(isinstance(f, _OneLineFailures) for f in logger.filters):
+            logger.addFilter(_OneLineFailures())
     home = prefect_home or project_root() / ".prefect"
     os.environ.setdefault("PREFECT_HOME", str(home))
     for key, value in DEFAULTS.items():
@@ -65,13 +72,36 @@ def configure(prefect_home: str | Path | None = None) -> None:
     record_from_info()  # unset (no CLI here): INFO, so that the run's lines reach the API
 
 
-class _NoTracebackForBadInput(logging.Filter):
-    """Prefect logs a failed flow or task run with its traceback; for bad input (FeatCalError,
-    whose one line the CLI prints) the record keeps its message and loses the traceback."""
+#: a full or read-only disk: its traceback tells nothing more than its one line
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+class _OneLineFailures(logging.Filter):
+    """Prefect logs a failed flow or task run (or a result it could not write) with its
+    traceback. Bad input (FeatCalError, whose one line the CLI prints) keeps its message and
+    loses the traceback; so does a full or read-only disk (OSError), its error added to the
+    message. A failure of the MLflow tracking store becomes one line without the traceback,
+    marked REPORTED: the CLI prints it in its own line, and featcal's console leaves it out."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], FeatCalError):
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None:
+            return True
+        if isinstance(exc, FeatCalError):
             record.exc_info, record.exc_text = None, None
+        elif isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
+            message = record.getMessage()
+            if str(exc) not in message:
+                record.msg, record.args = f"{message}: {exc}", None
+            record.exc_info, record.exc_text = None, None
+        else:
+            from featcal.tracking.store import store_failure
+
+            failure = store_failure(exc)
+            if failure is not None:
+                record.msg, record.args = "the MLflow tracking store failed (%s)", (failure,)
+                record.exc_info, record.exc_text = None, None
+                setattr(record, REPORTED, True)
         return True
 
 
@@ -130,7 +160,7 @@ def _local_api() -> tuple[str, str]:
     with start_lock(home):  # one start-up at a time on one database (its migrations)
         server, api_url = start_server(home=home, auth=auth, temporary=True)
         try:
-            wait_healthy(api_url, 180, server)
+            wait_healthy(api_url, 180, server, home)
         except BaseException:
             stop_server(server)
             raise

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import fcntl
 import importlib.util
 import logging
 import os
 import secrets
+import shutil
 import signal
 import socket
 import stat
@@ -29,7 +31,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from featcal_core.errors import FeatCalError
@@ -48,7 +50,9 @@ SERVER_OF = "FEATCAL_PREFECT_SERVER_OF"
 def api_auth_string(home: str | Path) -> str:
     """The local server's basic-auth string `featcal:TOKEN`, its token read from `home`/TOKEN_FILE
     or, the first time, generated and written there (created user-only, mode 0600). FeatCalError
-    if the file is a symlink, empty, or not private to this user (owner or mode)."""
+    if the file is a symlink, empty, or not private to this user (owner or mode), or `home`
+    has no space or cannot be written (`check_home`)."""
+    check_home(home)
     path = Path(home) / TOKEN_FILE
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     if path.exists() or path.is_symlink():
@@ -107,6 +111,82 @@ def _read_token(path: Path) -> str:
             "at the next start"
         )
     return token
+
+
+#: what to do about a PREFECT_HOME without space for the local server's database
+_HOME_FIX = (
+    "free space there, or point PREFECT_HOME at a folder on another disk (or PREFECT_API_URL "
+    "at a running Prefect server)"
+)
+#: what to do about a PREFECT_HOME that cannot be written
+_HOME_WRITABLE = (
+    "make it writable, or point PREFECT_HOME at a folder you can write (or PREFECT_API_URL "
+    "at a running Prefect server)"
+)
+#: the free space below which a server that exited at start-up is put down to its full disk
+LOW_SPACE_BYTES = 64 * 2**20
+#: what `check_home` writes (and removes) to prove that PREFECT_HOME takes a write
+_PROBE_BYTES = 64 * 2**10
+
+
+def home_of(home: str | Path | None = None) -> Path:
+    """The PREFECT_HOME a server started with `home` uses: `home`, else this process's
+    PREFECT_HOME, else Prefect's default `~/.prefect`."""
+    chosen = home or os.environ.get("PREFECT_HOME") or Path.home() / ".prefect"
+    return Path(chosen).expanduser()
+
+
+def check_home(home: str | Path) -> None:
+    """FeatCalError naming `home` and the fix when it (or, not yet created, the folder it would
+    be created in) has no space or cannot be written: a few KiB are written there and removed
+    (nothing is left, `home` is not created)."""
+    home = Path(home).expanduser()
+    place = home
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    probe = place / f".featcal-space-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            left = _PROBE_BYTES
+            while left:  # a nearly full disk takes part of a write, then refuses the rest
+                left -= os.write(fd, b"\0" * left)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            problem, fix = f"has no space left ({err.strerror})", _HOME_FIX
+        else:
+            problem, fix = f"cannot be written ({err.strerror or err})", _HOME_WRITABLE
+        raise FeatCalError(
+            f"PREFECT_HOME {home} {problem}: the local Prefect server keeps its database there; "
+            f"{fix}"
+        ) from err
+    finally:
+        with suppress(OSError):  # never created on a read-only disk
+            probe.unlink()
+
+
+def _exit_reason(server: subprocess.Popen, home: Path) -> str:
+    """Why the local server exited before it answered, as far as can be told from outside:
+    its PREFECT_HOME full, read-only or nearly full, else its exit status alone."""
+    status = f"the local Prefect server exited with status {server.returncode}"
+    try:
+        check_home(home)
+    except FeatCalError as err:
+        return f"{err} ({status})"
+    place = home if home.exists() else home.parent
+    try:
+        free = shutil.disk_usage(place).free
+    except OSError:
+        free = None
+    if free is not None and free < LOW_SPACE_BYTES:
+        return (
+            f"{status}: PREFECT_HOME {home} has only {free / 2**20:.1f} MiB free, too little "
+            f"for the server's database; {_HOME_FIX}"
+        )
+    return f"{status}; run `prefect server start` by hand to see why, or set PREFECT_API_URL"
 
 
 #: the file in PREFECT_HOME whose lock serialises the start-up of local servers on that home
@@ -173,16 +253,19 @@ def _parent_death_signal():
     return arm
 
 
-def wait_healthy(api_url: str, timeout_s: float, server: subprocess.Popen | None = None) -> None:
+def wait_healthy(
+    api_url: str,
+    timeout_s: float,
+    server: subprocess.Popen | None = None,
+    home: str | Path | None = None,
+) -> None:
     """Wait until the Prefect API at `api_url` answers; FeatCalError after `timeout_s` seconds or
-    as soon as `server` (the process serving it, when known) exits."""
+    as soon as `server` (the process serving it, when known) exits: then naming its PREFECT_HOME
+    (`home_of(home)`) when that has no space or cannot be written."""
     deadline = time.monotonic() + timeout_s
     while not _healthy(api_url):
         if server is not None and server.poll() is not None:
-            raise FeatCalError(
-                f"the local Prefect server exited with status {server.returncode}; "
-                "run `prefect server start` by hand to see why, or set PREFECT_API_URL"
-            )
+            raise FeatCalError(_exit_reason(server, home_of(home)))
         if time.monotonic() > deadline:
             raise FeatCalError(f"the local Prefect server did not answer at {api_url}")
         time.sleep(0.1)
@@ -305,9 +388,10 @@ def local_server(
     temporary: bool = False,
 ) -> Iterator[str]:
     """A supervised `start_server`; yields its API URL once it answers, stops it on exit."""
+    check_home(home_of(home))
     server, api_url = start_server(port=port, home=home, auth=auth, ui=ui, temporary=temporary)
     try:
-        wait_healthy(api_url, timeout_s, server)
+        wait_healthy(api_url, timeout_s, server, home)
         log.info(
             "local Prefect server at %s (pid %d, %s)",
             api_url,

@@ -115,10 +115,10 @@ def stems_task(spec: dict, stage: str, index: int, digest: str) -> dict:
     if verify(final) is not None:
         return {"path": str(final), "reused": True}
     cal = spec_calibration(spec)
-    tmp = new_state_dir(final.parent, final.name)
-    masks = cal.stems(streams_of(tmp))
-    save_masks(tmp, masks)
-    commit_state(tmp, final, -1, {})
+    with new_state_dir(final) as tmp:
+        masks = cal.stems(streams_of(tmp))
+        save_masks(tmp, masks)
+        commit_state(tmp, final, -1, {})
     return {"path": str(final), "reused": False}
 
 
@@ -209,36 +209,36 @@ def block_task(
     cal = spec_calibration(spec)
     source = Path(previous)
     masks = load_masks(source)
-    tmp = new_state_dir(final.parent, final.name)
-    target = streams_of(tmp)
-    precomputed = None
-    if work is not None:  # the experts' block outputs (and contexts), already computed there
-        for done in sorted((Path(work) / STREAMS).glob("*.safetensors")):
-            done.replace(target.directory / done.name)
+    with new_state_dir(final) as tmp:
+        target = streams_of(tmp)
+        precomputed = None
+        if work is not None:  # the experts' block outputs (and contexts), already computed there
+            for done in sorted((Path(work) / STREAMS).glob("*.safetensors")):
+                done.replace(target.directory / done.name)
 
-        def precomputed(task_name: str) -> Path:  # folded group by group from the file
-            return statistics_file(work, task_name)
+            def precomputed(task_name: str) -> Path:  # folded group by group from the file
+                return statistics_file(work, task_name)
 
-    needed = cal.statistics_bytes(index)  # one task's statistics of this block, at most
-    budget = memory_budget_bytes(spec.get("memory_budget_gib"))
-    in_memory = precomputed is None and 2 * needed <= budget  # running sums + one task's
-    scratch = None if in_memory else temp_path(final.parent / "statistics")
-    try:
-        if scratch is not None:
-            scratch.mkdir(parents=True)
-        result = cal.block(index, streams_of(source), target, masks, precomputed, scratch)
-    finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
-    carry_forward(streams_of(source), target)
-    save_tensors(tmp / BLOCK, cal.checkpoint_keys(result))
-    save_masks(tmp, masks)
-    summary = block_summary(result)
-    summary["statistics"] = {
-        "held": "memory" if in_memory else "files",
-        "task_bytes": needed,
-        "budget_bytes": budget,
-    }
-    commit_state(tmp, final, index, summary)
+        needed = cal.statistics_bytes(index)  # one task's statistics of this block, at most
+        budget = memory_budget_bytes(spec.get("memory_budget_gib"))
+        in_memory = precomputed is None and 2 * needed <= budget  # running sums + one task's
+        scratch = None if in_memory else temp_path(final.parent / "statistics")
+        try:
+            if scratch is not None:
+                scratch.mkdir(parents=True)
+            result = cal.block(index, streams_of(source), target, masks, precomputed, scratch)
+        finally:
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+        carry_forward(streams_of(source), target)
+        save_tensors(tmp / BLOCK, cal.checkpoint_keys(result))
+        save_masks(tmp, masks)
+        summary = block_summary(result)
+        summary["statistics"] = {
+            "held": "memory" if in_memory else "files",
+            "task_bytes": needed,
+            "budget_bytes": budget,
+        }
+        commit_state(tmp, final, index, summary)
     log_block(result, cal.num_blocks)
     return {"path": str(final), "reused": False}

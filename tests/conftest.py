@@ -33,6 +33,7 @@ SERVER_FILES = {
     "test_process_lifecycle.py",
     "test_paper_run.py",
     "test_records_cover.py",
+    "test_full_disks.py",
 }
 
 

@@ -31,7 +31,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from featcal.tracking.batches import MAX_TAG_VALUE, batch_metrics, batch_params, clean
-from featcal.tracking.store import artifact_root, ensure_experiment, git_commit, tracking_uri
+from featcal.tracking.store import (
+    artifact_root,
+    ensure_experiment,
+    git_commit,
+    store_failure,
+    tracking_uri,
+)
 from featcal_core.memory import peak_rss_bytes, reset_peak_rss
 from featcal_core.params import Params, flatten
 
@@ -152,10 +158,13 @@ def step_run(
             }
             try:
                 batch_metrics(mlflow.MlflowClient(session.uri), run.info.run_id, metrics)
-            except Exception:
+            except Exception as exc:
                 if not failed:
                     raise
-                log.warning("could not log the metrics of failed step %r", name, exc_info=True)
+                # a failing store is the command's own one line; anything else a warning
+                level = logging.DEBUG if store_failure(exc) else logging.WARNING
+                log.log(level, "could not log the metrics of failed step %r: %s", name, exc)
+                log.debug("the metrics' failure", exc_info=True)
 
 
 def run_target(run_id: str | None) -> tuple[_Session, str] | None:

@@ -29,6 +29,8 @@ __all__ = [
     "browse_command",
     "ensure_experiment",
     "git_commit",
+    "opened_store",
+    "store_failure",
     "tracking_uri",
 ]
 
@@ -89,12 +91,18 @@ def browse_command(uri: str) -> str | None:
     return shlex.join(command)
 
 
+#: the store `ensure_experiment` last opened in this process (what `opened_store` names)
+_opened: str | None = None
+
+
 def ensure_experiment(name: str, uri: str, artifact_root: str | Path | None) -> str:
     """The id of experiment `name` in the store at `uri`, created with an absolute artifact
     location when missing (a deleted experiment of that name is restored)."""
     from mlflow import MlflowClient
     from mlflow.exceptions import MlflowException
 
+    global _opened
+    _opened = uri
     _make_sqlite_dir(uri)
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name(name)
@@ -110,6 +118,36 @@ def ensure_experiment(name: str, uri: str, artifact_root: str | Path | None) -> 
         log.warning("MLflow experiment %r was deleted; restoring it", name)
         client.restore_experiment(experiment.experiment_id)
     return experiment.experiment_id
+
+
+def opened_store() -> str | None:
+    """Where the store this process last opened (`ensure_experiment`) lives: a SQLite store's
+    database file, any other store's URI without its user and password; None before one is
+    opened."""
+    if _opened is None:
+        return None
+    path = _sqlite_path(_opened)
+    if path is not None:
+        return str(path)
+    parts = urlsplit(_opened)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+
+
+def store_failure(exc: BaseException) -> str | None:
+    """One line of what failed when `exc` (or an exception it came from) was raised by the
+    tracking store's database layer (SQLAlchemy, MLflow's store): the innermost message, e.g.
+    "sqlite3.OperationalError: database or disk is full"; None for any other exception."""
+    chain, seen = [], set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    if not any(type(e).__module__.split(".")[0] in ("sqlalchemy", "mlflow") for e in chain):
+        return None
+    inner = chain[-1]
+    text = " ".join(str(inner).split())[:300]
+    return f"{type(inner).__module__}.{type(inner).__name__}: {text}"
 
 
 def git_commit(project_root: Path) -> tuple[str, bool | None]:

@@ -14,16 +14,23 @@ and feeds the next block's cache key.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 
+from featcal_core.errors import FeatCalError
 from featcal_core.io import failpoints
 from featcal_core.io.checkpoint import sha256_file
 from featcal_core.io.outputs import swap_in, temp_path
 from featcal_core.io.safetensors_io import Reader, save_tensors
+from featcal_core.io.write_errors import oserror
 from featcal_core.method.streams import HiddenStreams
 
 MANIFEST = "manifest.json"
@@ -32,12 +39,30 @@ BLOCK = "block.safetensors"
 STREAMS = "streams"
 
 
-def new_state_dir(parent: Path, name: str) -> Path:
-    """A fresh temporary directory beside the final `parent/name` (renamed by `commit_state`)."""
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(parent / name)
-    tmp.mkdir()
-    return tmp
+@contextmanager
+def new_state_dir(final: Path) -> Iterator[Path]:
+    """A fresh temporary directory beside the state `final` for the `with` body to fill and
+    commit (`commit_state`); removed when the body fails, so a failed write (a full disk) leaves
+    no half-written state behind. A full or read-only disk is one line naming `final`."""
+    tmp = temp_path(final)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as exc:
+        raise oserror(exc, final, "calibration state") from exc
+    try:
+        yield tmp
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        cause = exc if isinstance(exc, OSError) else exc.__cause__
+        if isinstance(exc, OSError | FeatCalError) and _full_disk(cause):
+            raise oserror(cause, final, "calibration state") from cause
+        raise
+
+
+def _full_disk(exc: BaseException | None) -> TypeGuard[OSError]:
+    """Whether `exc` is a write refused for want of space or by a read-only filesystem."""
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 def streams_of(directory: Path) -> HiddenStreams:

@@ -10,7 +10,8 @@ heads, runs as a Prefect subflow `featcal-variant` in `<results>/variants/<name>
 per-task modules, evaluated on the variant's merge), with its wall time and its own peak RSS.
 One evaluation then scores the experts, every merge and every repaired model, and the comparison
 (featcal_core.report.compare) goes to `reports/<run.name>-compare/`: variants × tasks, means,
-gap closed against the params file's own merge (`merged`), cost columns, accuracy against cost.
+gap closed against the params file's own merge (`merged`), cost columns, accuracy against cost;
+its compare.json names the results folder and lock digest compared on (`featcal lineage` traces it).
 MLflow: one parent run `<run.name>-compare`, one child run per variant with its metrics, params and
 overrides. Any variant is reproducible alone: `featcal run --set ...` (or `dvc exp run -S ...`)
 with the variant's overrides.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -242,7 +244,7 @@ def _compare(
             )
         log_datasets(evaluation_inputs(steps.params, str(steps.paths["root"])))
         rows = _rows(evaluation, variants, merges, costs, label_free)
-        summary = _report(params, rows, merges, evaluation, run)
+        summary = _report(params, rows, merges, evaluation, run, lock, steps.paths["root"])
         for row in rows:
             log_metrics(_variant_metrics(row), run_id=children[row["name"]])
         log_artifacts(list(summary["files"].values()), artifact_path="compare")
@@ -321,11 +323,24 @@ def curve_key(variant: Params) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _report(params: Params, rows: list[dict], merges: dict, evaluation: dict, run) -> dict:
+def _report(
+    params: Params,
+    rows: list[dict],
+    merges: dict,
+    evaluation: dict,
+    run,
+    lock: dict,
+    results: Path,
+) -> dict:
+    """Write reports/<run.name>-compare/; its compare.json names the results folder (relative to
+    the report folder) and the lock digest it compared on, which `featcal lineage` traces."""
     from featcal_core.report.compare import write_comparison
 
+    out = REPORTS_ROOT / compare_name(params)
     record = {
         "run": params.run.name,
+        "results_dir": os.path.relpath(Path(results).resolve(), out.resolve()),
+        "lock_digest": lock.get("lock_digest"),
         "merges": {
             key: {
                 "row": m["row"],
@@ -339,7 +354,6 @@ def _report(params: Params, rows: list[dict], merges: dict, evaluation: dict, ru
         "mlflow_run_id": run.info.run_id if run is not None else None,
         "prefect_flow_run_id": str(flow_run.get_id()),
     }
-    out = REPORTS_ROOT / compare_name(params)
     files = write_comparison(
         out, run_name=params.run.name, rows=rows, reference=REFERENCE, record=record
     )

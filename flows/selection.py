@@ -22,6 +22,7 @@ from featcal.flows.selection_record import (
     candidate_overrides,
     candidate_params,
     check_candidates,
+    ineligible,
     selection_key,
 )
 from featcal.flows.steps import Steps
@@ -52,6 +53,16 @@ def exhausted_tasks(steps: Steps) -> dict[str, int]:
         if record["n_rows"] >= record["rows_available"]:
             found[name] = record["rows_available"]
     return found
+
+
+def check_scorable(steps: Steps) -> None:
+    """FeatCalError before any candidate runs when no candidate can be scored: a generating
+    language model has no classification head to agree with (nor to take accuracy under)."""
+    from featcal.tasks.selection import SCORELESS
+    from featcal_core.evaluation.language_model import generation_kind
+
+    if generation_kind(steps.models()[0]) is not None:
+        raise FeatCalError(SCORELESS)
 
 
 def score_held_out(
@@ -101,7 +112,6 @@ def score_held_out(
 def select(steps: Steps, step_run) -> dict:
     """The select step for `steps` (its params' select:); writes and returns the record."""
     from featcal_core.evaluation.selection import choose
-    from featcal_core.repair.registry import get as get_repair
     from featcal_core.report.selection import held_out_text
 
     params = steps.params
@@ -113,11 +123,10 @@ def select(steps: Steps, step_run) -> dict:
             "winner": None,
             "why": "no select: section; the params file's own settings run",
         }
-        for key in ("selection_sets", "merges", "candidates"):  # the DVC stage's outputs
-            steps.paths[key].mkdir(parents=True, exist_ok=True)
         write_json(steps.paths["selection"], record)
         return record
     check_candidates(params)
+    check_scorable(steps)
     exhausted = exhausted_tasks(steps)
     if exhausted:  # before any candidate runs: the held-out draw would find no row
         task, total = next(iter(exhausted.items()))
@@ -144,18 +153,8 @@ def select(steps: Steps, step_run) -> dict:
     sets, scores = score_held_out(
         steps, candidates, merges, costs, settings.holdout_per_task, settings.score
     )
-    # a winner is one checkpoint unless the params opt in to per-task modules
-    ineligible = (
-        {}
-        if settings.allow_task_modules
-        else {
-            name: f"{c.repair_method} adds a module per task; select.allow_task_modules: true "
-            "lets it win"
-            for name, c in candidates.items()
-            if get_repair(c.repair_method).output == "task_modules"
-        }
-    )
-    choice = choose(scores, settings.score, ineligible)
+    barred = ineligible(params, candidates)  # a winner is one checkpoint, unless opted in
+    choice = choose(scores, settings.score, barred)
     # what the scores were computed on: a task with fewer rows left than requested holds them all
     held_out = {t: r["n_rows"] for t, r in sets.items()}
     why = choice["why"]
@@ -186,7 +185,7 @@ def select(steps: Steps, step_run) -> dict:
                     "hyperparameters": merges[merge_key(candidate.merge)]["hyperparameters"],
                 },
                 "repair": candidate.repair_method,
-                "eligible": name not in ineligible,
+                "eligible": name not in barred,
                 "mean": choice["means"][name],
                 "tasks": scores[name],
                 "merge_seconds": merges[merge_key(candidate.merge)]["seconds"],

@@ -48,14 +48,47 @@ def candidate_params(params: Params, name: str, overrides: list[str]) -> Params:
     return bare.with_overrides([*overrides, f"run.results_dir={results}"])
 
 
-def check_candidates(params: Params) -> None:
-    """Every candidate's overrides applied and validated (before any work)."""
+def ineligible(params: Params, candidates: dict[str, Params]) -> dict[str, str]:
+    """{candidate: why it may not win}: a repair that adds a module per task, unless
+    select.allow_task_modules (a winner is one checkpoint)."""
+    from featcal_core.repair.registry import get as get_repair
 
-    for candidate in params.select.candidates if params.select is not None else ():
+    if params.select is None or params.select.allow_task_modules:
+        return {}
+    return {
+        name: f"{c.repair_method} adds a module per task; select.allow_task_modules: true "
+        "lets it win"
+        for name, c in candidates.items()
+        if get_repair(c.repair_method).output == "task_modules"
+    }
+
+
+def check_candidates(params: Params) -> None:
+    """Every candidate's overrides applied and validated, and one candidate at least that may
+    win (before any work)."""
+    from featcal_core.repair.registry import available
+    from featcal_core.repair.registry import get as get_repair
+
+    if params.select is None:
+        return
+    candidates = {}
+    for candidate in params.select.candidates:
         try:
-            candidate_params(params, candidate.name, candidate_overrides(params, candidate)[0])
+            candidates[candidate.name] = candidate_params(
+                params, candidate.name, candidate_overrides(params, candidate)[0]
+            )
         except FeatCalError as exc:
             raise FeatCalError(f"select.candidates {candidate.name!r}: {exc}") from None
+    barred = ineligible(params, candidates)
+    if len(barred) == len(candidates):
+        single = [n for n in available() if get_repair(n).output != "task_modules"]
+        repairs = sorted({candidates[n].repair_method for n in barred})
+        raise FeatCalError(
+            f"select.candidates: none may win (each repairs with {' or '.join(repairs)}, which "
+            "adds a module per task, and a winner is one checkpoint); add a candidate whose "
+            f"repair.method is {', '.join(single[:-1])} or {single[-1]}, or set "
+            "select.allow_task_modules: true"
+        )
 
 
 def chosen(params: Params, record: dict | None) -> Params | None:

@@ -28,6 +28,12 @@ from featcal_core.report.selection import held_out_text
 
 log = logging.getLogger(__name__)
 
+#: why no candidate of a generating language model can be scored
+SCORELESS = (
+    "select: causal language models have no classification head to agree with (they are "
+    "evaluated by label continuation); remove select: and choose the settings by hand"
+)
+
 
 @task(name="selection-sets")
 def build_selection_sets(
@@ -74,10 +80,7 @@ def score_candidates(
     from featcal_core.repair.surgery_module import SurgeryHead, load_surgery
 
     if generation_kind(base) is not None:
-        raise FeatCalError(
-            "select: causal language models have no classification head to agree with (they are "
-            "evaluated by label continuation); remove select: and choose the settings by hand"
-        )
+        raise FeatCalError(SCORELESS)
     root = Path(results_dir)
     device, batch = params.featcal.device, params.evaluation.batch_size
     chosen = forward_precision(params, base)  # evaluation.precision, else featcal.precision

@@ -136,6 +136,11 @@ def test_compare_shares_steps_and_reports_every_variant(tmp_path, prefect_api):
         )
     assert record["label_free"]["agreement"]["choice"] in rows
     assert "Spearman ρ" in (report / "compare.md").read_text()
+    # `featcal lineage` verifies the comparison: traced through the results folder it names
+    from featcal_core.provenance.lineage import check
+
+    traced = check(report)
+    assert traced["kind"] == "results" and traced["chain"]["results_dir"] == str(results.resolve())
 
     _check_prefect(prefect_api, record)
     _check_mlflow(uri, record)

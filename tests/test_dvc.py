@@ -146,6 +146,12 @@ def test_dvc_repro_then_nothing_then_push_pull(tmp_path, prefect_api, monkeypatc
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     _sh(["dvc", "pull"], clone, env)
     assert (clone / results_dir / "merged" / "model.safetensors").read_bytes() == merged
+    # up to date as pulled: every output is in git or the DVC cache (the scratch the select and
+    # calibrate stages keep between runs is no output), so only the always-run code stage runs
+    status = _json_out(_sh(["dvc", "status", "--json"], clone, env, stdout_only=True))
+    assert set(status) <= {"code"}, status
+    dry = _sh(["dvc", "repro", "--dry"], clone, env)
+    assert _ran(dry) == ["code"], dry[-3000:]
     forced = _sh(["dvc", "repro", "-f", "-s", "evaluate"], clone, env)  # a stage writes there
     assert _ran(forced) == ["evaluate"], forced[-3000:]
     _sh(["featcal", "run", "--params", "params.yaml"], clone, env)  # and so does every step

@@ -26,7 +26,10 @@ collected as problems (one per file); `check` turns the first into a one-line Fe
 
 A report directory (featcal_core.report: reports/<run name>/, beside the results) is traced
 through the results directory whose models.lock.json has the lock digest its report.md names (or
-the results_dir of a provenance.json there; or the results directory it sits in).
+the results_dir of a provenance.json there; or the results directory it sits in). A comparison
+folder (`featcal compare`: reports/<run name>-compare/) is traced through the results_dir its
+compare.json names, whose lock must have the lock_digest recorded beside it (else the results
+directory found by that digest).
 
 A recorded absolute path that no longer exists (a moved results directory) is looked up at its
 place in the results layout (merged/, calibration_sets/<task>/); relative local paths of the lock
@@ -86,6 +89,9 @@ PROVENANCE_NAME = PROVENANCE
 #: a report directory's markdown (featcal_core.report), and the lock digest line it holds
 REPORT_NAME = "report.md"
 _REPORT_LOCK = re.compile(r"lock digest: ([0-9a-f]{64})\b")
+#: a comparison folder's record (featcal_core.report.compare): results_dir and lock_digest
+COMPARE_NAME = "compare.json"
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 #: provenance fields and the keys they may be written under in provenance.json
 PROVENANCE_FIELDS: dict[str, tuple[str, ...]] = {
@@ -380,6 +386,10 @@ def _classify(start: Path, tracer: _Tracer) -> tuple[Path, str]:
                     return target, "merged"
                 if _is_results_root(target):
                     return target, "results"
+    if (start / COMPARE_NAME).is_file():  # a comparison: compare.json names its results
+        found = _results_of_comparison(start / COMPARE_NAME, tracer)
+        if found is not None:
+            return found, "results"
     for parent in list(start.parents)[:3]:
         if _is_results_root(parent):
             return parent, "results"
@@ -387,6 +397,9 @@ def _classify(start: Path, tracer: _Tracer) -> tuple[Path, str]:
         found = _results_of_report(start / REPORT_NAME, tracer)
         if found is not None:
             return found, "results"
+    wrong = verify_output(start) if read_marker(start) is not None else None
+    if wrong is not None:  # a report folder whose pointer was edited away
+        raise FeatCalError(f"{wrong}; {_RECORD_RERUN}")
     raise FeatCalError(
         f"{start} holds no {FEATCAL_RECORD}, {MERGE_RECORD} or {LOCK_NAME} and is not inside a "
         "results directory; pass a checkpoint directory, a results directory or a report "
@@ -404,7 +417,47 @@ def _results_of_report(report: Path, tracer: _Tracer) -> Path | None:
         return None
     if match is None:
         return None
-    digest = match.group(1)
+    return _results_with_lock(match.group(1), report, tracer)
+
+
+def _results_of_comparison(record: Path, tracer: _Tracer) -> Path | None:
+    """The results directory a comparison (`featcal compare`'s compare.json) was made on: its
+    `results_dir` (relative to the report folder), else the one whose lock has its
+    `lock_digest`. A results_dir whose lock has another digest is a problem: its models changed
+    since the comparison."""
+    data = tracer.read_json(record, "comparison record") or {}
+    digest = data.get("lock_digest")
+    digest = digest if isinstance(digest, str) and _DIGEST.fullmatch(digest) else None
+    value = data.get("results_dir")
+    if isinstance(value, str) and value:
+        target = (record.parent / Path(value).expanduser()).resolve()
+        if _is_results_root(target):
+            found = _lock_digest_of(target / LOCK_NAME)
+            if digest is not None and found != digest:
+                tracer.problem(
+                    record,
+                    "inconsistent",
+                    f"{record} compared models of lock digest {_short(digest)}, but "
+                    f"{target / LOCK_NAME} now has {_short(found or 'none')}: the results were "
+                    "rerun since; run `featcal compare` again",
+                    record,
+                )
+            tracer.notes.append(f"{record} names results dir {target}")
+            return target
+    return _results_with_lock(digest, record, tracer) if digest is not None else None
+
+
+def _lock_digest_of(lock: Path) -> str | None:
+    try:
+        found = json.loads(lock.read_text(encoding="utf-8")).get("lock_digest")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return found if isinstance(found, str) else None
+
+
+def _results_with_lock(digest: str, report: Path, tracer: _Tracer) -> Path | None:
+    """The results directory whose models.lock.json has lock digest `digest`, looked for up to
+    two folders below the parent of `report`'s folder and the folder above that."""
     seen: set[Path] = set()
     for folder in list(report.parent.parents)[:2]:
         for pattern in (LOCK_NAME, f"*/{LOCK_NAME}", f"*/*/{LOCK_NAME}"):
@@ -412,11 +465,7 @@ def _results_of_report(report: Path, tracer: _Tracer) -> Path | None:
                 if lock in seen:
                     continue
                 seen.add(lock)
-                try:
-                    found = json.loads(lock.read_text(encoding="utf-8")).get("lock_digest")
-                except (OSError, UnicodeDecodeError, ValueError, AttributeError):
-                    continue
-                if found == digest:
+                if _lock_digest_of(lock) == digest:
                     tracer.notes.append(
                         f"{report} names lock digest {_short(digest)}: results dir {lock.parent}"
                     )

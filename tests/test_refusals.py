@@ -370,6 +370,20 @@ def test_a_users_file_listed_by_an_edited_marker_is_never_deleted(tmp_path):
         with guarded_directory(out, overwrite=True):
             pass
     (out / "README.md").write_text("card\n")
+    # the user's file listed with its true sha256: the new output does not write it, so the
+    # replacement is refused once the work is done, the file kept
+    notes.write_text("the user's notes\n")
+    marker = json.loads((out / MARKER).read_text())
+    marker["files"]["my_notes.txt"] = hashlib.sha256(notes.read_bytes()).hexdigest()
+    (out / MARKER).write_text(json.dumps(marker))
+    with pytest.raises(FeatCalError, match=r"holds my_notes\.txt, which the new output does not"):
+        with guarded_directory(out, overwrite=True, inputs=[tmp_path / "base"]) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"weights")
+            (tmp / "README.md").write_text("card\n")
+    assert notes.read_text() == "the user's notes\n" and weights.read_bytes() == b"damaged"
+    assert not [p for p in tmp_path.iterdir() if "featcal-tmp" in p.name]
+    notes.unlink()
     with guarded_directory(out, overwrite=True) as tmp:  # damaged weights alone: replaced
         (tmp / "model.safetensors").write_bytes(b"weights")
+        (tmp / "README.md").write_text("card\n")
     assert weights.read_bytes() == b"weights"

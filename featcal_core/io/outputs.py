@@ -233,6 +233,40 @@ def check_replaceable(out: Path, flag: str = "--out") -> None:
 HEALED_SUFFIXES = (".safetensors", ".json", ".arrow")
 
 
+#: the files of a model folder featcal writes besides weights and records (tokenizer files, chat
+#: template, model card): a replacement may drop them (another base has others)
+MODEL_FILES = (
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "spm.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "README.md",
+)
+
+
+def _check_dropped(out: Path, new: Path, flag: str) -> None:
+    """Refuse to replace the model folder `out` by `new` when `out` holds a file `new` does not,
+    other than the kinds a rerun heals (`HEALED_SUFFIXES`) and featcal's model files
+    (`MODEL_FILES`): a marker can be edited to list any file with its digest, so a user's own
+    file is never deleted by the swap, whatever the marker says."""
+    if not out.is_dir() or out.is_symlink():
+        return
+    for path in sorted(out.rglob("*")):
+        if path.name in (MARKER, *MODEL_FILES) or path.suffix in HEALED_SUFFIXES:
+            continue
+        if not path.is_file():
+            continue
+        relative = path.relative_to(out)
+        if not os.path.lexists(new / relative):
+            raise FeatCalError(
+                f"{flag} {out} holds {relative}, which the new output does not write; move that "
+                f"file away or choose another {flag} (nothing was replaced)"
+            )
+
+
 def _changed_small_files(out: Path) -> list[Path]:
     """Files a marker lists but whose bytes are no longer those recorded, other than the kinds
     a rerun heals (`HEALED_SUFFIXES`): a user's file listed by an edited marker, or a file the
@@ -378,7 +412,7 @@ def guarded_directory(
     and must hold only this tool's files. On any error the temporary folder is removed and an
     existing `out` is left as it was.
     """
-    out = Path(out)
+    out, inputs = Path(out), list(inputs)
     check_output(out, overwrite=overwrite, inputs=inputs, root=root, flag=flag)
     check_within_owner(out, flag)
     sweep(out)
@@ -391,6 +425,8 @@ def guarded_directory(
     try:
         yield tmp
         mark_directory(tmp)
+        if any(item is not None for item in inputs):  # a model made from inputs
+            _check_dropped(out, tmp, flag)
         failpoints.hit("commit", out.name)
         swap_in(tmp, out)
     except OSError as exc:

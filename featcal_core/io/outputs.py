@@ -52,6 +52,7 @@ from featcal_core.io.markers import verify_file as verify_file
 from featcal_core.io.markers import verify_output as verify_output
 from featcal_core.io.restored import restored_files
 from featcal_core.io.run_lock import LOCK_NAME
+from featcal_core.io.vocabulary import VOCAB_FILES
 from featcal_core.io.write_errors import oserror
 
 log = logging.getLogger(__name__)
@@ -235,16 +236,7 @@ HEALED_SUFFIXES = (".safetensors", ".json", ".arrow")
 
 #: the files of a model folder featcal writes besides weights and records (tokenizer files, chat
 #: template, model card): a replacement may drop them (another base has others)
-MODEL_FILES = (
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "spm.model",
-    "sentencepiece.bpe.model",
-    "chat_template.jinja",
-    "README.md",
-)
+MODEL_FILES = (*VOCAB_FILES, "chat_template.jinja", "README.md")
 
 
 def _check_dropped(out: Path, new: Path, flag: str) -> None:

@@ -85,6 +85,7 @@ def _select(params, monkeypatch):
 
     monkeypatch.setattr(selection, "run_merges", merges)
     monkeypatch.setattr(selection, "shared_steps", lambda *args: None)
+    monkeypatch.setattr(selection, "check_scorable", lambda steps: None)  # no locked models here
     monkeypatch.setattr(selection, "repair", lambda steps: {"repair_seconds": 0.0})
     monkeypatch.setattr(selection, "score_held_out", scores)
     record = selection.select(steps, lambda *args, **kwargs: contextlib.nullcontext())

@@ -312,7 +312,7 @@ def test_a_stored_row_of_the_wrong_types_is_evaluated_again(tmp_path, monkeypatc
     with sqlite3.connect(store) as connection:  # the row replaced, its digest matching
         connection.execute(
             "UPDATE evaluation_rows SET result = ?, sha256 = ? WHERE key = ?",
-            (text, result_cache._sha256(text), key),
+            (text, result_cache._sha256(key, text), key),
         )
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger=result_cache.__name__):

